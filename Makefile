@@ -1,0 +1,33 @@
+# The README's two commands. Each does its own set-up on a fresh Debian/Ubuntu machine with Python 3.11+.
+#   make run    -> the main job on the embedded default (no Slurm, no GPU, a private real redis-server)
+#   make test   -> the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+CONFIG ?= configs/quickstart.yaml
+ARGS   ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test setup bench clean-venv
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip wheel setuptools
+	# The CPU build of torch first: a plain `torch` would pull a multi-GB CUDA build.
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(VENV)/bin/dynaresize run $(CONFIG) $(ARGS)
+
+test: setup
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) tools/bench_control_plane.py --ranks 1024
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,72 @@
+"""The root of an experiment config: one typed model composed of each component's own section.
+
+Each component keeps its section next to itself (``dynaresize/<component>/config.py``); this file only composes
+them and holds the few sections that belong to the job as a whole (``run``, ``cluster``, ``pipeline``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from dynaresize.config.base import Section
+from dynaresize.control.config import RedisConfig
+from dynaresize.policy.config import PolicyConfig
+from dynaresize.sim.config import SimConfig
+from dynaresize.slurm.config import SlurmConfig
+from dynaresize.tasks.config import TaskConfig
+from dynaresize.worker.config import ModelConfig, RolloutConfig, StagingConfig, TrainConfig
+
+
+class RunConfig(Section):
+    name: str = Field("run", min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Run name; the run directory is <output_dir>/<name>-<timestamp>")
+    output_dir: str = Field("runs", description="Parent directory of run directories (shared storage on a cluster)")
+    seed: int = Field(0, ge=0, description="Seed of everything random; each sample is seeded by (seed, step, prompt, index)")
+    steps: int = Field(20, ge=1, description="RL steps (training updates) to run")
+    checkpoint_every: int = Field(5, ge=0, description="Steps between checkpoints (0: only at the end and on signals)")
+    progress: bool = Field(True, description="Show a progress bar on the terminal")
+
+
+class ClusterConfig(Section):
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind of worker ranks: cpu (one slot per rank) or cuda (one GPU per rank)")
+    gpus: int = Field(4, ge=2, description="Worker ranks (GPUs, or CPU device slots); at least one per role")
+    gpus_per_node: int = Field(4, ge=1, description="Ranks per node; a node is the resize unit when granularity=node")
+    granularity: Literal["gpu", "node"] = Field("gpu", description="Smallest number of GPUs moved between roles: one GPU or one node")
+    initial_train: int = Field(2, ge=1, description="Trainer ranks at start; the rest start as rollout ranks")
+
+    @model_validator(mode="after")
+    def _split_is_valid(self) -> "ClusterConfig":
+        if self.initial_train >= self.gpus:
+            raise ValueError(
+                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}"
+            )
+        if self.granularity == "node":
+            if self.gpus % self.gpus_per_node:
+                raise ValueError(f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})")
+            if self.initial_train % self.gpus_per_node:
+                raise ValueError(
+                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})"
+                )
+        return self
+
+
+class PipelineConfig(Section):
+    staleness_bound: int = Field(1, ge=0, description="Batch k is trained only on samples from policy versions >= k - bound (0: synchronous)")
+
+
+class Config(Section):
+    """A whole experiment. Top-level keys are sections; ``extends`` (a path) is resolved by the loader."""
+
+    run: RunConfig = Field(default_factory=RunConfig, description="Run identity, length and output")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig, description="Ranks, devices and split granularity")
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig, description="One-step-off pipeline settings")
+    policy: PolicyConfig = Field(default_factory=PolicyConfig, description="Resizing policy and its hysteresis")
+    redis: RedisConfig = Field(default_factory=RedisConfig, description="Redis server and control plane")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training engine and RL loss")
+    staging: StagingConfig = Field(default_factory=StagingConfig, description="Bounded state staging to node-local disk")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
+    sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")

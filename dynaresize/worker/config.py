@@ -1,0 +1,70 @@
+"""Config of what runs inside a worker rank (sections ``model``, ``rollout``, ``train``, ``staging``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from dynaresize.config.base import Section
+
+
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, ge=8, description="Hidden size of the locally built Qwen2-style model")
+    num_layers: int = Field(2, ge=1, description="Transformer layers of the tiny model")
+    num_heads: int = Field(2, ge=1, description="Attention heads (head_dim = hidden/heads; vLLM wants a multiple of 8, >= 32)")
+    intermediate_size: int = Field(512, ge=8, description="MLP intermediate size of the tiny model")
+    max_positions: int = Field(512, ge=16, description="max_position_embeddings of the tiny model")
+    warmstart_steps: int = Field(300, ge=0, description="Supervised warm-start steps before RL (cached by config hash)")
+    warmstart_lr: float = Field(3e-3, gt=0, description="Learning rate of the supervised warm-start")
+    warmstart_batch: int = Field(64, ge=1, description="Batch size of the supervised warm-start")
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="HF model directory to load; unset builds the tiny model locally (no hub access)")
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the locally built model")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the trainer and rollout engines")
+    cache_dir: str | None = Field(None, description="Where built models are cached (default: ~/.cache/dynaresize/models)")
+
+
+class VllmConfig(Section):
+    gpu_memory_utilization: float = Field(0.45, gt=0, le=1, description="vLLM gpu_memory_utilization (leave room for the trainer)")
+    enforce_eager: bool = Field(True, description="Skip CUDA graphs and compilation (faster start, cheaper sleep)")
+    sleep_level: Literal[1, 2] = Field(1, description="vLLM sleep level when a rank leaves the rollout role")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len (<= the model's max_position_embeddings)")
+
+
+class RolloutConfig(Section):
+    engine: Literal["torch", "vllm"] = Field("torch", description="Rollout engine: torch/transformers (CPU or GPU) or vLLM (GPU only)")
+    prompts_per_step: int = Field(8, ge=1, description="B: prompts per RL step")
+    group_size: int = Field(8, ge=1, description="G: responses per prompt (the GRPO group)")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 disables it)")
+    max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
+    pull_batch: int = Field(8, ge=1, description="Sequences a rollout rank pulls from the work queue at a time")
+    vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
+
+
+class TrainConfig(Section):
+    engine: Literal["deepspeed"] = Field("deepspeed", description="Training engine")
+    zero_stage: Literal[0, 1, 2] = Field(1, description="DeepSpeed ZeRO stage (1 or 2 support resharding across trainer counts)")
+    lr: float = Field(1e-4, gt=0, description="Learning rate of the RL update")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0 disables)")
+    clip_eps: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip epsilon")
+    kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the reference policy (0 disables it)")
+    loss_norm: Literal["token", "sequence"] = Field(
+        "token", description="Normalise the loss over all tokens of the batch (token) or per sequence, then mean (sequence)"
+    )
+
+
+class StagingConfig(Section):
+    dir: str | None = Field(
+        None, description="Node-local staging directory (NVMe on clusters); default: $SLURM_TMPDIR or the temp dir, per job"
+    )
+    buffer_mb: int = Field(64, ge=1, description="Size of the bounded host buffer that staged state passes through (MiB)")
+    chunk_mb: int = Field(8, ge=1, description="Chunk size of staged files (MiB); one checksum per chunk")
+    writer_threads: int = Field(1, ge=1, description="Asynchronous writer threads")
+    deferred_optimizer: bool = Field(
+        True, description="Restore optimizer state lazily at the first optimizer step on a new topology"
+    )

@@ -1,0 +1,8 @@
+"""Shared fixtures. Markers (unit, contract, integration, slurm, gpu) are declared in pyproject.toml."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
