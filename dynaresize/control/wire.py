@@ -1,0 +1,137 @@
+"""Wire format of the control plane: small frozen pydantic models, JSON only, never pickle.
+
+Every message is one JSON object stored in field ``m`` of a Redis stream entry (or hash). Decoding is strict:
+unknown keys, unknown command kinds, a newer wire version, wrong types and messages larger than
+``redis.max_message_bytes`` raise :class:`WireError` with a one-line reason. A rank logs the reason and skips the
+message; it never crashes on bad input.
+
+Message kinds:
+
+- :class:`Command` coordinator -> ranks (stream ``dr:<job>:cmd:<rank>``)
+- :class:`Ack` rank -> coordinator (stream ``dr:<job>:ack:<command_id>``)
+- :class:`Registration` rank -> registry (hash ``dr:<job>:rank:<rank>``)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import uuid
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dynaresize.events import Role
+
+WIRE_VERSION = 1
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted; ``reason`` says why in one line."""
+
+    def __init__(self, reason: str, raw_size: int | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.raw_size = raw_size
+
+
+class CommandKind(str, enum.Enum):
+    """What a command asks a rank to do. Extensible: add members here (older ranks reject unknown kinds)."""
+
+    PING = "ping"
+    GENERATE = "generate"
+    TRAIN = "train"
+    SYNC_WEIGHTS = "sync_weights"
+    SWITCH_ROLE = "switch_role"
+    STAGE_STATE = "stage_state"
+    CHECKPOINT = "checkpoint"
+    SHUTDOWN = "shutdown"
+
+
+class RankState(str, enum.Enum):
+    """What a rank is doing, as it reports in its registration."""
+
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    SWITCHING = "switching"
+    STOPPING = "stopping"
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    v: int = Field(WIRE_VERSION, ge=1, le=WIRE_VERSION, description="wire version; a newer one is rejected")
+
+
+class Command(_Wire):
+    job_id: str = Field(description="job the command belongs to (a rank rejects another job's command)")
+    epoch: int = Field(ge=1, description="coordinator epoch (fencing): a rank rejects epochs below the job's current one")
+    command_id: str = Field(min_length=1, max_length=64, description="unique id; a retried command keeps its id and applies once")
+    kind: CommandKind = Field(description="what to do")
+    ranks: str = Field(description="rank-set string of all targets, e.g. '0-3,6' (informational for the receiver)")
+    payload: dict[str, Any] = Field(default_factory=dict, description="kind-specific arguments (JSON values only)")
+    issued_at: float = Field(default_factory=time.time, description="coordinator wall time (Unix s) when first sent")
+
+
+class Ack(_Wire):
+    job_id: str = Field(description="job of the command")
+    epoch: int = Field(ge=1, description="epoch of the command acknowledged")
+    command_id: str = Field(min_length=1, max_length=64, description="id of the command acknowledged")
+    rank: int = Field(ge=0, description="rank answering")
+    incarnation: int = Field(ge=0, description="incarnation of the answering rank process")
+    ok: bool = Field(description="true: applied; false: rejected or failed, see error")
+    result: dict[str, Any] | None = Field(None, description="what the handler returned (when ok)")
+    error: str | None = Field(None, description="why it was rejected or failed (when not ok)")
+    replayed: bool = Field(False, description="true when this is the stored ack of an already applied command (a retry)")
+    acked_at: float = Field(default_factory=time.time, description="rank wall time (Unix s)")
+
+
+class Registration(_Wire):
+    job_id: str = Field(description="job the rank belongs to")
+    rank: int = Field(ge=0, description="global rank")
+    host: str = Field(description="host name")
+    device: str = Field(description="device of the rank, e.g. 'cuda:0' or 'cpu'")
+    staging_dir: str = Field(description="node-local staging directory (NVMe) of this rank")
+    role: Role = Field(Role.IDLE, description="current role")
+    state: RankState = Field(RankState.STARTING, description="current state")
+    pid: int = Field(ge=0, description="process id on its host")
+    incarnation: int = Field(0, ge=0, description="set by the registry: bumped on every (re-)register of this rank")
+    slurm_job_id: str | None = Field(None, description="SLURM_JOB_ID")
+    het_group: int | None = Field(None, description="SLURM_HET_JOB_ID component (heterogeneous job group)")
+    node: str | None = Field(None, description="SLURMD_NODENAME")
+    local_id: int | None = Field(None, description="SLURM_LOCALID (rank on its node)")
+    gpu: str | None = Field(None, description="CUDA_VISIBLE_DEVICES / SLURM_STEP_GPUS seen by the rank")
+
+
+def new_command_id() -> str:
+    return uuid.uuid4().hex
+
+
+def encode(msg: BaseModel, max_bytes: int) -> bytes:
+    """JSON bytes of a message; raises :class:`WireError` when larger than ``max_bytes`` (never sent)."""
+    raw = msg.model_dump_json().encode()
+    if len(raw) > max_bytes:
+        raise WireError(f"{type(msg).__name__} is {len(raw)} bytes, over max_message_bytes={max_bytes}", len(raw))
+    return raw
+
+
+def decode(model: type[M], raw: bytes | str | None, max_bytes: int) -> M:
+    """Parse and validate one message; raises :class:`WireError` with a one-line reason, never anything else."""
+    if raw is None:
+        raise WireError(f"{model.__name__}: missing message field 'm'")
+    size = len(raw)
+    if size > max_bytes:
+        raise WireError(f"{model.__name__}: {size} bytes, over max_message_bytes={max_bytes}", size)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        errs = e.errors(include_url=False)
+        first = errs[0] if errs else {"loc": (), "msg": str(e)}
+        loc = ".".join(str(p) for p in first.get("loc", ())) or "<message>"
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        raise WireError(f"{model.__name__}: {loc}: {first.get('msg')}{more}", size) from None
+    except Exception as e:  # noqa: BLE001 - decoding must never raise anything but WireError
+        raise WireError(f"{model.__name__}: undecodable ({e.__class__.__name__})", size) from None
