@@ -1,0 +1,380 @@
+"""Commands and acks: durable, ordered, fenced, applied at most once.
+
+Coordinator side, :class:`CommandBus`:
+
+- On creation it takes a new **epoch**: ``INCR dr:<job>:epoch``. A later coordinator incarnation does the same, which
+  fences the older one out twice over: its :meth:`CommandBus.send` fails with :class:`FencedError` (the send script
+  checks the epoch key before writing), and ranks reject any of its commands still in flight (stale epoch).
+- :meth:`CommandBus.send` runs one Lua script: check the epoch, ``XADD dr:<job>:cmd:<r> MAXLEN ~ N * m <json>`` for
+  every target rank, then ``PUBLISH dr:<job>:wake <rank-set>``. One round trip for any number of ranks.
+- :meth:`CommandBus.await_acks` reads ``dr:<job>:ack:<command_id>`` with ``XREAD BLOCK`` (each block shorter than
+  the socket timeout) until every wanted rank answered or the timeout passed, and returns the acks by rank and the
+  ranks that did not answer.
+
+Rank side, :class:`CommandReceiver`:
+
+- Reads its own stream from its own **cursor** (``dr:<job>:cursor:<r>``: the id of the last entry it finished),
+  so a rank that was disconnected, or restarted, gets every command it missed, in order.
+- Pub/sub is only the wake-up (a message published while the rank reconnects is lost, the stream entry is not):
+  a rank waits on ``dr:<job>:wake`` for at most ``block_ms`` and then reads the stream anyway; if its pub/sub
+  connection is broken it falls back to ``XREAD BLOCK block_ms``.
+- For each entry: decode (bad message -> logged ``control`` event, skipped, error ack when its id is readable);
+  reject a stale epoch (below the job's epoch key or the highest epoch this rank saw) with an error ack;
+  claim the command (``HSETNX dr:<job>:applied:<r> <id> started``): an id already there is **not** applied again,
+  its stored ack is re-sent (``replayed=true``); then run the handler and commit, in one MULTI, the stored ack,
+  the cursor and ``XADD dr:<job>:ack:<id>``. A crash between claim and commit leaves ``started``: after a restart
+  that command answers an error ("interrupted") instead of running twice (at most once).
+
+Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
+harmless: a duplicate command entry is skipped by its id, a duplicate ack is de-duplicated by rank, and
+SET/HSET/INCR of the epoch are idempotent or only skip a number.
+
+Trimming: each command stream keeps about ``stream_maxlen`` entries; a rank more than that far behind loses the
+oldest commands (the coordinator sees no ack from it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any, Callable, Iterable, NamedTuple
+
+import redis
+
+from dynaresize.control.config import RedisConfig
+from dynaresize.control.keys import Keys
+from dynaresize.control.wire import Ack, Command, CommandKind, WireError, decode, encode, new_command_id
+from dynaresize.events import EventLog, format_ranks
+
+log = logging.getLogger("dynaresize.control.commands")
+
+Handler = Callable[[Command], "dict[str, Any] | None"]
+STARTED = b"started"
+
+_SEND = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if cur ~= tonumber(ARGV[1]) then return -cur end
+for i = 2, #KEYS do
+  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
+end
+redis.call('PUBLISH', ARGV[4], ARGV[5])
+return #KEYS - 1
+"""
+
+_CLAIM = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 'started') == 1 then return false end
+return redis.call('HGET', KEYS[1], ARGV[1])
+"""
+
+
+class FencedError(RuntimeError):
+    """This coordinator's epoch is no longer the job's epoch: a newer coordinator took over."""
+
+
+class AckResult(NamedTuple):
+    acks: dict[int, Ack]  # rank -> its ack
+    missing: list[int]  # wanted ranks that did not answer in time, sorted
+
+
+def _emit(events: EventLog | None, what: str, reason: str, **data: Any) -> None:
+    if events is not None:
+        try:
+            events.emit("control", what=what, reason=reason, **{k: v for k, v in data.items() if v is not None})
+        except Exception as e:  # noqa: BLE001 - logging must never take a rank down
+            log.warning("cannot write control event: %s", e)
+
+
+class CommandBus:
+    """Coordinator side: send commands to ranks, await their acks."""
+
+    def __init__(self, client: redis.Redis, job_id: str, cfg: RedisConfig, events: EventLog | None = None,
+                 epoch: int | None = None):
+        self.r = client
+        self.job_id = job_id
+        self.keys = Keys(job_id)
+        self.cfg = cfg
+        self.events = events
+        self._send = client.register_script(_SEND)
+        self.epoch = int(epoch if epoch is not None else client.incr(self.keys.epoch))
+
+    def current_epoch(self) -> int:
+        return int(self.r.get(self.keys.epoch) or 0)
+
+    def command(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
+                command_id: str | None = None) -> Command:
+        return Command(job_id=self.job_id, epoch=self.epoch, command_id=command_id or new_command_id(),
+                       kind=CommandKind(kind), ranks=format_ranks(ranks), payload=payload or {})
+
+    def send(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
+             command_id: str | None = None) -> Command:
+        """Append a new command to every target's stream and wake them; returns it (keep it to resend)."""
+        ranks = sorted(set(int(r) for r in ranks))
+        cmd = self.command(kind, ranks, payload, command_id)
+        self.resend(cmd, ranks)
+        return cmd
+
+    def resend(self, cmd: Command, ranks: Iterable[int] | None = None) -> None:
+        """Send ``cmd`` again (same id): ranks that already applied it answer their stored ack."""
+        targets = sorted(set(int(r) for r in ranks)) if ranks is not None else _expand(cmd.ranks)
+        if not targets:
+            return
+        raw = encode(cmd, self.cfg.max_message_bytes)
+        keys = [self.keys.epoch] + [self.keys.cmd(r) for r in targets]
+        n = int(self._send(keys=keys, args=[cmd.epoch, self.cfg.stream_maxlen, raw, self.keys.wake, format_ranks(targets)]))
+        if n <= 0:
+            _emit(self.events, "fenced", f"epoch {cmd.epoch} superseded by {-n}", command_id=cmd.command_id, epoch=cmd.epoch)
+            raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}")
+
+    def await_acks(self, command_id: str, ranks: Iterable[int], timeout: float) -> AckResult:
+        """Collect acks of ``command_id`` from ``ranks`` until all answered or ``timeout`` seconds passed."""
+        want = set(int(r) for r in ranks)
+        acks: dict[int, Ack] = {}
+        key = self.keys.ack(command_id)
+        last = b"0-0"
+        deadline = time.monotonic() + timeout
+        while len(acks) < len(want):
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                break
+            resp = self.r.xread({key: last}, count=4096, block=max(1, min(self.cfg.block_ms, remaining_ms)))
+            for _stream, entries in resp or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    try:
+                        ack = decode(Ack, fields.get(b"m"), self.cfg.max_message_bytes)
+                    except WireError as e:
+                        log.warning("job %s: bad ack on %s skipped: %s", self.job_id, key, e.reason)
+                        _emit(self.events, "bad_ack", e.reason, command_id=command_id)
+                        continue
+                    if ack.job_id != self.job_id or ack.command_id != command_id:
+                        continue
+                    if ack.rank in want and ack.rank not in acks:
+                        acks[ack.rank] = ack
+        return AckResult(acks, sorted(want - acks.keys()))
+
+    def request(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
+                timeout: float = 30.0) -> tuple[Command, AckResult]:
+        """send + await_acks."""
+        ranks = list(ranks)
+        cmd = self.send(kind, ranks, payload)
+        return cmd, self.await_acks(cmd.command_id, ranks, timeout)
+
+
+def _expand(rank_set: str) -> list[int]:
+    from dynaresize.events import parse_ranks
+
+    return parse_ranks(rank_set)
+
+
+def _rank_in(rank_set: str, rank: int) -> bool:
+    """Membership in a rank-set string without expanding it; a malformed one counts as 'maybe' (True)."""
+    try:
+        for part in rank_set.split(","):
+            a, sep, b = part.partition("-")
+            if (int(a) <= rank <= int(b)) if sep else int(a) == rank:
+                return True
+        return False
+    except ValueError:
+        return True
+
+
+class CommandReceiver:
+    """Rank side: apply this rank's commands in order, each at most once, and ack them.
+
+    ``incarnation`` is an int or a callable returning the rank's current incarnation (it changes on re-register).
+    Call :meth:`process` in the rank's loop, or :meth:`run` on a thread.
+    """
+
+    def __init__(self, client: redis.Redis, job_id: str, rank: int, cfg: RedisConfig,
+                 incarnation: int | Callable[[], int] = 0, events: EventLog | None = None, wake: bool = True):
+        self.r = client
+        self.job_id = job_id
+        self.rank = int(rank)
+        self.keys = Keys(job_id)
+        self.cfg = cfg
+        self.events = events
+        self._incarnation = incarnation
+        self._claim = client.register_script(_CLAIM)
+        self.max_epoch = 0
+        self.rejected = 0
+        self.applied = 0
+        self.cursor: bytes = self.r.get(self.keys.cursor(self.rank)) or b"0-0"
+        self._pubsub = None
+        if wake:
+            self._subscribe()
+
+    @property
+    def incarnation(self) -> int:
+        return int(self._incarnation() if callable(self._incarnation) else self._incarnation)
+
+    def close(self) -> None:
+        if self._pubsub is not None:
+            try:
+                self._pubsub.close()
+            except Exception:  # noqa: BLE001
+                pass
+            self._pubsub = None
+
+    # -- waiting and reading -----------------------------------------------------------------------------------
+    def _subscribe(self) -> None:
+        try:
+            ps = self.r.pubsub(ignore_subscribe_messages=True)
+            ps.subscribe(self.keys.wake)
+            self._pubsub = ps
+        except redis.RedisError as e:
+            log.warning("rank %d: wake-up subscription failed (%s); polling the stream instead", self.rank, e)
+            self._pubsub = None
+
+    def _read(self, block_ms: int | None = None) -> tuple[list, int]:
+        """Entries after the cursor and the job's epoch (one round trip; XREAD BLOCK only as the fallback)."""
+        if block_ms:
+            resp = self.r.xread({self.keys.cmd(self.rank): self.cursor}, count=256, block=block_ms)
+            epoch = int(self.r.get(self.keys.epoch) or 0) if resp else 0
+        else:
+            pipe = self.r.pipeline(transaction=False)
+            pipe.xread({self.keys.cmd(self.rank): self.cursor}, count=256)
+            pipe.get(self.keys.epoch)
+            resp, ep = pipe.execute()
+            epoch = int(ep or 0)
+        entries = resp[0][1] if resp else []
+        return entries, epoch
+
+    def _wait(self, seconds: float) -> list | None:
+        """Wait up to ``seconds`` for a wake-up naming this rank; returns entries when the fallback read them."""
+        deadline = time.monotonic() + seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if self._pubsub is None:
+                self._subscribe()
+            if self._pubsub is None:
+                entries, epoch = self._read(block_ms=max(1, int(min(remaining, self.cfg.block_ms / 1000) * 1000)))
+                if entries:
+                    self.max_epoch = max(self.max_epoch, epoch)
+                    return entries
+                continue
+            try:
+                msg = self._pubsub.get_message(timeout=min(remaining, self.cfg.block_ms / 1000))
+            except (redis.RedisError, OSError, ValueError) as e:
+                log.warning("rank %d: wake-up channel broken (%s); falling back to XREAD BLOCK", self.rank, e)
+                self.close()
+                continue
+            if msg is None:
+                return None  # a bounded wait ended: read the stream anyway (a wake-up may have been lost)
+            data = msg.get("data")
+            if isinstance(data, bytes) and _rank_in(data.decode(errors="replace"), self.rank):
+                return None
+
+    def process(self, handler: Handler, timeout: float = 0.0) -> int:
+        """Apply the pending commands (waiting up to ``timeout`` s for the first). Returns entries handled.
+
+        Never raises on message content; Redis connection errors propagate (redis-py already retried).
+        """
+        entries, epoch = self._read()
+        deadline = time.monotonic() + timeout
+        while not entries and time.monotonic() < deadline:
+            got = self._wait(deadline - time.monotonic())
+            if got is not None:
+                entries, epoch = got, self.max_epoch
+            else:
+                entries, epoch = self._read()
+        self.max_epoch = max(self.max_epoch, epoch)
+        for entry_id, fields in entries:
+            self._handle(entry_id, fields.get(b"m"), handler)
+        return len(entries)
+
+    def run(self, handler: Handler, stop: Callable[[], bool], idle_s: float = 1.0) -> None:
+        """Loop :meth:`process` until ``stop()``; connection errors are logged and retried."""
+        while not stop():
+            try:
+                self.process(handler, timeout=idle_s)
+            except redis.RedisError as e:
+                log.warning("rank %d: control plane unreachable (%s); retrying", self.rank, e)
+                time.sleep(min(1.0, idle_s))
+
+    # -- one entry ---------------------------------------------------------------------------------------------
+    def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler) -> None:
+        try:
+            cmd = decode(Command, raw, self.cfg.max_message_bytes)
+        except WireError as e:
+            self._reject(entry_id, e.reason, _loose_id(raw, self.cfg.max_message_bytes), None)
+            return
+        if cmd.job_id != self.job_id:
+            self._reject(entry_id, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", None, None)
+            return
+        if cmd.epoch < self.max_epoch:
+            self._reject(entry_id, f"stale epoch {cmd.epoch} < {self.max_epoch} (fenced coordinator)",
+                         cmd.command_id, cmd.epoch)
+            return
+        self.max_epoch = cmd.epoch
+        prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id])
+        if prev is not None:
+            self._replay(entry_id, cmd, prev)
+            return
+        try:
+            result = handler(cmd)
+            if result is not None and not isinstance(result, dict):
+                raise TypeError(f"handler returned {type(result).__name__}, expected a dict or None")
+            ack = self._ack(cmd, ok=True, result=result)
+            raw_ack = encode(ack, self.cfg.max_message_bytes)
+        except Exception as e:  # noqa: BLE001 - a failing handler is an error ack, never a dead rank
+            log.warning("rank %d: command %s (%s) failed: %s", self.rank, cmd.command_id, cmd.kind.value, e)
+            ack = self._ack(cmd, ok=False, error=f"{e.__class__.__name__}: {e}"[:2000])
+            raw_ack = encode(ack, self.cfg.max_message_bytes)
+        self._commit(entry_id, cmd.command_id, raw_ack, store=True)
+        self.applied += 1
+
+    def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
+        return Ack(job_id=self.job_id, epoch=cmd.epoch, command_id=cmd.command_id, rank=self.rank,
+                   incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed)
+
+    def _replay(self, entry_id: bytes, cmd: Command, prev: bytes) -> None:
+        if prev == STARTED:
+            reason = "interrupted: an earlier attempt started but did not finish; not re-applied (at most once)"
+            ack = self._ack(cmd, ok=False, error=reason)
+            _emit(self.events, "interrupted", reason, rank=self.rank, command_id=cmd.command_id, epoch=cmd.epoch)
+        else:
+            try:
+                ack = decode(Ack, prev, self.cfg.max_message_bytes).model_copy(update={"replayed": True})
+            except WireError as e:
+                ack = self._ack(cmd, ok=False, error=f"already applied; stored ack unreadable: {e.reason}")
+        log.info("rank %d: command %s already applied; re-sent its ack", self.rank, cmd.command_id)
+        self._commit(entry_id, cmd.command_id, encode(ack, self.cfg.max_message_bytes), store=False)
+
+    def _reject(self, entry_id: bytes, reason: str, command_id: str | None, epoch: int | None) -> None:
+        self.rejected += 1
+        log.warning("job %s rank %d: rejected stream entry %s: %s", self.job_id, self.rank, entry_id.decode(), reason)
+        _emit(self.events, "rejected", reason, rank=self.rank, command_id=command_id, epoch=epoch)
+        raw_ack = None
+        if command_id:
+            ack = Ack(job_id=self.job_id, epoch=max(1, epoch or 1), command_id=command_id, rank=self.rank,
+                      incarnation=self.incarnation, ok=False, error=f"rejected: {reason}"[:2000])
+            raw_ack = encode(ack, self.cfg.max_message_bytes)
+        self._commit(entry_id, command_id, raw_ack, store=False)
+
+    def _commit(self, entry_id: bytes, command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
+        """One MULTI: stored ack (at-most-once record), cursor, ack stream. Every part is safe to retry."""
+        pipe = self.r.pipeline(transaction=True)
+        if store and command_id:
+            pipe.hset(self.keys.applied(self.rank), command_id, raw_ack)
+        pipe.set(self.keys.cursor(self.rank), entry_id)
+        if raw_ack is not None and command_id:
+            akey = self.keys.ack(command_id)
+            pipe.xadd(akey, {"m": raw_ack})
+            pipe.expire(akey, self.cfg.ack_ttl_s)
+        pipe.execute()
+        self.cursor = entry_id
+
+
+def _loose_id(raw: bytes | None, max_bytes: int) -> str | None:
+    """The command_id of a rejected message, when it can be read safely (so the coordinator gets an error ack)."""
+    if raw is None or len(raw) > max_bytes:
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    cid = obj.get("command_id") if isinstance(obj, dict) else None
+    return cid if isinstance(cid, str) and 0 < len(cid) <= 64 and cid.isprintable() and ":" not in cid else None
