@@ -1,0 +1,121 @@
+"""GRPO: group-relative advantages and the clipped policy-gradient loss (with an optional k3 KL to a reference).
+
+Per-token tensors are ``[N, L]`` and aligned with ``input_ids``: position ``t`` holds ``log p(input_ids[t] |
+input_ids[:t])``; ``response_mask`` is 1 on response tokens (the sampled answer and its EOS), 0 on prompt and pad.
+
+Worked example (hand-computed; the same numbers are in tests/unit/test_grpo.py). One group of 4 responses, rewards
+``[1, 0, 0, 1]``: mean 0.5, sample std (n-1) ``sqrt(1/3) = 0.5774``, advantages ``[+0.866, -0.866, -0.866,
++0.866]``. For a token with advantage ``A = 1`` and ``clip_eps = 0.2``:
+
+* new/old ratio 1.5: ``-min(1.5 * 1, 1.2 * 1) = -1.2`` (clipped: no incentive to push further);
+* ratio 0.5: ``-min(0.5, 0.8) = -0.5`` (unclipped: the gradient still pulls it back up).
+
+With ``A = -1`` the roles swap: ratio 1.5 gives ``-min(-1.5, -1.2) = 1.5``, ratio 0.5 gives ``0.8``.
+k3 KL with ``logp - ref = 0.1``: ``exp(-0.1) + 0.1 - 1 = 0.004837``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Batch = dict[str, torch.Tensor]
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """``(r - mean_group) / (std_group + eps)`` per consecutive group of ``group_size`` (std with n-1, like verl/TRL).
+
+    ``scale_by_std=False`` returns ``r - mean_group`` (Dr. GRPO). A group of one, or one with equal rewards,
+    gets advantage 0. Returns a flat float tensor of ``len(rewards)``.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
+    g = r.view(-1, group_size)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if scale_by_std and group_size > 1:
+        adv = adv / (g.std(dim=1, keepdim=True) + eps)
+    return adv.flatten()
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip padding (left or right), as HF generate computes them."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Per-token log-probabilities ``[N, L]`` of ``input_ids`` under a causal LM; 0 where ``response_mask`` is 0."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
+    logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    tok = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(tok, (1, 0)) * response_mask
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: Literal["token", "sequence"], denominator=None) -> torch.Tensor:
+    """``token``: sum over all masked tokens / their count; ``sequence``: mean per sequence, then mean.
+
+    ``denominator`` (optional) replaces the local count (tokens or sequences): pass the global batch's count so
+    that micro-batches and data-parallel shards add up to the full-batch loss.
+    """
+    if norm == "token":
+        den = mask.sum() if denominator is None else denominator
+        return (x * mask).sum() / torch.clamp(torch.as_tensor(den, dtype=x.dtype), min=1)
+    per_seq = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    den = per_seq.numel() if denominator is None else denominator
+    return per_seq.sum() / max(float(den), 1.0)
+
+
+@dataclass(frozen=True)
+class GrpoLoss:
+    """``loss_fn(model, batch) -> (loss, metrics)``; see ``dynaresize.rl`` for the batch keys."""
+
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    loss_norm: Literal["token", "sequence"] = "token"
+    temperature: float = 1.0
+
+    @classmethod
+    def from_config(cls, train, temperature: float = 1.0) -> "GrpoLoss":
+        """From a ``TrainConfig`` (and the rollout temperature, so logprobs match the sampling distribution)."""
+        return cls(train.clip_eps, train.kl_coef, train.loss_norm, temperature)
+
+    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = batch["response_mask"].float()
+        logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, self.temperature)
+        return self.from_logprobs(logp, batch)
+
+    def from_logprobs(self, logp: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss given current per-token logprobs (pure tensor maths; what the tests check by hand)."""
+        mask = batch["response_mask"].float()
+        adv = batch["advantages"].float()
+        adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+        log_ratio = (logp - batch["old_logprobs"]) * mask
+        ratio = torch.exp(log_ratio)
+        clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
+        per_token = -torch.minimum(ratio * adv, clipped * adv)
+        clip_frac = ((ratio * adv > clipped * adv).float() * mask).sum() / mask.sum().clamp(min=1)
+        kl = torch.zeros((), dtype=per_token.dtype)
+        if self.kl_coef > 0:
+            if "ref_logprobs" not in batch:
+                raise KeyError("GrpoLoss: kl_coef > 0 needs batch['ref_logprobs'] (reference policy logprobs)")
+            d = (batch["ref_logprobs"] - logp) * mask
+            kl_tok = torch.exp(d) - d - 1
+            per_token = per_token + self.kl_coef * kl_tok
+            kl = masked_mean(kl_tok.detach(), mask, self.loss_norm)
+        loss = masked_mean(per_token, mask, self.loss_norm, batch.get("loss_denominator"))
+        metrics = {
+            "loss": float(loss.detach()),
+            "clip_frac": float(clip_frac),
+            "ratio_mean": float((ratio.detach() * mask).sum() / mask.sum().clamp(min=1)),
+            "kl": float(kl),
+            "tokens": float(mask.sum()),
+        }
+        return loss, metrics

@@ -1,0 +1,69 @@
+"""Load the task named in the config: an importable 'module:Class' path (or a built-in short name) plus kwargs.
+
+Every mistake (bad path, missing class, wrong kwargs, an object that is not a Task) raises one ``ConfigError``
+naming ``task.name`` / ``task.params`` and the value, so a typo in the YAML fails at start-up, not mid-run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+from dynaresize.tasks.base import Curriculum, Task
+from dynaresize.tasks.config import TaskConfig
+
+#: Short names accepted in ``task.name`` besides full 'module:Class' paths.
+BUILTIN_TASKS = {
+    "reverse_digits": "dynaresize.tasks.reverse:ReverseDigits",
+    "sort_letters": "dynaresize.tasks.sort:SortLetters",
+}
+
+
+def _config_error(msg: str) -> Exception:
+    from dynaresize.config.loader import ConfigError  # late: the loader imports this package's config
+
+    return ConfigError(msg)
+
+
+def resolve_class(name: str) -> type:
+    path = BUILTIN_TASKS.get(name, name)
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise _config_error(
+            f"task.name = {name!r}: expected 'module:Class' (e.g. 'dynaresize.tasks.reverse:ReverseDigits') "
+            f"or one of {sorted(BUILTIN_TASKS)}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise _config_error(f"task.name = {name!r}: cannot import module {module_name!r}: {e}") from None
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise _config_error(f"task.name = {name!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not inspect.isclass(obj):
+        raise _config_error(f"task.name = {name!r}: {attr!r} is a {type(obj).__name__}, expected a class")
+    return obj
+
+
+def load_task(cfg: TaskConfig) -> Task:
+    """Instantiate ``cfg.name`` with ``cfg.params`` (and ``curriculum=`` when its constructor takes one)."""
+    cls = resolve_class(cfg.name)
+    kwargs = dict(cfg.params)
+    try:
+        accepts_curriculum = "curriculum" in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        accepts_curriculum = False
+    if accepts_curriculum and "curriculum" not in kwargs:
+        kwargs["curriculum"] = Curriculum.from_config(cfg.curriculum)
+    try:
+        task = cls(**kwargs)
+    except TypeError as e:
+        raise _config_error(f"task.params = {cfg.params!r}: {cfg.name} does not accept them: {e}") from None
+    missing = [m for m in ("prompt", "answer", "reward") if not callable(getattr(task, m, None))]
+    alphabet = getattr(task, "alphabet", None)
+    if missing or not isinstance(alphabet, str) or not alphabet:
+        what = f"missing methods {missing}" if missing else "'alphabet' must be a non-empty str"
+        raise _config_error(f"task.name = {cfg.name!r}: not a Task ({what}); see dynaresize.tasks.base.Task")
+    return task
