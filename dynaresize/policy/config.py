@@ -1,10 +1,17 @@
-"""Config of the resizing policy (section ``policy``). The policy itself is pure; this is only its knobs."""
+"""Config of the resizing policy (section ``policy``) and of the switch cost model it plans with.
+
+The policy itself is pure (``dynaresize/policy/policy.py``); this file only holds its knobs. The cost model's
+knobs (:class:`SwitchCostConfig`, :class:`OptimizationsConfig`) live here too because the policy needs them to price
+a plan; the simulator exposes them as ``sim.costs`` and ``sim.optimizations`` (``dynaresize calibrate`` writes a
+``costs`` YAML file from a real run, ``dynaresize simulate --costs FILE`` reads it).
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from dynaresize.config.base import Section
+from dynaresize.events import SwitchOp
 
 
 class PolicyConfig(Section):
@@ -18,3 +25,67 @@ class PolicyConfig(Section):
     cooldown_steps: int = Field(2, ge=0, description="Steps after a resize during which signals are ignored")
     payback_horizon_steps: int = Field(10, ge=1, description="Horizon over which the expected saving is summed")
     payback_margin: float = Field(1.5, ge=1, description="Expected saving must exceed the switch cost times this margin")
+    payback_check: bool = Field(True, description="Apply the payback check (false only for the greedy baseline)")
+    train_scaling_per_doubling: float = Field(
+        0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"
+    )
+
+
+class OptimizationsConfig(Section):
+    """Which of DynaResize's switch optimisations are on (all off = naive stop-the-world switching)."""
+
+    process_reuse: bool = Field(True, description="Keep worker processes; a switch changes the logical role only")
+    comm_reuse: bool = Field(True, description="Pre-build communicators for every candidate split; a switch selects one")
+    bounded_staging: bool = Field(True, description="Stage state through a bounded host buffer to node-local NVMe")
+    deferred_optimizer: bool = Field(True, description="Load optimizer state lazily, overlapped with the first forward/backward")
+
+    @classmethod
+    def naive(cls) -> "OptimizationsConfig":
+        return cls(process_reuse=False, comm_reuse=False, bounded_staging=False, deferred_optimizer=False)
+
+
+class SwitchCostConfig(Section):
+    """Physical inputs of the switch cost model. Sources are cited per field; ASSUMPTION marks a guess.
+
+    ``override_s`` replaces a formula by a measured duration (what ``dynaresize calibrate`` writes).
+    """
+
+    model_params_b: float = Field(8.2, gt=0, description="Model parameters in billions (Qwen3-8B: 8.2)")
+    weight_bytes_per_param: float = Field(2.0, gt=0, description="Bytes per parameter of the weights (bf16)")
+    optimizer_bytes_per_param: float = Field(12.0, ge=0, description="Optimizer bytes per parameter (fp32 master + Adam m, v)")
+    pcie_gbps: float = Field(25.0, gt=0, description="Host<->device copy bandwidth per GPU, GB/s (ASSUMPTION: PCIe 5 x16, pinned)")
+    nvme_gbps: float = Field(3.0, gt=0, description="Node-local NVMe bandwidth per GPU, GB/s (ASSUMPTION)")
+    shared_fs_gbps: float = Field(2.0, gt=0, description="Shared filesystem bandwidth per GPU for checkpoints, GB/s (ASSUMPTION)")
+    nccl_gbps: float = Field(
+        100.0, gt=0, description="Trainer->rollout weight-broadcast bandwidth, GB/s (DESIGN: 7B synced in 0.02-0.3 s)"
+    )
+    drain_s: float = Field(0.5, ge=0, description="Abort and hand back in-flight rollout requests (ASSUMPTION)")
+    process_restart_s: float = Field(30.0, ge=0, description="Kill and restart a worker: Python, CUDA, imports (ASSUMPTION)")
+    comm_init_base_s: float = Field(4.5, ge=0, description="New communicator, fixed part (DESIGN: 4.5 s first all-reduce on 8 GPUs)")
+    comm_init_per_gpu_s: float = Field(
+        0.03, ge=0, description="New communicator, per GPU of the world (DESIGN: minutes at thousands of GPUs)"
+    )
+    comm_select_s: float = Field(0.01, ge=0, description="Select a pre-built communicator (ASSUMPTION)")
+    rollout_engine_build_s: float = Field(14.0, ge=0, description="Start a vLLM engine for an 8B model (DESIGN: ~14 s)")
+    train_engine_build_s: float = Field(5.0, ge=0, description="First DeepSpeed initialize in a process (DESIGN: 3-6 s measured here)")
+    train_engine_rebuild_s: float = Field(0.2, ge=0, description="Later DeepSpeed initialize in a live process (DESIGN: 0.02-0.2 s)")
+    wake_fixed_s: float = Field(0.5, ge=0, description="vLLM wake_up fixed part, KV cache re-allocation (DESIGN: level 1 0.1-6 s)")
+    warmup_naive_s: float = Field(25.0, ge=0, description="First step of a fresh engine: compile, graphs (DESIGN: 39 s vs 14 s init)")
+    warmup_s: float = Field(1.0, ge=0, description="First step after a logical role change (ASSUMPTION)")
+    deferred_overlap_fraction: float = Field(
+        0.9, ge=0, le=1, description="Share of a training step before the first optimizer step (window for deferred state)"
+    )
+    override_s: dict[str, float] = Field(
+        default_factory=dict, description="Measured seconds per switch op (op name -> s) replacing the formula"
+    )
+
+    @field_validator("override_s")
+    @classmethod
+    def _known_ops(cls, v: dict[str, float]) -> dict[str, float]:
+        allowed = [o.value for o in SwitchOp]
+        for k, s in v.items():
+            if k not in allowed:
+                raise ValueError(f"unknown switch op {k!r}; allowed: {', '.join(allowed)}")
+            if s < 0:
+                raise ValueError(f"override for {k!r} is negative ({s})")
+        return v

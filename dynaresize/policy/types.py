@@ -1,0 +1,106 @@
+"""The policy's vocabulary: topologies, per-step observations, planned switch ops and decisions.
+
+All frozen dataclasses or enums, so a decision can be logged, compared and replayed; nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from dynaresize.events import SwitchOp
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Topology:
+    """A split of the job's GPUs: ``n_train`` trainer ranks and ``n_rollout`` rollout ranks (both >= 1)."""
+
+    n_train: int
+    n_rollout: int
+
+    def __post_init__(self) -> None:
+        if self.n_train < 1 or self.n_rollout < 1:
+            raise ValueError(f"topology {self.n_train}:{self.n_rollout} needs at least one GPU per role")
+
+    @property
+    def total(self) -> int:
+        return self.n_train + self.n_rollout
+
+    def __str__(self) -> str:
+        return f"{self.n_train}:{self.n_rollout}"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What the coordinator (or the simulator) measured for one finished RL step."""
+
+    step: int  # the step whose training just finished
+    topology: Topology  # split the step ran on
+    rollout_s: float  # wall time of the rollout stage (generation, excluding weight sync)
+    train_s: float  # wall time of the training stage
+    rollout_tail_s: float = 0.0  # time the longest response needs alone (does not shrink with more GPUs)
+    weight_sync_s: float = 0.0  # trainer -> rollout weight sync before a rollout
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+    mixed: bool = False  # the step overlapped a resize: its times describe no single split (not used to learn)
+
+
+class Action(str, enum.Enum):
+    HOLD = "hold"
+    RESIZE = "resize"
+
+
+class OpGroup(str, enum.Enum):
+    """Which ranks run a planned op."""
+
+    MOVING = "moving"  # ranks changing role
+    TRAINERS = "trainers"  # trainers that keep their role (re-shard, rebuild)
+    ALL = "all"  # every rank (stop-the-world switching)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedOp:
+    """One fine-grained switch operation with its estimated cost and whether it is on the critical path."""
+
+    op: SwitchOp
+    group: OpGroup
+    cost_s: float
+    critical: bool
+    bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    action: Action
+    target: Topology  # equals the current topology when holding
+    reason: str
+    plan: tuple[PlannedOp, ...] = ()
+    critical_cost_s: float = 0.0  # estimated critical-path cost of the plan
+    imbalance: float = 0.0
+    expected_saving_s: float = 0.0  # over the payback horizon
+
+    @property
+    def resize(self) -> bool:
+        return self.action is Action.RESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class Estimates:
+    """Split-invariant EWMA state: work in GPU-seconds, so a resize does not invalidate what was learned."""
+
+    rollout_work: float  # (rollout_s - tail) x n_rollout
+    rollout_tail: float  # seconds
+    train_work: float  # train_s x n_train x efficiency(n_train)
+    sync: float  # seconds
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyState:
+    """Everything the policy remembers between steps (``initial_state()`` to start)."""
+
+    estimates: Estimates | None = None
+    signal_dir: int = 0  # +1: rollout is the slow stage, -1: training is, 0: none
+    signal_count: int = 0
+    steps_since_resize: int = 10**9
+    cooldown_left: int = 0
+    history: tuple[str, ...] = field(default=())  # topologies left, newest last (kept short; for diagnostics)
