@@ -1,7 +1,7 @@
 """``ensure_model(cfg) -> Path``: the HF model directory every engine loads (vLLM, DeepSpeed, the torch sampler).
 
 With ``model.path`` set it is checked and returned. Otherwise the tiny model is built locally (tokenizer from the
-task's alphabet, Qwen2 from ``model.tiny``, supervised warm-start) and cached under
+task's alphabet, a LLaMA-style model from ``model.tiny``, supervised warm-start) and cached under
 ``model.cache_dir/<hash>`` (default ``~/.cache/dynaresize/models``), the hash covering the model shape, the
 warm-start settings, the task (name, params, curriculum) and the seed; so the second run skips it. The build goes
 to a temporary directory next to the final one and is renamed into place, under a file lock: a crash never leaves
@@ -28,7 +28,7 @@ from dynaresize.models.warmstart import SFT_SEED_OFFSET, warm_start
 from dynaresize.tasks.registry import load_task
 
 log = logging.getLogger(__name__)
-BUILD_VERSION = 1  # bump when the build recipe changes, so old caches are not reused
+BUILD_VERSION = 2  # bump when the build recipe changes, so old caches are not reused
 META_FILE = "dynaresize_model.json"
 EVAL_PROMPTS = 64
 

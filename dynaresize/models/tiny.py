@@ -1,20 +1,23 @@
-"""The tiny Qwen2-style policy built from ``model.tiny``: shapes vLLM accepts, ids from the task's tokenizer.
+"""The tiny LLaMA-style policy built from ``model.tiny``: shapes vLLM accepts, ids from the task's tokenizer.
 
-Qwen2 computes head_dim = hidden / heads; vLLM's attention backends want a multiple of 8 and >= 32 (hidden 128,
-2 heads -> 64, the default). Embeddings are tied; weights are float32 (vLLM casts to bf16 on load if asked).
+Why LLaMA and not Qwen2 (the two differ here only by Qwen2's q/k/v biases): transformers 5.24's ``AutoTokenizer``
+lists ``qwen2`` among model types whose declared tokenizer class it overrides, and rebuilds the saved tokenizer as a
+byte-level BPE ``Qwen2Tokenizer`` (NFC normaliser, GPT-2 split, dropped unknown characters). With
+``model_type=llama`` it loads our ``tokenizer.json`` as is. head_dim = hidden / heads; vLLM's attention backends
+want a multiple of 8 and >= 32 (hidden 128, 2 heads -> 64, the default). Embeddings are tied; weights float32.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_config(tiny, tokenizer) -> Qwen2Config:
+def tiny_config(tiny, tokenizer) -> LlamaConfig:
     """``tiny`` is a ``TinyModelConfig``; special-token ids and vocabulary size come from ``tokenizer``."""
     if tiny.hidden_size % tiny.num_heads:
         raise ValueError(f"model.tiny.hidden_size={tiny.hidden_size} is not a multiple of model.tiny.num_heads={tiny.num_heads}")
-    return Qwen2Config(
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -30,10 +33,10 @@ def tiny_config(tiny, tokenizer) -> Qwen2Config:
     )
 
 
-def build_model(tiny, tokenizer, seed: int = 0) -> Qwen2ForCausalLM:
+def build_model(tiny, tokenizer, seed: int = 0) -> LlamaForCausalLM:
     """A freshly initialised model (deterministic given ``seed``)."""
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(tiny_config(tiny, tokenizer))
+    model = LlamaForCausalLM(tiny_config(tiny, tokenizer))
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
