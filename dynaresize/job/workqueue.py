@@ -1,0 +1,183 @@
+"""The rollout work queue: prompts are pulled by rollout ranks, so one long response never holds a whole shard.
+
+Why it exists: with a static shard per rank, the slowest shard sets the rollout time; with pulls, a rank that
+finishes early takes more work. It is also what makes a resize in the middle of a rollout safe: a rank that leaves
+the rollout role (or dies) has its claimed-but-unfinished samples put back, and results are keyed by sample, so
+nothing is dropped and nothing is counted twice.
+
+Keys (under the job's namespace ``dr:<job>``; one set per RL step)::
+
+    dr:<job>:wq:<step>:pending         list   work items not yet claimed (JSON)
+    dr:<job>:wq:<step>:inflight:<r>    hash   sample key -> item, claimed by rank r and not yet finished
+    dr:<job>:wq:<step>:results         hash   sample key -> result JSON (HSETNX: the first result wins)
+    dr:<job>:wq:<step>:meta            hash   total (items published)
+
+Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
+
+    PENDING --claim(r)--> INFLIGHT(r) --complete--> DONE
+                 ^                |
+                 +---release(r)---+      (rank r leaves the rollout role, or is declared dead)
+
+A sample is seeded by (seed, step, prompt, index), so whichever rank generates it, the tokens are the same; a
+late duplicate from a released-but-alive rank is therefore identical and is dropped by HSETNX.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable
+
+import redis
+
+from dynaresize.control.keys import Keys
+
+_CLAIM = """
+local out = {}
+local n = tonumber(ARGV[1])
+while #out < n do
+  local it = redis.call('LPOP', KEYS[1])
+  if not it then break end
+  local k = cjson.decode(it)['key']
+  if redis.call('HEXISTS', KEYS[3], k) == 0 then
+    redis.call('HSET', KEYS[2], k, it)
+    out[#out + 1] = it
+  end
+end
+return out
+"""
+_COMPLETE = """
+local new = 0
+for i = 1, #ARGV, 2 do
+  new = new + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
+  redis.call('HDEL', KEYS[1], ARGV[i])
+end
+return new
+"""
+_RELEASE = """
+local vals = redis.call('HVALS', KEYS[1])
+for i = #vals, 1, -1 do
+  local k = cjson.decode(vals[i])['key']
+  if redis.call('HEXISTS', KEYS[3], k) == 0 then redis.call('LPUSH', KEYS[2], vals[i]) end
+end
+redis.call('DEL', KEYS[1])
+return #vals
+"""
+
+
+def sample_key(step: int, prompt: int, index: int) -> str:
+    return f"{step}.{prompt}.{index}"
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One response to generate."""
+
+    step: int  # RL step whose training batch this sample belongs to
+    prompt: int  # prompt index within the step
+    index: int  # response index within the prompt's group (0..G-1)
+    prompt_ids: list[int]  # tokenised prompt
+    seed: int  # per-sample seed derived from (run seed, step, prompt, index)
+    key: str = ""  # sample key "step.prompt.index" (filled in)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", sample_key(self.step, self.prompt, self.index))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "WorkItem":
+        d = json.loads(raw)
+        d.pop("key", None)
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """One generated response with the behaviour policy's logprobs and version."""
+
+    step: int
+    prompt: int
+    index: int
+    response_ids: list[int]  # sampled tokens (EOS included when the response ended)
+    logprobs: list[float]  # log-probability of each sampled token under the behaviour policy
+    version: int  # policy version (updates applied) of the weights that generated it
+    rank: int  # rank that generated it (for analysis only; never changes the sample)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def key(self) -> str:
+        return sample_key(self.step, self.prompt, self.index)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "SampleResult":
+        d = json.loads(raw)
+        if len(d.get("response_ids", [])) != len(d.get("logprobs", [])):
+            raise ValueError("result has a different number of tokens and logprobs")
+        return cls(**d)
+
+
+class RolloutQueue:
+    """Pull-based dispatch of one step's samples over Redis (see the module docstring)."""
+
+    def __init__(self, client: redis.Redis, job_id: str):
+        self.r = client
+        self.ns = Keys(job_id).ns
+        self._claim = client.register_script(_CLAIM)
+        self._complete = client.register_script(_COMPLETE)
+        self._release = client.register_script(_RELEASE)
+
+    def _k(self, step: int, what: str) -> str:
+        return f"{self.ns}:wq:{int(step)}:{what}"
+
+    def publish(self, step: int, items: Iterable[WorkItem]) -> int:
+        """Queue a step's items once; publishing the same step again (a retry, a resume) adds nothing."""
+        items = list(items)
+        if not self.r.hsetnx(self._k(step, "meta"), "total", len(items)):
+            return 0
+        if items:
+            self.r.rpush(self._k(step, "pending"), *[it.to_json() for it in items])
+        return len(items)
+
+    def claim(self, step: int, rank: int, n: int) -> list[WorkItem]:
+        """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim)."""
+        raw = self._claim(keys=[self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results")], args=[n])
+        return [WorkItem.from_json(x) for x in raw]
+
+    def complete(self, step: int, rank: int, results: Iterable[SampleResult]) -> int:
+        """Record results; returns how many were new (a duplicate of a finished sample is dropped)."""
+        args: list[str] = []
+        for res in results:
+            args += [res.key, res.to_json()]
+        if not args:
+            return 0
+        return int(self._complete(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "results")], args=args))
+
+    def release(self, step: int, rank: int) -> int:
+        """Put back what ``rank`` claimed but did not finish (it left the rollout role or died)."""
+        return int(self._release(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "pending"), self._k(step, "results")]))
+
+    def total(self, step: int) -> int:
+        v = self.r.hget(self._k(step, "meta"), "total")
+        return int(v) if v is not None else 0
+
+    def done(self, step: int) -> int:
+        return int(self.r.hlen(self._k(step, "results")))
+
+    def pending(self, step: int) -> int:
+        return int(self.r.llen(self._k(step, "pending")))
+
+    def results(self, step: int) -> list[SampleResult]:
+        """All results of a step in sample order (prompt, index): independent of which rank made them."""
+        out = [SampleResult.from_json(v) for v in self.r.hvals(self._k(step, "results"))]
+        out.sort(key=lambda s: (s.prompt, s.index))
+        return out
+
+    def clear(self, step: int) -> None:
+        keys = list(self.r.scan_iter(match=f"{self.ns}:wq:{int(step)}:*", count=500))
+        if keys:
+            self.r.delete(*keys)

@@ -1,0 +1,82 @@
+"""The rollout work queue on a real redis-server: pulls, no drop and no duplicate across a mid-rollout resize."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from dynaresize.control.config import RedisConfig
+from dynaresize.control.server import connect
+from dynaresize.job.workqueue import RolloutQueue, SampleResult, WorkItem
+
+pytestmark = pytest.mark.contract
+
+
+@pytest.fixture
+def queue(redis_server):
+    client = connect(redis_server.endpoint_file, role="test", cfg=RedisConfig())
+    q = RolloutQueue(client, f"wq-{uuid.uuid4().hex[:8]}")
+    yield q
+    client.close()
+
+
+def items(step, prompts=3, group=4):
+    return [WorkItem(step, p, i, [1, 2, p], seed=1000 * p + i) for p in range(prompts) for i in range(group)]
+
+
+def result(it: WorkItem, rank: int) -> SampleResult:
+    return SampleResult(it.step, it.prompt, it.index, [5, 6], [-0.1, -0.2], version=0, rank=rank)
+
+
+def test_publish_is_idempotent_and_claims_are_disjoint(queue):
+    assert queue.publish(0, items(0)) == 12
+    assert queue.publish(0, items(0)) == 0  # a retried publish adds nothing
+    a = queue.claim(0, rank=1, n=5)
+    b = queue.claim(0, rank=2, n=5)
+    c = queue.claim(0, rank=3, n=5)
+    assert len(a) == 5 and len(b) == 5 and len(c) == 2
+    keys = [x.key for x in a + b + c]
+    assert len(set(keys)) == 12
+    assert queue.claim(0, rank=1, n=5) == []
+
+
+def test_resize_mid_rollout_neither_drops_nor_duplicates(queue):
+    queue.publish(3, items(3))
+    leaving = queue.claim(3, rank=1, n=4)  # rank 1 will switch to training mid-rollout
+    staying = queue.claim(3, rank=2, n=4)
+    queue.complete(3, 1, [result(leaving[0], 1)])  # it finished one before the switch
+    assert queue.release(3, rank=1) == 3  # the three unfinished ones go back
+    # the staying rank pulls everything that is left, the returned items included
+    while True:
+        got = queue.claim(3, rank=2, n=3)
+        if not got:
+            break
+        staying += got
+    assert queue.complete(3, 2, [result(x, 2) for x in staying]) == 11
+    # a late duplicate from the rank that left (it was still alive) is dropped
+    assert queue.complete(3, 1, [result(leaving[1], 1)]) == 0
+    res = queue.results(3)
+    assert [(s.prompt, s.index) for s in res] == [(p, i) for p in range(3) for i in range(4)]
+    assert res[1].rank == 2 and res[0].rank == 1
+    assert queue.done(3) == queue.total(3) == 12
+
+
+def test_release_skips_items_already_finished(queue):
+    queue.publish(1, items(1, prompts=1, group=2))
+    got = queue.claim(1, rank=0, n=2)
+    queue.complete(1, 9, [result(got[0], 9)])  # finished elsewhere (after an earlier release)
+    assert queue.release(1, rank=0) == 2
+    assert [x.key for x in queue.claim(1, rank=5, n=10)] == [got[1].key]
+
+
+def test_steps_and_clear_are_independent(queue):
+    queue.publish(0, items(0, 1, 1))
+    queue.publish(1, items(1, 1, 2))
+    queue.clear(0)
+    assert queue.total(0) == 0 and queue.total(1) == 2
+
+
+def test_result_with_mismatched_logprobs_is_rejected():
+    with pytest.raises(ValueError, match="number of tokens and logprobs"):
+        SampleResult.from_json('{"step":0,"prompt":0,"index":0,"response_ids":[1,2],"logprobs":[0.1],"version":0,"rank":0}')
