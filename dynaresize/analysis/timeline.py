@@ -46,10 +46,13 @@ def _lanes(v: Views, max_lanes: int) -> list[tuple[int, str]]:
     order = sorted(range(len(v.atoms)), key=lambda i: v.atoms[i].first)
     if len(order) <= max_lanes:
         return [(i, f"{v.atoms[i].label()} (x{v.atoms[i].size})") for i in order]
-    per = math.ceil(len(order) / max_lanes)
     lanes = []
-    for k in range(0, len(order), per):
-        chunk = order[k:k + per]
+    for chunk in np.array_split(np.array(order), max_lanes):  # fold as few neighbours as needed
+        chunk = [int(i) for i in chunk]
+        if len(chunk) == 1:
+            i = chunk[0]
+            lanes.append((i, f"{v.atoms[i].label()} (x{v.atoms[i].size})"))
+            continue
         rep = max(chunk, key=lambda i: v.atoms[i].size)
         lo = min(v.atoms[i].first for i in chunk)
         hi = max(b for i in chunk for _, b in v.atoms[i].blocks)
