@@ -146,6 +146,19 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
         pass
 
 
+class SafeRetry(Retry):
+    """Retry connection errors with backoff, but never an authentication error (redis-py makes it a
+    ConnectionError subclass; retrying a wrong password only delays the clear failure)."""
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
+        def retryable(err: Exception) -> bool:
+            if isinstance(err, redis.AuthenticationError):
+                return False
+            return is_retryable(err) if is_retryable else True
+
+        return super().call_with_retry(do, fail, retryable, with_failure_count)
+
+
 def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None) -> redis.Redis:
     """A redis-py client with explicit timeouts and a bounded exponential-backoff retry on connection errors."""
     return redis.Redis(
@@ -157,7 +170,7 @@ def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", passw
         socket_connect_timeout=cfg.connect_timeout_s,
         health_check_interval=cfg.health_check_s,
         socket_keepalive=True,
-        retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), cfg.retries),
+        retry=SafeRetry(ExponentialBackoff(cap=1.0, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError)),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         client_name=f"dr-{role}"[:64].replace(" ", "_"),
         decode_responses=False,

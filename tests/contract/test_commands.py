@@ -1,0 +1,186 @@
+"""Commands and acks against a real redis-server: ordering, durability, at-most-once, fencing, bad input."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from dynaresize.control.commands import CommandBus, CommandReceiver, FencedError
+from dynaresize.control.registry import Registry
+from dynaresize.control.wire import Command, CommandKind, WireError, encode
+from dynaresize.events import EventLog, read_events
+
+pytestmark = pytest.mark.contract
+
+
+class Recorder:
+    """A handler that records what it applied (and can fail on demand)."""
+
+    def __init__(self, fail_kinds=()):
+        self.seen: list[tuple[str, dict]] = []
+        self.fail_kinds = set(fail_kinds)
+
+    def __call__(self, cmd: Command):
+        self.seen.append((cmd.command_id, cmd.payload))
+        if cmd.kind in self.fail_kinds:
+            raise RuntimeError("engine not ready")
+        return {"n": len(self.seen)}
+
+
+def drain(recv: CommandReceiver, handler, rounds: int = 3) -> None:
+    for _ in range(rounds):
+        recv.process(handler, timeout=0.05)
+
+
+def test_ordered_durable_delivery_across_a_disconnect(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    rc = client("rank0")
+    recv = CommandReceiver(rc, job_id, 0, cfg)
+    h = Recorder()
+    first = bus.send(CommandKind.PING, [0], {"i": 0})
+    drain(recv, h)
+    recv.close()
+    rc.close()  # the rank disconnects; commands keep coming
+    sent = [bus.send(CommandKind.SWITCH_ROLE, [0], {"i": i}) for i in range(1, 6)]
+    # a new process/connection for the same rank resumes from the cursor stored in Redis
+    recv2 = CommandReceiver(client("rank0-again"), job_id, 0, cfg)
+    drain(recv2, h)
+    assert [cid for cid, _ in h.seen] == [first.command_id] + [c.command_id for c in sent]
+    res = bus.await_acks(sent[-1].command_id, [0], timeout=1)
+    assert res.missing == [] and res.acks[0].ok and res.acks[0].result == {"n": 6}
+
+
+def test_wake_up_delivers_promptly_to_a_waiting_rank(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg.model_copy(update={"block_ms": 1000}))
+    recv = CommandReceiver(client("rank"), job_id, 3, cfg.model_copy(update={"block_ms": 1000}))
+    got = []
+    t = threading.Thread(target=lambda: recv.process(lambda c: got.append(c.command_id), timeout=3))
+    t.start()
+    cmd, res = bus.request(CommandKind.PING, [3], timeout=2)
+    t.join()
+    assert got == [cmd.command_id] and res.missing == []
+    assert res.acks[3].acked_at - cmd.issued_at < 0.5, "the pub/sub wake-up, not the 1 s fallback, should deliver it"
+
+
+def test_retried_command_applies_once_and_replays_its_ack(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    h = Recorder()
+    cmd = bus.send(CommandKind.STAGE_STATE, [0], {"x": 1})
+    drain(recv, h)
+    bus.resend(cmd)
+    bus.resend(cmd)
+    drain(recv, h)
+    assert len(h.seen) == 1, "a re-sent command must not be applied again"
+    acks = [json.loads(f[b"m"]) for _, f in client().xrange(f"dr:{job_id}:ack:{cmd.command_id}")]
+    assert [a["replayed"] for a in acks] == [False, True, True]
+    assert all(a["result"] == {"n": 1} for a in acks)
+
+
+def test_interrupted_command_is_not_applied_twice(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    cmd = bus.send(CommandKind.TRAIN, [0])
+    client().hset(f"dr:{job_id}:applied:0", cmd.command_id, "started")  # a rank died mid-apply
+    h = Recorder()
+    drain(CommandReceiver(client("rank"), job_id, 0, cfg), h)
+    assert h.seen == []
+    ack = bus.await_acks(cmd.command_id, [0], 1).acks[0]
+    assert not ack.ok and "interrupted" in ack.error
+
+
+def test_handler_failure_is_an_error_ack_not_a_dead_rank(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    bad = bus.send(CommandKind.GENERATE, [0])
+    good = bus.send(CommandKind.PING, [0])
+    drain(recv, Recorder(fail_kinds={CommandKind.GENERATE}))
+    a = bus.await_acks(bad.command_id, [0], 1).acks[0]
+    assert not a.ok and "RuntimeError: engine not ready" in a.error
+    assert bus.await_acks(good.command_id, [0], 1).acks[0].ok
+
+
+def test_epoch_fencing_rejects_and_logs_the_old_coordinator(client, cfg, job_id, tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    old = CommandBus(client("coord-old"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg, events=events)
+    h = Recorder()
+    ok = old.send(CommandKind.PING, [0])
+    drain(recv, h)
+    in_flight = old.send(CommandKind.SWITCH_ROLE, [0], {"to": "train"})  # not yet read by the rank
+    new = CommandBus(client("coord-new"), job_id, cfg)  # a new coordinator incarnation takes over
+    assert new.epoch == old.epoch + 1
+    with pytest.raises(FencedError):
+        old.send(CommandKind.SWITCH_ROLE, [0])
+    fresh = new.send(CommandKind.PING, [0])
+    drain(recv, h)
+    assert [cid for cid, _ in h.seen] == [ok.command_id, fresh.command_id]
+    stale = old.await_acks(in_flight.command_id, [0], 1).acks[0]
+    assert not stale.ok and "stale epoch" in stale.error
+    rejected = [e for e in read_events(tmp_path / "events.jsonl") if e.type.value == "control"]
+    assert [e["command_id"] for e in rejected] == [in_flight.command_id]
+    assert "stale epoch" in rejected[0]["reason"] and rejected[0]["epoch"] == old.epoch
+
+
+def test_await_acks_reports_who_did_not_answer(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recvs = {r: CommandReceiver(client(f"rank{r}"), job_id, r, cfg) for r in range(4)}
+    cmd = bus.send(CommandKind.SYNC_WEIGHTS, range(4), {"version": 3})
+    for r in (0, 2):
+        drain(recvs[r], Recorder(), rounds=1)
+    res = bus.await_acks(cmd.command_id, range(4), timeout=0.3)
+    assert sorted(res.acks) == [0, 2] and res.missing == [1, 3]
+    acks, missing = res  # unpacks as (acks by rank, missing ranks)
+    assert acks[2].rank == 2 and missing == [1, 3]
+
+
+def test_two_jobs_share_one_server_without_seeing_each_other(client, cfg, job_id, registration):
+    other = job_id + "-b"
+    bus_a, bus_b = CommandBus(client(), job_id, cfg), CommandBus(client(), other, cfg)
+    assert bus_a.epoch == bus_b.epoch == 1, "epochs are per job"
+    Registry(client(), job_id, cfg).register(registration(job_id, 0))
+    Registry(client(), other, cfg).register(registration(other, 0))
+    Registry(client(), other, cfg).register(registration(other, 1))
+    assert sorted(Registry(client(), job_id, cfg).live()) == [0]
+    assert sorted(Registry(client(), other, cfg).live()) == [0, 1]
+    ha, hb = Recorder(), Recorder()
+    ca = bus_a.send(CommandKind.PING, [0], {"job": "a"})
+    cb = bus_b.send(CommandKind.PING, [0], {"job": "b"})
+    drain(CommandReceiver(client(), job_id, 0, cfg), ha)
+    drain(CommandReceiver(client(), other, 0, cfg), hb)
+    assert ha.seen == [(ca.command_id, {"job": "a"})] and hb.seen == [(cb.command_id, {"job": "b"})]
+    assert bus_a.await_acks(cb.command_id, [0], 0.1).missing == [0]
+    keys = {k.decode() for k in client().scan_iter(match="dr:*", count=1000)}
+    assert all(k.startswith((f"dr:{job_id}:", f"dr:{other}:")) for k in keys if job_id in k)
+    assert any(k.startswith(f"dr:{other}:") for k in keys) and any(k.startswith(f"dr:{job_id}:epoch") for k in keys)
+
+
+def test_bad_messages_are_rejected_logged_and_skipped(client, cfg, job_id, tmp_path):
+    events = EventLog(tmp_path / "events.jsonl")
+    bus = CommandBus(client("coord"), job_id, cfg)
+    stream = f"dr:{job_id}:cmd:0"
+    raw = client()
+    good = bus.command(CommandKind.PING, [0])
+    unknown = json.loads(good.model_dump_json()) | {"command_id": "u1", "kind": "teleport"}
+    extra = json.loads(good.model_dump_json()) | {"command_id": "x1", "sneaky": 1}
+    raw.xadd(stream, {"m": b"{not json"})
+    raw.xadd(stream, {"m": json.dumps(unknown)})
+    raw.xadd(stream, {"m": json.dumps(extra)})
+    raw.xadd(stream, {"m": b"x" * (cfg.max_message_bytes + 1)})
+    raw.xadd(stream, {"other": b"no m field"})
+    raw.xadd(stream, {"m": b"\xff\xfe\x00"})
+    after = bus.send(CommandKind.PING, [0])
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg, events=events)
+    h = Recorder()
+    drain(recv, h)
+    assert [cid for cid, _ in h.seen] == [after.command_id], "the rank survives and applies the next good command"
+    assert recv.rejected == 6
+    reasons = [e["reason"] for e in read_events(tmp_path / "events.jsonl") if e["what"] == "rejected"]
+    assert len(reasons) == 6
+    assert "Invalid JSON" in reasons[0] and "kind" in reasons[1] and "sneaky" in reasons[2]
+    assert "max_message_bytes" in reasons[3] and "missing message field" in reasons[4]
+    u = bus.await_acks("u1", [0], 0.5).acks[0]  # readable id: the coordinator gets an error ack
+    assert not u.ok and "kind" in u.error
+    with pytest.raises(WireError, match="max_message_bytes"):
+        encode(bus.command(CommandKind.PING, [0], {"blob": "x" * cfg.max_message_bytes}), cfg.max_message_bytes)

@@ -1,0 +1,82 @@
+"""Registry against a real redis-server: register, heartbeat, incarnations, dead-rank detection."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dynaresize.control.registry import Beat, Heartbeater, Registry
+from dynaresize.control.wire import RankState
+from dynaresize.events import EventLog, Role, read_events
+
+pytestmark = pytest.mark.contract
+
+
+def test_register_list_update_deregister(client, cfg, job_id, registration):
+    reg = Registry(client(), job_id, cfg)
+    regs = [reg.register(registration(job_id, r, slurm_job_id="42", het_group=1, node="n1", local_id=r, gpu=str(r)))
+            for r in range(3)]
+    assert [x.incarnation for x in regs] == [1, 1, 1]
+    live = reg.live()
+    assert sorted(live) == [0, 1, 2]
+    assert live[1].staging_dir == "/tmp/stage" and live[1].het_group == 1 and live[1].incarnation == 1
+    upd = regs[1].model_copy(update={"role": Role.TRAIN, "state": RankState.BUSY})
+    assert reg.heartbeat(1, 1, update=upd) is Beat.OK
+    assert reg.live()[1].role is Role.TRAIN and reg.live()[1].state is RankState.BUSY
+    assert reg.deregister(2, 1)
+    assert sorted(reg.live()) == [0, 1] and reg.dead() == {}
+
+
+def test_reregister_bumps_incarnation_and_supersedes_the_old_process(client, cfg, job_id, registration):
+    reg = Registry(client(), job_id, cfg)
+    old = reg.register(registration(job_id, 0))
+    new = reg.register(registration(job_id, 0, pid=1))
+    assert new.incarnation == old.incarnation + 1
+    assert reg.heartbeat(0, old.incarnation) is Beat.SUPERSEDED
+    assert reg.heartbeat(0, new.incarnation) is Beat.OK
+    assert not reg.deregister(0, old.incarnation), "an old incarnation must not remove the new one"
+    assert reg.live()[0].incarnation == new.incarnation
+
+
+def test_lost_registration_is_re_registered_by_the_heartbeater(client, cfg, job_id, tmp_path, registration):
+    events = EventLog(tmp_path / "events.jsonl")
+    hb = Heartbeater(Registry(client("rank"), job_id, cfg), registration(job_id, 5), events=events)
+    first = hb.start()
+    try:
+        client().delete(f"dr:{job_id}:rank:5")  # e.g. expired while Redis was away
+        deadline = time.monotonic() + 2
+        while hb.registration.incarnation == first.incarnation and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert hb.registration.incarnation == first.incarnation + 1
+        assert Registry(client(), job_id, cfg).live()[5].incarnation == first.incarnation + 1
+    finally:
+        hb.stop()
+    states = [e["state"] for e in read_events(tmp_path / "events.jsonl")]
+    assert states == ["registered", "rejoined", "left"]
+
+
+def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, registration):
+    assert cfg.dead_after_heartbeats == 2
+    period = cfg.heartbeat_s
+    hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(3)]
+    for hb in hbs:
+        hb.start()
+    coord = Registry(client("coord"), job_id, cfg)
+    try:
+        time.sleep(3 * period)
+        assert sorted(coord.live()) == [0, 1, 2] and coord.dead() == {}, "live ranks must not be reported dead"
+        hbs[1].stop(deregister=False)  # the rank dies silently
+        killed = time.monotonic()
+        while 1 not in coord.dead():
+            assert time.monotonic() - killed < 10 * period, "dead rank never detected"
+            time.sleep(period / 10)
+        took = time.monotonic() - killed
+        # worst case: it died right after a beat, so its last beat is 2 periods old when detected (+ polling)
+        assert took <= 2 * period + 0.15, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
+        assert sorted(coord.live()) == [0, 2]
+        coord.forget(1)
+        assert coord.dead() == {}
+    finally:
+        for hb in hbs:
+            hb.stop()
