@@ -17,7 +17,7 @@ from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dynaresize.events import EVENTS_FILE, Event, EventType, ReadStats, Role, Stage, read_events
+from dynaresize.events import EVENTS_FILE, Event, EventType, ReadStats, Role, Stage, count_ranks, read_events
 
 # Interval kinds: the stages first, then one kind per switch operation ("op:<name>").
 STAGE_KINDS = [s.value for s in Stage]
@@ -44,7 +44,7 @@ class StageSpan:
     tokens: int = 0
     samples: int = 0
     count: int = 0
-    max_ranks: int = 0
+    ranks: int = 0  # ranks summed over the stage's intervals in this step
 
 
 @dataclass
@@ -236,6 +236,7 @@ def _ingest(rd: RunData, ev: Event) -> None:
         span.tokens += int(ev.get("tokens") or 0)
         span.samples += int(ev.get("samples") or 0)
         span.count += 1
+        span.ranks += count_ranks(ev["ranks"])
     elif et is EventType.SWITCH_OP:
         rs = _interval(rd, ev, "op:" + ev["op"], -1, ev["critical"])
         if rs is None:

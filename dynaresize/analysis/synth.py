@@ -48,6 +48,7 @@ class SynthRun:
     switches: tuple[tuple[int, int], ...] = ((4, 4),)  # (after step, new train count)
     seed: int = 0
     mode: str = "optimized"
+    noise: float = 0.0  # relative sd of a seeded multiplicative noise on stage and op durations
 
 
 def write_synthetic_run(run_dir: str | Path, run: SynthRun = SynthRun(), costs: SynthCosts = SynthCosts(),
@@ -65,6 +66,10 @@ def write_synthetic_run(run_dir: str | Path, run: SynthRun = SynthRun(), costs: 
             buf.clear()
 
     n_tr = run.train
+    nrng = random.Random(run.seed + 1)
+
+    def nz() -> float:
+        return max(0.05, 1.0 + nrng.gauss(0.0, run.noise)) if run.noise else 1.0
     world = run.world
     allr = format_ranks(range(world))
 
@@ -81,14 +86,14 @@ def write_synthetic_run(run_dir: str | Path, run: SynthRun = SynthRun(), costs: 
         tokens = int(run.tokens_per_step * (1 + run.drift) ** k * (1 + rng.uniform(-run.jitter, run.jitter)))
         n_ro = world - n_tr
         emit(t, "step_start", step=k)
-        r_end = t + costs.rollout_overhead_s + tokens / (n_ro * costs.rollout_tokens_per_s_per_gpu)
-        t_end = t + costs.train_overhead_s + tokens / (n_tr * costs.train_tokens_per_s_per_gpu)
+        r_end = t + nz() * (costs.rollout_overhead_s + tokens / (n_ro * costs.rollout_tokens_per_s_per_gpu))
+        t_end = t + nz() * (costs.train_overhead_s + tokens / (n_tr * costs.train_tokens_per_s_per_gpu))
         emit(r_end, "stage", step=k, stage="rollout", ranks=ro, start=t, end=r_end, tokens=tokens, samples=run.samples_per_step)
         emit(t_end, "stage", step=k, stage="train", ranks=tr, start=t, end=t_end, tokens=tokens, samples=run.samples_per_step)
         if stage_in_end is not None:
             stage_in_end = None
         ws0 = max(r_end, t_end)
-        ws1 = ws0 + costs.weight_sync_s
+        ws1 = ws0 + costs.weight_sync_s * nz()
         emit(ws1, "stage", step=k, stage="weight_sync", ranks=allr, start=ws0, end=ws1)
         emit(ws1, "step_end", step=k, samples=run.samples_per_step, tokens_generated=tokens, tokens_trained=tokens)
         t = ws1
@@ -101,6 +106,7 @@ def write_synthetic_run(run_dir: str | Path, run: SynthRun = SynthRun(), costs: 
             moving = format_ranks(range(min(n_tr, new_tr), max(n_tr, new_tr)))
             t0 = t
             for op, d in costs.ops_s.items():
+                d *= nz()
                 ranks = allr if op == "comm_select" else moving
                 emit(t + d, "switch_op", switch_id=sid, op=op, ranks=ranks, start=t, end=t + d, critical=True)
                 t += d
