@@ -1,0 +1,130 @@
+"""What each task of the het job runs: ``python -m dynaresize.slurm.entry {coordinator|worker} --run-dir DIR``.
+
+Component 0 runs ``coordinator`` (one task), component 1 runs ``worker`` (one task per GPU). Both read the
+resolved ``<run_dir>/config.yaml`` written at submit time, build a :class:`SlurmContext` (config, run directory,
+Slurm identity, preemption hook) and hand it to the main job, found lazily so this module never imports torch:
+
+==============  =====================================================================================
+coordinator     ``dynaresize.job.coordinator.run_coordinator(ctx: SlurmContext) -> int``
+worker          ``dynaresize.worker.main.run_worker(ctx: SlurmContext) -> int``
+==============  =====================================================================================
+
+The coordinator must start the run's Redis (``dynaresize.control.server.RedisServer(cfg.redis, run_dir)``),
+then call :func:`dynaresize.slurm.rendezvous.publish`; workers call :func:`dynaresize.slurm.rendezvous.wait`
+to get the endpoint file of the current job incarnation (see :mod:`dynaresize.slurm.rendezvous`). On a requeue
+``ctx.resume`` is true and the job resumes from its checkpoint in the run directory. The coordinator registers
+its checkpoint with ``ctx.preemption.on_checkpoint(fn)`` and calls ``ctx.preemption.poll()`` between steps
+(see :mod:`dynaresize.slurm.preempt`). With ``slurm.entry=probe`` the built-in :mod:`dynaresize.slurm.probe` runs
+instead (it tests the Slurm plumbing without the main job).
+
+``python -m dynaresize.slurm.entry prepare CONFIG [overrides] --job-id N`` prints the run directory for
+``slurm/dynaresize.sbatch`` (created on the job's first start, reused after a requeue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dynaresize.config.loader import ConfigError
+from dynaresize.config.schema import Config
+from dynaresize.slurm import identity as identity_mod
+from dynaresize.slurm.identity import SlurmIdentity
+from dynaresize.slurm.preempt import Preemption
+from dynaresize.slurm.rundir import load_run_config, prepare_in_job
+
+JOB_ENTRY_POINTS = {
+    "coordinator": ("dynaresize.job.coordinator", "run_coordinator"),
+    "worker": ("dynaresize.worker.main", "run_worker"),
+}
+
+
+@dataclass(frozen=True)
+class SlurmContext:
+    """Everything a component needs from the Slurm layer."""
+
+    cfg: Config
+    run_dir: Path
+    identity: SlurmIdentity | None  # None when run outside Slurm (tests)
+    preemption: Preemption | None  # coordinator only: the USR2 -> checkpoint -> requeue hook
+    resume: bool  # True after a requeue (SLURM_RESTART_COUNT > 0) or when the run dir holds a checkpoint
+
+
+def _requeue_fn(cfg: Config) -> Callable[[str], None]:
+    def requeue(leader: str) -> None:
+        from dynaresize.slurm.adapter import requeue as slurm_requeue
+
+        slurm_requeue(leader, start_now=cfg.slurm.requeue_start_now)
+
+    return requeue
+
+
+def make_context(role: str, run_dir: str | Path, env: dict[str, str] | None = None) -> SlurmContext:
+    run_dir = Path(run_dir).absolute()
+    cfg = load_run_config(run_dir)
+    ident = identity_mod.from_env(os.environ if env is None else env)
+    pre = None
+    if role == "coordinator":
+        pre = Preemption(
+            ident.job_id if ident else None, ident.restart_count if ident else 0,
+            cfg.slurm.requeue, cfg.slurm.max_requeues, _requeue_fn(cfg),
+        )
+    resume = bool(ident and ident.restart_count > 0) or (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    return SlurmContext(cfg, run_dir, ident, pre, resume)
+
+
+def resolve(role: str, cfg: Config) -> Callable[[SlurmContext], int]:
+    """The function that runs ``role`` for this config (probe or main job). Raises RuntimeError when missing."""
+    if cfg.slurm.entry == "probe":
+        from dynaresize.slurm import probe
+
+        return probe.run_coordinator if role == "coordinator" else probe.run_worker
+    module, name = JOB_ENTRY_POINTS[role]
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and module.startswith(e.name):
+            raise RuntimeError(f"{module} is not available in this build: the main job cannot run under Slurm yet (slurm.entry=probe tests the plumbing)") from None
+        raise
+    fn = getattr(mod, name, None)
+    if fn is None:
+        raise RuntimeError(f"{module}.{name}(ctx) is missing: the main job does not provide its Slurm entry point yet (slurm.entry=probe tests the plumbing)")
+    return fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dynaresize.slurm.entry", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="role", required=True)
+    for role in ("coordinator", "worker"):
+        s = sub.add_parser(role)
+        s.add_argument("--run-dir", required=True)
+    s = sub.add_parser("prepare")
+    s.add_argument("config")
+    s.add_argument("overrides", nargs="*")
+    s.add_argument("--job-id", required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {args.role} %(name)s %(levelname)s: %(message)s")
+    try:
+        if args.role == "prepare":
+            print(prepare_in_job(args.config, args.overrides, args.job_id))
+            return 0
+        ctx = make_context(args.role, args.run_dir)
+        if ctx.preemption is not None:
+            ctx.preemption.install()
+        fn = resolve(args.role, ctx.cfg)
+        who = ctx.identity.to_json() if ctx.identity else "outside Slurm"
+        logging.getLogger("dynaresize.slurm.entry").info("%s starting in %s as %s", args.role, ctx.run_dir, who)
+        return int(fn(ctx) or 0)
+    except (ConfigError, identity_mod.IdentityError, RuntimeError) as e:
+        print(f"dynaresize.slurm.entry {args.role}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
