@@ -7,8 +7,9 @@ and written as comments at the top of the YAML file, so the file itself holds on
     dynaresize calibrate runs/quickstart-20261130-101500 -o costs.yaml
     dynaresize calibrate runs/real --json           # the full fit as JSON on stdout
 
-PROVISIONAL FORMAT: the simulator's ``costs:`` section (dynaresize/sim/config.py) is being written in parallel;
-:func:`to_costs_section` is the one place that maps the fit onto it.
+Format: the simulator's ``sim.costs`` (``SwitchCostConfig``) and ``sim.train`` sections, as top-level ``costs:`` and
+``train:`` keys (PROVISIONAL until ``dynaresize simulate --costs`` lands; :func:`to_costs_section` is the one
+place that maps the fit onto it).
 """
 
 from __future__ import annotations
@@ -31,19 +32,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def to_costs_section(fit: dict) -> dict:
-    """The fit as the simulator's ``costs:`` section (only fitted values; unknown ones are left out)."""
-    out: dict = {}
-    for stage in ("rollout", "train"):
-        f = fit[stage]
-        if f["overhead_s"] is not None:
-            out[f"{stage}_overhead_s"] = round(max(f["overhead_s"], 0.0), 6)
-        if f["tokens_per_s_per_gpu"] is not None:
-            out[f"{stage}_tokens_per_s_per_gpu"] = round(f["tokens_per_s_per_gpu"], 6)
-    if fit["weight_sync_s"] is not None:
-        out["weight_sync_s"] = round(fit["weight_sync_s"], 6)
-    if fit["override_s"]:
-        out["override_s"] = {k: round(v, 6) for k, v in fit["override_s"].items()}
-    return {"costs": out}
+    """The fit as simulator config sections (only fitted values; the rest keeps the simulator's defaults).
+
+    - ``costs``: :class:`dynaresize.policy.config.SwitchCostConfig` (the simulator's ``sim.costs``): measured
+      per-op medians as ``override_s``; the median weight_sync stage as the ``weight_sync`` override when no
+      weight_sync op was logged.
+    - ``train``: the simulator's ``sim.train`` (tokens_per_gpu_s, step_overhead_s; the fit assumes perfect
+      data-parallel scaling over the rank counts seen).
+    The rollout fit (overhead + tokens per GPU-second) is reported in the comments only: the simulator models
+    decode from physics (weight reads, KV reads, long tail), which a stage-time fit does not determine.
+    """
+    costs: dict = {}
+    override = {k: round(v, 6) for k, v in fit["override_s"].items()}
+    if "weight_sync" not in override and fit["weight_sync_s"] is not None:
+        override["weight_sync"] = round(fit["weight_sync_s"], 6)
+    if override:
+        costs["override_s"] = override
+    train: dict = {}
+    f = fit["train"]
+    if f["tokens_per_s_per_gpu"] is not None:
+        train["tokens_per_gpu_s"] = round(f["tokens_per_s_per_gpu"], 6)
+    if f["overhead_s"] is not None:
+        train["step_overhead_s"] = round(max(f["overhead_s"], 0.0), 6)
+    out = {}
+    if costs:
+        out["costs"] = costs
+    if train:
+        out["train"] = train
+    return out
 
 
 def _comments(fit: dict) -> str:
@@ -52,7 +68,8 @@ def _comments(fit: dict) -> str:
              f"run {s['run']}: {s['world_size']} GPUs, {s['steps']} steps, {s['switches']} switches, {s['bad_lines']} bad lines"]
     for stage in ("rollout", "train"):
         f = fit[stage]
-        lines.append(f"{stage}: {f['n']} points, r2={f['r2']}, rmse_s={f['rmse_s']}")
+        lines.append(f"{stage}: {f['n']} points, overhead_s={f['overhead_s']}, tokens_per_s_per_gpu={f['tokens_per_s_per_gpu']}, "
+                     f"r2={f['r2']}, rmse_s={f['rmse_s']}")
     for op, o in fit["ops"].items():
         lines.append(f"{op}: n={o['n']} median={o['median_s']:.4g}s min={o['min_s']:.4g}s max={o['max_s']:.4g}s "
                      f"critical_share={o['critical_share']:.2f}")
