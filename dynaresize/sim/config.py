@@ -1,11 +1,70 @@
-"""Config of the discrete-event simulator (section ``sim``). Filled in by the simulator issue."""
+"""Config of the discrete-event simulator (section ``sim``): workload, hardware physics and switch costs.
+
+The cluster size, initial split and granularity come from ``cluster``, the staleness bound from ``pipeline``, the
+hysteresis from ``policy`` and the seed from ``run``, so one experiment file drives both a real run and a
+simulated one. Defaults describe a Qwen3-8B-like model on H20-like GPUs; each number says where it comes from
+(DESIGN = ../shared/DESIGN.md public figures, ASSUMPTION = our estimate).
+"""
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Literal
+
+from pydantic import Field, model_validator
 
 from dynaresize.config.base import Section
+from dynaresize.policy.config import OptimizationsConfig, SwitchCostConfig
+
+
+class WorkloadConfig(Section):
+    prompts_per_step: int = Field(32, ge=1, description="Prompts per RL step (B)")
+    responses_per_prompt: int = Field(8, ge=1, description="Responses sampled per prompt (G)")
+    prompt_tokens_mean: float = Field(512, gt=0, description="Mean prompt length, tokens (lognormal)")
+    prompt_tokens_sigma: float = Field(0.3, ge=0, description="Lognormal shape of prompt lengths")
+    response_tokens_start: float = Field(1000, gt=0, description="Mean response length at the first step, tokens")
+    response_tokens_end: float = Field(4000, gt=0, description="Mean response length at the last step (equal to start: stationary)")
+    drift: Literal["linear", "exponential"] = Field("linear", description="How the mean response length moves from start to end")
+    response_sigma: float = Field(1.0, ge=0, description="Lognormal shape of response lengths (1.0: a long tail)")
+    max_response_tokens: int = Field(16384, ge=1, description="Response length cap (max_tokens)")
+
+
+class RolloutPhysicsConfig(Section):
+    """Decode is memory-bound: one decode iteration on a GPU costs iteration_fixed_s + active x (compute + KV read)."""
+
+    iteration_fixed_s: float = Field(
+        0.0075, gt=0, description="Per decode iteration: weights read (16.4 GB at 4 TB/s: 4.1 ms) + scheduling, sampling (ASSUMPTION: ~7.5 ms ITL)"
+    )
+    compute_per_seq_s: float = Field(0.00022, ge=0, description="Per sequence per iteration: 2 x 8.2 GFLOP at 74 TFLOP/s (ASSUMPTION H20 at 50%)")
+    kv_bytes_per_token: float = Field(147456, ge=0, description="KV-cache bytes per token (Qwen3-8B: 36 layers x 8 heads x 128 x 2 x bf16)")
+    hbm_gbps: float = Field(3200, gt=0, description="Effective HBM bandwidth for KV reads, GB/s (ASSUMPTION: 80% of H20's 4.0 TB/s)")
+    kv_cache_gb: float = Field(70, gt=0, description="KV-cache memory per GPU, GB (ASSUMPTION: 96 GB x 0.9 - weights)")
+    max_seqs_per_gpu: int = Field(256, ge=1, description="Scheduler cap on concurrent sequences per GPU (vLLM max_num_seqs)")
+    prefill_tokens_per_s: float = Field(4500, gt=0, description="Prefill throughput per GPU, tokens/s (compute-bound; ASSUMPTION)")
+
+
+class TrainPhysicsConfig(Section):
+    tokens_per_gpu_s: float = Field(
+        630, gt=0, description="Trained tokens/s per GPU (148 TFLOP/s x 35% MFU / 10 x 8.2 GFLOP: fwd old+ref, fwd+bwd; ASSUMPTION)"
+    )
+    scaling_per_doubling: float = Field(0.95, gt=0.5, le=1, description="Data-parallel efficiency kept per doubling of trainers (ASSUMPTION)")
+    step_overhead_s: float = Field(2.0, ge=0, description="Fixed per training step: optimizer step, barriers (ASSUMPTION)")
 
 
 class SimConfig(Section):
-    steps: int = Field(200, ge=1, description="RL steps to simulate")
+    steps: int = Field(200, ge=2, description="RL steps to simulate")
+    workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
+    rollout: RolloutPhysicsConfig = Field(default_factory=RolloutPhysicsConfig, description="Decode physics of a rollout GPU")
+    train: TrainPhysicsConfig = Field(default_factory=TrainPhysicsConfig, description="Training physics of a trainer GPU")
+    costs: SwitchCostConfig = Field(default_factory=SwitchCostConfig, description="Switch cost model inputs (dynaresize calibrate writes these)")
+    optimizations: OptimizationsConfig = Field(default_factory=OptimizationsConfig, description="Switch optimisations in the DynaResize run")
+    write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
+    compare_static_max: int = Field(
+        64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "SimConfig":
+        w = self.workload
+        if w.response_tokens_start > w.max_response_tokens or w.response_tokens_end > w.max_response_tokens:
+            raise ValueError(f"mean response length above max_response_tokens ({w.max_response_tokens})")
+        return self

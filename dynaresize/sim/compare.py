@@ -1,0 +1,127 @@
+"""Run one simulation or the full comparison: static splits, DynaResize (optimised / naive), greedy, oracle.
+
+The oracle is a bound, not a run: for every step the best candidate split with free, instant switches, perfectly
+pipelined (sum over steps of min over splits of max(rollout + sync, train), plus the first stage to fill the pipe).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from dynaresize.config.schema import Config
+from dynaresize.policy import ResizePolicy, SwitchCostModel, Topology, from_cluster, greedy_config
+from dynaresize.policy.config import OptimizationsConfig
+from dynaresize.sim.engine import Pipeline, RunResult, StaticController
+from dynaresize.sim.stages import StageTable
+
+
+@dataclass
+class Setup:
+    cfg: Config
+    table: StageTable
+    candidates: tuple[Topology, ...]
+    initial: Topology
+    costs: SwitchCostModel
+    naive_costs: SwitchCostModel
+
+
+def setup(cfg: Config) -> Setup:
+    sim, cl = cfg.sim, cfg.cluster
+    cands = from_cluster(cl)
+    table = StageTable(sim, cfg.run.seed, sim.steps, cl.gpus)
+    return Setup(
+        cfg, table, cands, Topology(cl.initial_train, cl.gpus - cl.initial_train),
+        SwitchCostModel(sim.costs, sim.optimizations), SwitchCostModel(sim.costs, OptimizationsConfig.naive()),
+    )
+
+
+def _pipe(s: Setup, name: str, ctl, costs: SwitchCostModel, initial: Topology, log: bool) -> Pipeline:
+    return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, s.cfg.sim.costs.deferred_overlap_fraction)
+
+
+def run_dynamic(s: Setup, log: bool, naive: bool = False, greedy: bool = False, name: str = "dynaresize") -> RunResult:
+    pcfg = greedy_config(s.cfg.policy) if greedy else s.cfg.policy
+    costs = s.naive_costs if naive else s.costs
+    ctl = ResizePolicy(pcfg, costs, s.candidates)
+    return _pipe(s, name, ctl, costs, s.initial, log).run()
+
+
+def run_static(s: Setup, topo: Topology, log: bool = False) -> RunResult:
+    return _pipe(s, f"static {topo}", StaticController(), s.costs, topo, log).run()
+
+
+def oracle_total(s: Setup) -> float:
+    t, sync = s.table, s.costs.weight_sync_s()
+    by_r = sorted(s.candidates, key=lambda c: c.n_rollout)
+
+    def period(k: int, c: Topology) -> tuple[float, float, float]:
+        r = t.rollout_s(k, c.n_rollout) + (sync if k >= 1 else 0.0)
+        tr = t.train_s(k, c.n_train)
+        return max(r, tr), r, tr
+
+    total = 0.0
+    for k in range(t.steps):
+        lo, hi = 0, len(by_r) - 1  # first index where rollout <= train (rollout falls, train rises with n_rollout)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            _, r, tr = period(k, by_r[mid])
+            if r <= tr:
+                hi = mid
+            else:
+                lo = mid + 1
+        best = min((period(k, by_r[i]) for i in (lo - 1, lo) if 0 <= i < len(by_r)), key=lambda x: x[0])
+        total += best[0]
+        if k == 0:
+            total += min(best[1], best[2])
+    return total
+
+
+def static_choices(s: Setup) -> list[Topology]:
+    cands, m = list(s.candidates), s.cfg.sim.compare_static_max
+    if len(cands) <= m:
+        return cands
+    picks = {cands[round(i * (len(cands) - 1) / (m - 1))] for i in range(m)} | {s.initial}
+    return sorted(picks)
+
+
+def compare(s: Setup) -> dict:
+    t0 = time.perf_counter()
+    s.table.sweep([c.n_rollout for c in s.candidates])
+    statics = [run_static(s, c) for c in static_choices(s)]
+    best = min(statics, key=lambda r: r.total_s)
+    dyn = run_dynamic(s, False)
+    naive = run_dynamic(s, False, naive=True, name="dynaresize naive")
+    greedy = run_dynamic(s, False, greedy=True, name="greedy")
+    orc = oracle_total(s)
+    samples = best.samples
+    rows = []
+    for r in statics + [dyn, naive, greedy]:
+        rows.append(dict(
+            name=r.name, total_s=r.total_s, throughput=r.throughput, gain=best.total_s / r.total_s - 1,
+            of_oracle=orc / r.total_s, switches=r.switches, overhead_s=r.overhead_s, critical_s=r.critical_s,
+            hidden=r.hidden_fraction,
+        ))
+    rows.append(dict(name="oracle (bound)", total_s=orc, throughput=samples / orc, gain=best.total_s / orc - 1,
+                     of_oracle=1.0, switches=None, overhead_s=0.0, critical_s=0.0, hidden=None))
+    summary = dict(
+        best_static_split=best.name.split()[-1], best_static_throughput=best.throughput,
+        dynaresize_throughput=dyn.throughput, oracle_throughput=samples / orc,
+        gain_vs_best_static=best.total_s / dyn.total_s - 1, time_change_vs_best_static=dyn.total_s / best.total_s - 1,
+        fraction_of_oracle=orc / dyn.total_s, overhead_hidden_fraction=dyn.hidden_fraction, switches=dyn.switches,
+        naive_gain_vs_best_static=best.total_s / naive.total_s - 1, naive_overhead_hidden_fraction=naive.hidden_fraction,
+        greedy_gain_vs_best_static=best.total_s / greedy.total_s - 1, greedy_switches=greedy.switches,
+        initial_split=str(s.initial), gpus=s.cfg.cluster.gpus, steps=s.table.steps, compare_wall_s=time.perf_counter() - t0,
+    )
+    return dict(rows=rows, summary=summary, dynaresize=dyn)
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'run':<20} {'time_s':>11} {'samples/s':>10} {'vs_best':>8} {'%oracle':>8} {'switches':>8} {'overhead_s':>10} {'hidden':>7}"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        sw = "-" if r["switches"] is None else str(r["switches"])
+        hid = "-" if r["hidden"] is None or not r["switches"] else f"{100 * r['hidden']:.0f}%"
+        out.append(f"{r['name']:<20} {r['total_s']:>11.0f} {r['throughput']:>10.3f} {100 * r['gain']:>+7.1f}% "
+                   f"{100 * r['of_oracle']:>7.1f}% {sw:>8} {r['overhead_s']:>10.1f} {hid:>7}")
+    return "\n".join(out)

@@ -1,0 +1,152 @@
+"""Stage times from physics: rollout with memory-bound decode and dynamic dispatch, training from tokens.
+
+Rollout on n GPUs (all sequences of a step dispatched to a shared queue; a GPU takes the next request when it has
+a free slot; at most ``cap`` sequences per GPU, from KV-cache memory and the scheduler limit):
+
+- a decode iteration on a GPU holding ``a`` sequences costs ``iteration_fixed_s + a x u`` with
+  ``u = compute_per_seq_s + context x kv_bytes_per_token / hbm`` (memory-bound: reading the weights dominates
+  until the batch is large; each sequence adds its KV-cache reads and its compute);
+- active sequences are spread evenly over the GPUs (``a = active / n``), but a GPU never holds less than one: when
+  fewer sequences than GPUs remain, each runs alone at ``1 / (iteration_fixed_s + u)`` tokens/s. That is the long
+  tail: a few long responses at low utilisation, which more GPUs cannot shorten.
+
+When every sequence fits at once (N <= n x cap), the active count after the j-th shortest response finishes is
+N - j and the time has a closed form over the sorted lengths (``_uncapped``), O(1) per n after one sort. When it
+does not fit, sequences queue and a list schedule (a heap over n x cap slots, in dispatch order) gives each
+sequence's start and end in decode iterations (``_capped``).
+
+Assumptions (also in docs/simulator.md): context per sequence is the step's token-weighted mean (prompt +
+E[L^2] / 2E[L]); prefill happens once per prompt (prefix caching) at ``prefill_tokens_per_s``; no preemption.
+Training: tokens / (tokens_per_gpu_s x n x eff(n)) + step_overhead_s, eff(n) = scaling_per_doubling ** log2 n.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from dynaresize.sim.config import SimConfig
+from dynaresize.sim.workload import Batch, make_batch
+
+
+class StepPhysics:
+    """Stage times of one step's batch for any number of GPUs."""
+
+    def __init__(self, sim: SimConfig, batch: Batch):
+        r = sim.rollout
+        self.batch = batch
+        L = np.sort(batch.lengths)
+        self.N = len(L)
+        self.lmax = float(L[-1])
+        m1, m2 = float(L.mean()), float((L * L).mean())
+        ctx = batch.prompt_mean + m2 / (2 * m1)
+        self.w = r.iteration_fixed_s
+        self.u = r.compute_per_seq_s + ctx * r.kv_bytes_per_token / (r.hbm_gbps * 1e9)
+        self.cap = max(1, min(r.max_seqs_per_gpu, int(r.kv_cache_gb * 1e9 // max(1.0, r.kv_bytes_per_token * ctx))))
+        self.prefill = batch.prompt_tokens / r.prefill_tokens_per_s
+        dL = np.diff(L, prepend=0.0)
+        active = self.N - np.arange(self.N, dtype=np.float64)
+        self._cum_hi = np.cumsum(dL * active)  # sum_{j<=i} dL_j * a_j
+        self._L = L
+        self.tail_s = self.lmax * (self.w + self.u)
+        t = sim.train
+        self._train = (batch.tokens_trained / t.tokens_per_gpu_s, t.scaling_per_doubling, t.step_overhead_s)
+
+    def rollout_s(self, n: int) -> float:
+        return float(self.rollout_many(np.array([n]))[0])
+
+    def rollout_many(self, ns: np.ndarray) -> np.ndarray:
+        ns = np.asarray(ns, dtype=np.int64)
+        out = np.empty(len(ns), dtype=np.float64)
+        capped = self.N > ns * self.cap
+        if (~capped).any():
+            out[~capped] = self._uncapped(ns[~capped])
+        for i in np.flatnonzero(capped):
+            out[i] = self._capped(int(ns[i]))
+        return out + self.prefill / ns
+
+    def _uncapped(self, ns: np.ndarray) -> np.ndarray:
+        jn = self.N - ns  # segments j <= jn have >= n active sequences
+        hi = np.where(jn >= 0, self._cum_hi[np.clip(jn, 0, self.N - 1)], 0.0)
+        lo = np.where(jn >= 0, self.lmax - self._L[np.clip(jn, 0, self.N - 1)], self.lmax)
+        return self.w * self.lmax + self.u * (hi / ns + lo)
+
+    def _capped(self, n: int) -> float:
+        m = n * self.cap
+        L = self.batch.lengths
+        starts = np.zeros(self.N)
+        ends = np.empty(self.N)
+        ends[:m] = L[:m]
+        heap = L[:m].tolist()
+        heapq.heapify(heap)
+        rest = L[m:].tolist()
+        s_out = [0.0] * len(rest)
+        for i, length in enumerate(rest):
+            s = heap[0]
+            heapq.heapreplace(heap, s + length)
+            s_out[i] = s
+        starts[m:] = s_out
+        ends[m:] = starts[m:] + L[m:]
+        times = np.concatenate([starts, ends])
+        delta = np.concatenate([np.ones(self.N), -np.ones(self.N)])
+        order = np.argsort(times, kind="stable")
+        times, delta = times[order], delta[order]
+        active = np.cumsum(delta)[:-1]
+        seg = np.diff(times)
+        per_iter = self.w + self.u * np.maximum(1.0, active / n)
+        return float(np.sum(seg * np.where(active > 0, per_iter, 0.0)))
+
+    def train_s(self, n: int) -> float:
+        work, per_doubling, overhead = self._train
+        eff = per_doubling ** math.log2(n) if n > 1 else 1.0
+        return work / (n * eff) + overhead
+
+
+class StageTable:
+    """Stage times for (step, GPUs), computed on demand; one sweep can precompute every candidate split."""
+
+    def __init__(self, sim: SimConfig, seed: int, steps: int, total_gpus: int):
+        self.sim, self.seed, self.steps, self.total = sim, seed, steps, total_gpus
+        self._phys: OrderedDict[int, StepPhysics] = OrderedDict()
+        self._roll = np.full((steps, total_gpus + 1), np.nan)
+        self.tail = np.full(steps, np.nan)
+        self.batches: dict[int, tuple[int, int, int]] = {}  # step -> (samples, generated, trained)
+
+    def physics(self, k: int) -> StepPhysics:
+        ph = self._phys.get(k)
+        if ph is None:
+            ph = StepPhysics(self.sim, make_batch(self.sim.workload, self.seed, k, self.steps))
+            self._phys[k] = ph
+            if len(self._phys) > 8:
+                self._phys.popitem(last=False)
+            self.tail[k] = ph.tail_s
+            b = ph.batch
+            self.batches[k] = (b.samples, b.tokens_generated, b.tokens_trained)
+        return ph
+
+    def rollout_s(self, k: int, n: int) -> float:
+        v = self._roll[k, n]
+        if v != v:  # NaN: not computed yet
+            v = self._roll[k, n] = self.physics(k).rollout_s(n)
+        return float(v)
+
+    def train_s(self, k: int, n: int) -> float:
+        return self.physics(k).train_s(n) if k not in self.batches else self._train_fast(k, n)
+
+    def _train_fast(self, k: int, n: int) -> float:
+        t = self.sim.train
+        eff = t.scaling_per_doubling ** math.log2(n) if n > 1 else 1.0
+        return self.batches[k][2] / t.tokens_per_gpu_s / (n * eff) + t.step_overhead_s
+
+    def tail_s(self, k: int) -> float:
+        v = self.tail[k]
+        return float(v) if v == v else self.physics(k).tail_s
+
+    def sweep(self, rollout_ns: list[int]) -> None:
+        """Precompute rollout times of every step for every n in ``rollout_ns`` (one batch draw per step)."""
+        ns = np.array(sorted(set(rollout_ns)), dtype=np.int64)
+        for k in range(self.steps):
+            self._roll[k, ns] = self.physics(k).rollout_many(ns)
