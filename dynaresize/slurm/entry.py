@@ -18,7 +18,8 @@ its checkpoint with ``ctx.preemption.on_checkpoint(fn)`` and calls ``ctx.preempt
 instead (it tests the Slurm plumbing without the main job).
 
 ``python -m dynaresize.slurm.entry prepare CONFIG [overrides] --job-id N`` prints the run directory for
-``slurm/dynaresize.sbatch`` (created on the job's first start, reused after a requeue).
+``slurm/dynaresize.sbatch`` (created on the job's first start, reused after a requeue), and ``check --run-dir``
+refuses an allocation whose shape does not match the config.
 """
 
 from __future__ import annotations
@@ -98,12 +99,31 @@ def resolve(role: str, cfg: Config) -> Callable[[SlurmContext], int]:
     return fn
 
 
+def allocation_problems(cfg: Config, env: dict[str, str]) -> list[str]:
+    """Pure: why this allocation cannot run ``cfg`` (empty when it can). For hand-edited sbatch headers."""
+    problems = []
+    if env.get("SLURM_HET_SIZE") != "2":
+        problems.append(f"SLURM_HET_SIZE={env.get('SLURM_HET_SIZE')!r}: the job needs 2 het components (an '#SBATCH hetjob' line)")
+        return problems
+    workers = env.get("SLURM_NTASKS_HET_GROUP_1") or env.get("SLURM_NPROCS_HET_GROUP_1")
+    if workers != str(cfg.cluster.gpus):
+        problems.append(f"component 1 has {workers} tasks but cluster.gpus = {cfg.cluster.gpus} (one rank per GPU): fix --nodes/--ntasks-per-node")
+    coord = env.get("SLURM_NTASKS_HET_GROUP_0") or env.get("SLURM_NPROCS_HET_GROUP_0")
+    if coord not in (None, "1"):
+        problems.append(f"component 0 has {coord} tasks; the coordinator needs exactly 1")
+    if cfg.cluster.device == "cuda" and not env.get("SLURM_GPUS_PER_NODE_HET_GROUP_1"):
+        problems.append("cluster.device = cuda but component 1 requests no GPUs (--gpus-per-node)")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dynaresize.slurm.entry", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="role", required=True)
     for role in ("coordinator", "worker"):
         s = sub.add_parser(role)
         s.add_argument("--run-dir", required=True)
+    s = sub.add_parser("check")
+    s.add_argument("--run-dir", required=True)
     s = sub.add_parser("prepare")
     s.add_argument("config")
     s.add_argument("overrides", nargs="*")
@@ -114,6 +134,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.role == "prepare":
             print(prepare_in_job(args.config, args.overrides, args.job_id))
             return 0
+        if args.role == "check":
+            problems = allocation_problems(load_run_config(args.run_dir), dict(os.environ))
+            for msg in problems:
+                print(f"dynaresize: allocation does not match the config: {msg}", file=sys.stderr)
+            return 2 if problems else 0
         ctx = make_context(args.role, args.run_dir)
         if ctx.preemption is not None:
             ctx.preemption.install()

@@ -1,0 +1,90 @@
+"""Golden-file tests of the het-job sbatch text (submitit's own pattern), config checks, and the GPU configs.
+
+Regenerate the golden files after an intended change: ``DYNARESIZE_UPDATE_GOLDEN=1 pytest tests/unit/test_slurm_sbatch.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from dynaresize.config.loader import ConfigError, load_config
+from dynaresize.slurm.sbatch import BODY_BEGIN, BODY_END, HETJOB_SEPARATOR, LAUNCH_BODY, render_sbatch
+from dynaresize.slurm.spec import Component, build_spec
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden"
+RUN_DIR = "/shared/runs/RUN"  # normalised run directory
+PYTHON = "/opt/venv/bin/python"  # normalised interpreter
+CONFIGS = ["slurm-local", "gpu-8x1", "gpu-32x4"]
+
+
+def _render(name: str, overrides: tuple[str, ...] = ()) -> str:
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml", list(overrides))
+    return render_sbatch(build_spec(cfg, RUN_DIR, python=PYTHON))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_sbatch_text_matches_golden(name: str) -> None:
+    text = _render(name)
+    golden = GOLDEN / f"sbatch-{name}.sh"
+    if os.environ.get("DYNARESIZE_UPDATE_GOLDEN") == "1":
+        golden.write_text(text)
+    assert golden.exists(), f"{golden} missing: run with DYNARESIZE_UPDATE_GOLDEN=1 to create it"
+    assert text == golden.read_text(), f"sbatch text of configs/{name}.yaml changed; if intended, regenerate with DYNARESIZE_UPDATE_GOLDEN=1"
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_two_components_separated_by_hetjob(name: str) -> None:
+    text = _render(name)
+    head, tail = text.split(HETJOB_SEPARATOR)
+    assert text.count(HETJOB_SEPARATOR) == 1
+    assert "--ntasks-per-node=1" in head and "--nodes=1" in head  # the coordinator: one node, one task
+    assert "srun --het-group=0" in text and "srun --het-group=1" in text
+    assert "#SBATCH --requeue" in head and "--signal=B:USR2@" in head
+    assert text.endswith(LAUNCH_BODY)
+
+
+def test_gpu_configs_validate_and_request_gpus() -> None:
+    for name, gpus, nodes in (("gpu-8x1", 8, 1), ("gpu-32x4", 32, 4)):
+        cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+        assert cfg.cluster.device == "cuda" and cfg.rollout.engine == "vllm" and cfg.model.path
+        assert cfg.cluster.gpus == gpus and cfg.slurm.nodes == nodes
+        spec = build_spec(cfg, RUN_DIR, python=PYTHON)
+        workers = spec.components[Component.WORKERS]
+        assert workers.ntasks == gpus and workers.gpus_per_node == cfg.slurm.gpus_per_node and workers.gpus_per_task == 1
+        assert spec.total_tasks == gpus + 1
+        tail = render_sbatch(spec).split(HETJOB_SEPARATOR)[1]
+        assert f"--gpus-per-node={cfg.slurm.gpus_per_node}" in tail and f"--partition={cfg.slurm.gpu_partition}" in tail
+
+
+def test_sbatch_options_from_config() -> None:
+    text = _render("slurm-local", ("slurm.account=acct1", "slurm.qos=high", "slurm.time=02:00:00",
+                                   "slurm.extra_sbatch=['--mail-type=END']", "slurm.gres_gpus=false",
+                                   "slurm.setup=['module load cuda']", "slurm.requeue=false", "slurm.signal_before_s=0"))
+    head, tail = text.split(HETJOB_SEPARATOR)
+    for part in (head, tail):
+        assert "#SBATCH --account=acct1" in part and "#SBATCH --qos=high" in part
+        assert "#SBATCH --time=02:00:00" in part and "#SBATCH --mail-type=END" in part
+    assert "--gpus-per-node" not in text and "#SBATCH --no-requeue" in head and "--signal" not in head
+    assert "module load cuda" in text
+
+
+def test_mismatched_rank_count_is_a_clear_error() -> None:
+    cfg = load_config(ROOT / "configs" / "slurm-local.yaml", ["cluster.gpus=6", "cluster.gpus_per_node=2"])
+    with pytest.raises(ConfigError, match=r"cluster.gpus = 6 .* 2 x 2 = 4"):
+        build_spec(cfg, RUN_DIR)
+    cfg = load_config(ROOT / "configs" / "slurm-local.yaml", ["slurm.extra_sbatch=['mail-type=END']"])
+    with pytest.raises(ConfigError, match=r"slurm.extra_sbatch\[0\]"):
+        build_spec(cfg, RUN_DIR)
+
+
+def test_static_sbatch_script_launches_like_submit() -> None:
+    static = (ROOT / "slurm" / "dynaresize.sbatch").read_text()
+    assert LAUNCH_BODY in static, "slurm/dynaresize.sbatch must contain sbatch.LAUNCH_BODY verbatim (regenerate its body)"
+    assert static.index(BODY_BEGIN) > static.index(HETJOB_SEPARATOR) and static.rstrip().endswith(BODY_END)
+    assert os.access(ROOT / "slurm" / "dynaresize.sbatch", os.X_OK)
