@@ -6,7 +6,8 @@ Coordinator side, :class:`CommandBus`:
   fences the older one out twice over: its :meth:`CommandBus.send` fails with :class:`FencedError` (the send script
   checks the epoch key before writing), and ranks reject any of its commands still in flight (stale epoch).
 - :meth:`CommandBus.send` runs one Lua script: check the epoch, ``XADD dr:<job>:cmd:<r> MAXLEN ~ N * m <json>`` for
-  every target rank, then ``PUBLISH dr:<job>:wake <rank-set>``. One round trip for any number of ranks.
+  every target rank (given as one rank-set string such as ``"0-1023"``), then ``PUBLISH dr:<job>:wake <rank-set>``.
+  One round trip and one short request for any number of ranks.
 - :meth:`CommandBus.await_acks` reads ``dr:<job>:ack:<command_id>`` with ``XREAD BLOCK`` (each block shorter than
   the socket timeout) until every wanted rank answered or the timeout passed, and returns the acks by rank and the
   ranks that did not answer.
@@ -55,11 +56,17 @@ STARTED = b"started"
 _SEND = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return -cur end
-for i = 2, #KEYS do
-  redis.call('XADD', KEYS[i], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
+local n = 0
+for part in string.gmatch(ARGV[5], '[^,]+') do
+  local a, b = string.match(part, '^(%d+)-(%d+)$')
+  if not a then a = part; b = part end
+  for r = tonumber(a), tonumber(b) do
+    redis.call('XADD', ARGV[6] .. r, 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
+    n = n + 1
+  end
 end
 redis.call('PUBLISH', ARGV[4], ARGV[5])
-return #KEYS - 1
+return n
 """
 
 _CLAIM = """
@@ -109,19 +116,20 @@ class CommandBus:
     def send(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
              command_id: str | None = None) -> Command:
         """Append a new command to every target's stream and wake them; returns it (keep it to resend)."""
-        ranks = sorted(set(int(r) for r in ranks))
         cmd = self.command(kind, ranks, payload, command_id)
-        self.resend(cmd, ranks)
+        self.resend(cmd)
         return cmd
 
     def resend(self, cmd: Command, ranks: Iterable[int] | None = None) -> None:
         """Send ``cmd`` again (same id): ranks that already applied it answer their stored ack."""
-        targets = sorted(set(int(r) for r in ranks)) if ranks is not None else _expand(cmd.ranks)
+        targets = cmd.ranks if ranks is None else format_ranks(ranks)
         if not targets:
             return
         raw = encode(cmd, self.cfg.max_message_bytes)
-        keys = [self.keys.epoch] + [self.keys.cmd(r) for r in targets]
-        n = int(self._send(keys=keys, args=[cmd.epoch, self.cfg.stream_maxlen, raw, self.keys.wake, format_ranks(targets)]))
+        # The stream keys are built inside the script from the rank set (one short argument instead of N keys):
+        # fine for the standalone Redis this project uses; Redis Cluster is not supported.
+        args = [cmd.epoch, self.cfg.stream_maxlen, raw, self.keys.wake, targets, self.keys.cmd_prefix]
+        n = int(self._send(keys=[self.keys.epoch], args=args))
         if n <= 0:
             _emit(self.events, "fenced", f"epoch {cmd.epoch} superseded by {-n}", command_id=cmd.command_id, epoch=cmd.epoch)
             raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}")
@@ -159,12 +167,6 @@ class CommandBus:
         ranks = list(ranks)
         cmd = self.send(kind, ranks, payload)
         return cmd, self.await_acks(cmd.command_id, ranks, timeout)
-
-
-def _expand(rank_set: str) -> list[int]:
-    from dynaresize.events import parse_ranks
-
-    return parse_ranks(rank_set)
 
 
 def _rank_in(rank_set: str, rank: int) -> bool:

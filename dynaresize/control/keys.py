@@ -67,6 +67,10 @@ class Keys:
     def cmd(self, r: int) -> str:
         return f"{self.ns}:cmd:{int(r)}"
 
+    @property
+    def cmd_prefix(self) -> str:
+        return f"{self.ns}:cmd:"
+
     def cursor(self, r: int) -> str:
         return f"{self.ns}:cursor:{int(r)}"
 

@@ -1,0 +1,183 @@
+"""Benchmark of the control plane: N simulated ranks register, then receive broadcast commands and ack them.
+
+    python tools/bench_control_plane.py --ranks 1024 [--procs 4] [--rounds 30]
+
+A private real redis-server is started (AOF on, as in a run). Ranks are threads spread over ``--procs`` processes,
+each with its own client and wake-up subscription, using the real :class:`Registry` and :class:`CommandReceiver`.
+The coordinator (this process) uses the real :class:`CommandBus`.
+
+Measured:
+
+- ``register_s``: from "go" until the registry lists all N ranks live;
+- ``fanout_ms``: one ``CommandBus.send`` to all N ranks: the command is durable in every rank's stream and the
+  wake-up is published (one Lua script, one round trip);
+- ``delivery_ms``: from the send until a rank's handler runs (per rank; includes Python thread wake-up);
+- ``acks_ms``: from the send until ``await_acks`` holds all N acks.
+
+Prints a table, then one JSON object as the last line. Target (not a test): p99 fan-out to 1024 ranks <= 10 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+JOB = "bench"
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(q / 100 * (len(xs) - 1)))))]
+
+
+def worker(endpoint_file: str, cfg_json: str, ranks: list[int], go, ready) -> None:
+    """One process: ``ranks`` as threads (register, heartbeat, apply commands until SHUTDOWN)."""
+    from dynaresize.control.commands import CommandReceiver
+    from dynaresize.control.config import RedisConfig
+    from dynaresize.control.registry import Registry
+    from dynaresize.control.server import connect
+    from dynaresize.control.wire import CommandKind, Registration
+
+    cfg = RedisConfig.model_validate_json(cfg_json)
+    host = socket.gethostname()
+    clients = {r: connect(endpoint_file, role=f"rank{r}", cfg=cfg) for r in ranks}
+    for c in clients.values():
+        c.ping()
+    ready.set()
+    go.wait()
+    regs: dict[int, Registration] = {}
+    stop = threading.Event()
+
+    def register(r: int) -> None:
+        regs[r] = Registry(clients[r], JOB, cfg).register(
+            Registration(job_id=JOB, rank=r, host=host, device="cpu", staging_dir="/tmp", pid=os.getpid()))
+
+    threads = [threading.Thread(target=register, args=(r,)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    def beat() -> None:  # one heartbeat thread per process, the real heartbeat call for each rank
+        reg = Registry(connect(endpoint_file, role="hb", cfg=cfg), JOB, cfg)
+        while not stop.wait(cfg.heartbeat_s):
+            for r in ranks:
+                reg.heartbeat(r, regs[r].incarnation)
+
+    def serve(r: int) -> None:
+        recv = CommandReceiver(clients[r], JOB, r, cfg, incarnation=regs[r].incarnation)
+
+        def handle(cmd):
+            if cmd.kind is CommandKind.SHUTDOWN:
+                stop.set()
+            return {"delivery_ms": (time.time() - cmd.issued_at) * 1000}
+
+        recv.run(handle, stop.is_set, idle_s=0.5)
+        recv.close()
+
+    hb = threading.Thread(target=beat, daemon=True)
+    hb.start()
+    servers = [threading.Thread(target=serve, args=(r,), daemon=True) for r in ranks]
+    for t in servers:
+        t.start()
+    for t in servers:
+        t.join()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--procs", type=int, default=4, help="processes the rank threads are spread over")
+    ap.add_argument("--rounds", type=int, default=30, help="broadcast commands timed")
+    ap.add_argument("--gap", type=float, default=0.05, help="seconds between broadcasts")
+    args = ap.parse_args()
+
+    from dynaresize.control.commands import CommandBus
+    from dynaresize.control.config import RedisConfig
+    from dynaresize.control.registry import Registry
+    from dynaresize.control.server import RedisServer, connect
+    from dynaresize.control.wire import CommandKind
+
+    cfg = RedisConfig(heartbeat_s=1.0, dead_after_heartbeats=3, block_ms=500, socket_timeout_s=10)
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp, RedisServer(cfg, tmp) as srv:
+        go, procs, readies = ctx.Event(), [], []
+        for p in range(args.procs):
+            ready = ctx.Event()
+            part = list(range(p, args.ranks, args.procs))
+            proc = ctx.Process(target=worker, args=(str(srv.endpoint_file), cfg.model_dump_json(), part, go, ready), daemon=True)
+            proc.start()
+            procs.append(proc)
+            readies.append(ready)
+        for ready in readies:
+            ready.wait(120)
+        coord = connect(srv.endpoint_file, role="coordinator", cfg=cfg)
+        registry = Registry(coord, JOB, cfg)
+        bus = CommandBus(coord, JOB, cfg)
+        t0 = time.perf_counter()
+        go.set()
+        while len(registry.live()) < args.ranks:
+            if time.perf_counter() - t0 > 120:
+                print("ranks did not register within 120 s", file=sys.stderr)
+                return 1
+            time.sleep(0.005)
+        register_s = time.perf_counter() - t0
+        time.sleep(1.0)  # let every receiver subscribe and settle
+
+        everyone = list(range(args.ranks))
+        fanout, acks_ms, delivery, missing = [], [], [], 0
+        for i in range(args.rounds + 2):
+            t = time.perf_counter()
+            cmd = bus.send(CommandKind.PING, everyone, {"i": i})
+            sent = time.perf_counter()
+            res = bus.await_acks(cmd.command_id, everyone, timeout=30)
+            done = time.perf_counter()
+            if i < 2:
+                continue  # warm-up
+            fanout.append((sent - t) * 1000)
+            acks_ms.append((done - t) * 1000)
+            missing += len(res.missing)
+            delivery += [a.result["delivery_ms"] for a in res.acks.values() if a.result]
+            time.sleep(args.gap)
+        bus.request(CommandKind.SHUTDOWN, everyone, timeout=30)
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+        coord.close()
+
+    out = {
+        "ranks": args.ranks, "procs": args.procs, "rounds": args.rounds, "cores": os.cpu_count(),
+        "register_s": round(register_s, 3),
+        "fanout_p50_ms": round(pct(fanout, 50), 3), "fanout_p99_ms": round(pct(fanout, 99), 3),
+        "delivery_p50_ms": round(pct(delivery, 50), 3), "delivery_p99_ms": round(pct(delivery, 99), 3),
+        "acks_p50_ms": round(pct(acks_ms, 50), 3), "acks_p99_ms": round(pct(acks_ms, 99), 3),
+        "missing_acks": missing,
+    }
+    print(f"control plane: {args.ranks} ranks in {args.procs} processes, {args.rounds} broadcasts, {os.cpu_count()} cores")
+    print(f"{'metric':<44} {'p50':>10} {'p99':>10} {'mean':>10}")
+    for name, xs in (("fan-out: send() to all ranks (ms)", fanout),
+                     ("delivery: send -> rank handler runs (ms)", delivery),
+                     ("acks: send -> all acks collected (ms)", acks_ms)):
+        print(f"{name:<44} {pct(xs, 50):>10.2f} {pct(xs, 99):>10.2f} {statistics.fmean(xs) if xs else float('nan'):>10.2f}")
+    print(f"{'register: all ranks live (s)':<44} {register_s:>10.3f}")
+    print(f"{'missing acks (all rounds)':<44} {missing:>10d}")
+    target = "met" if out["fanout_p99_ms"] <= 10 else "NOT met"
+    print(f"target p99 fan-out <= 10 ms: {target}")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
