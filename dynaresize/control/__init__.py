@@ -1,0 +1,33 @@
+"""The control plane: the contract between the coordinator and the worker ranks, over one Redis per run.
+
+Importing this package imports nothing heavy (no redis); import the modules you need:
+
+- ``server``   :class:`RedisServer` (the run's private redis-server, or ``redis.url``) and :func:`connect`
+- ``wire``     JSON message models (:class:`Command`, :class:`Ack`, :class:`Registration`) and :class:`WireError`
+- ``registry`` :class:`Registry` (register, heartbeat, liveness) and the rank-side :class:`Heartbeater`
+- ``commands`` coordinator :class:`CommandBus` (send, await_acks) and rank-side :class:`CommandReceiver`
+- ``keys``     the key layout; ``demo`` the ``dynaresize demo`` command
+
+Protocol in short (all keys under ``dr:<job_id>:``, so jobs sharing a Redis never see each other):
+
+1. **Endpoint.** The coordinator's :class:`RedisServer` writes ``<run_dir>/redis/redis.json`` {host, port,
+   password_file}; every rank calls ``connect(that file, role=...)``. The password lives in a 0600 file.
+2. **Registry.** A rank registers (``rank:<r>`` hash with a TTL, ``live`` zset scored by server TIME) and gets an
+   **incarnation** (``inc:<r>``, bumped on every register; an older process of the same rank is superseded). It
+   heartbeats every ``heartbeat_s``; the coordinator's ``liveness()`` reports ranks whose last beat is older than
+   ``heartbeat_s * dead_after_heartbeats`` as dead (no keyspace notifications needed).
+3. **Epochs.** Each coordinator incarnation INCRs ``epoch``. Sends from an older epoch fail (``FencedError``), and
+   ranks reject commands whose epoch is below the job's epoch or the highest they saw (error ack + ``control``
+   event).
+4. **Commands.** One stream per rank (``cmd:<r>``); a send appends to every target's stream in one Lua call and
+   PUBLISHes a wake-up on ``wake``. Pub/sub only wakes; a rank always reads its stream from its own persisted
+   cursor (``cursor:<r>``), so commands sent while it was disconnected arrive later, in order.
+5. **At most once.** A rank claims a command id in ``applied:<r>`` before applying it; a retried (re-sent)
+   command gets the stored ack back (``replayed``) and is not applied again.
+6. **Acks.** Written to ``ack:<command_id>`` (a stream, expiring); ``await_acks`` returns (acks by rank, missing).
+7. **Bad input.** Malformed, unknown, oversized messages raise :class:`WireError` inside the receiver, which
+   logs it, emits a ``control`` event, acks an error when the id is readable, and moves on. Nothing is pickled.
+8. **Timeouts.** Every client has explicit socket/connect timeouts and a health check; blocking reads block at
+   most ``block_ms`` (< socket timeout); connection errors are retried with backoff, which is safe because every
+   write is idempotent or de-duplicated by the reader.
+"""

@@ -132,6 +132,9 @@ class CommandBus:
         n = int(self._send(keys=[self.keys.epoch], args=args))
         if n <= 0:
             _emit(self.events, "fenced", f"epoch {cmd.epoch} superseded by {-n}", command_id=cmd.command_id, epoch=cmd.epoch)
+            if n == 0:
+                raise FencedError(f"job {self.job_id}: the job's epoch key {self.keys.epoch} is gone (Redis lost its data?); "
+                                  f"coordinator epoch {cmd.epoch} cannot send")
             raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}")
 
     def await_acks(self, command_id: str, ranks: Iterable[int], timeout: float) -> AckResult:

@@ -12,7 +12,7 @@ from dynaresize.control.registry import Registry
 from dynaresize.control.wire import Command, CommandKind, WireError, encode
 from dynaresize.events import EventLog, read_events
 
-pytestmark = pytest.mark.contract
+pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 
 
 class Recorder:

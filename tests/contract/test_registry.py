@@ -10,7 +10,7 @@ from dynaresize.control.registry import Beat, Heartbeater, Registry
 from dynaresize.control.wire import RankState
 from dynaresize.events import EventLog, Role, read_events
 
-pytestmark = pytest.mark.contract
+pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 
 
 def test_register_list_update_deregister(client, cfg, job_id, registration):

@@ -13,7 +13,7 @@ from dynaresize.control.registry import Heartbeater, Registry
 from dynaresize.control.server import RedisServer, connect
 from dynaresize.control.wire import CommandKind
 
-pytestmark = pytest.mark.contract
+pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 
 RANKS = [0, 1, 2]
 

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.server import Endpoint, RedisServer, RedisServerError, connect
 
-pytestmark = pytest.mark.contract
+pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 
 
 def test_endpoint_file_and_private_password(redis_server):
