@@ -24,7 +24,7 @@ from matplotlib.patches import Patch  # noqa: E402
 import numpy as np  # noqa: E402
 
 from dynaresize.analysis.metrics import Summary  # noqa: E402
-from dynaresize.analysis.views import ROLE_IDLE, ROLE_ROLLOUT, ROLE_TRAIN, Views  # noqa: E402
+from dynaresize.analysis.views import ROLE_IDLE, ROLE_ROLLOUT, ROLE_TRAIN, Views, fold_atoms  # noqa: E402
 
 ROLE_BG = {ROLE_ROLLOUT: "#fde3c8", ROLE_TRAIN: "#d6e4f2", ROLE_IDLE: "#e6e6e6"}
 STAGE_COLOURS = {"rollout": "#f28e2b", "train": "#4e79a7", "weight_sync": "#59a14f", "checkpoint": "#9c755f",
@@ -43,22 +43,7 @@ def _colour(kind: str, op_colours: dict[str, str]) -> str:
 
 def _lanes(v: Views, max_lanes: int) -> list[tuple[int, str]]:
     """(atom index drawn, label) per lane, top lane first."""
-    order = sorted(range(len(v.atoms)), key=lambda i: v.atoms[i].first)
-    if len(order) <= max_lanes:
-        return [(i, f"{v.atoms[i].label()} (x{v.atoms[i].size})") for i in order]
-    lanes = []
-    for chunk in np.array_split(np.array(order), max_lanes):  # fold as few neighbours as needed
-        chunk = [int(i) for i in chunk]
-        if len(chunk) == 1:
-            i = chunk[0]
-            lanes.append((i, f"{v.atoms[i].label()} (x{v.atoms[i].size})"))
-            continue
-        rep = max(chunk, key=lambda i: v.atoms[i].size)
-        lo = min(v.atoms[i].first for i in chunk)
-        hi = max(b for i in chunk for _, b in v.atoms[i].blocks)
-        n = sum(v.atoms[i].size for i in chunk)
-        lanes.append((rep, f"{lo}-{hi} (x{n}, {len(chunk)} groups; shows {v.atoms[rep].label(12)})"))
-    return lanes
+    return fold_atoms(v.atoms, max_lanes)
 
 
 def draw_timeline(v: Views, summary: Summary, path: Path, max_lanes: int = 40, dpi: int = 110) -> Path:

@@ -6,7 +6,8 @@ Layout:
   (non-critical) operations go on a second track per rank, "rank N background", also under a switch slice, so
   that they can overlap the rank's training stage without breaking the nesting of the main track.
 - For large runs (more ranks than ``max_rank_tracks``) one track per atom (ranks with identical activity,
-  e.g. "ranks 0-2047") instead, so a 4096-GPU trace stays a few MB and loadable.
+  e.g. "ranks 0-2047 (x2048)") instead, at most ``max_rank_tracks`` of them (neighbouring atoms folded, the
+  label names the one shown), so a 4096-GPU trace stays loadable (tens of MB at most).
 - process "run" (pid 0): a "steps" track with one slice per step, and a counter of the train/rollout split.
 
 Written streaming, one event per line.
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dynaresize.analysis.views import Views
+from dynaresize.analysis.views import Views, fold_atoms
 
 US = 1e6
 BG_OFFSET = 1_000_000  # tid offset of the background tracks
@@ -31,11 +32,11 @@ def write_trace(v: Views, path: Path, max_rank_tracks: int = 64) -> dict:
     per_rank = rd.world_size <= max_rank_tracks
     # tracks: (tid, name, atom index)
     tracks: list[tuple[int, str, int]] = []
-    for ai, atom in enumerate(v.atoms):
-        if per_rank:
+    if per_rank:
+        for ai, atom in enumerate(v.atoms):
             tracks += [(r, f"rank {r}", ai) for r in atom.ranks()]
-        else:
-            tracks.append((atom.first, f"ranks {atom.label(40)} (x{atom.size})", ai))
+    else:
+        tracks = [(v.atoms[ai].first, f"ranks {label}", ai) for ai, label in fold_atoms(v.atoms, max_rank_tracks)]
     tracks.sort()
     n = 0
     path.parent.mkdir(parents=True, exist_ok=True)

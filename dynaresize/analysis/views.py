@@ -75,6 +75,27 @@ class Views:
         return cur
 
 
+def fold_atoms(atoms: list[Atom], max_groups: int) -> list[tuple[int, str]]:
+    """At most ``max_groups`` (atom index shown, label), in rank order. Beyond the limit, neighbouring atoms are
+    folded (only as many as needed) and the fold shows its largest member, which its label names."""
+    order = sorted(range(len(atoms)), key=lambda i: atoms[i].first)
+    out = []
+    for chunk in np.array_split(np.array(order, dtype=np.int64), min(max(max_groups, 1), max(len(order), 1))):
+        chunk = [int(i) for i in chunk]
+        if not chunk:
+            continue
+        if len(chunk) == 1:
+            i = chunk[0]
+            out.append((i, f"{atoms[i].label()} (x{atoms[i].size})"))
+            continue
+        rep = max(chunk, key=lambda i: atoms[i].size)
+        lo = min(atoms[i].first for i in chunk)
+        hi = max(b for i in chunk for _, b in atoms[i].blocks)
+        n = sum(atoms[i].size for i in chunk)
+        out.append((rep, f"{lo}-{hi} (x{n}, {len(chunk)} groups; shows {atoms[rep].label(12)})"))
+    return out
+
+
 def union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Disjoint sorted union of intervals (touching intervals merge; empty ones vanish)."""
     keep = ends > starts

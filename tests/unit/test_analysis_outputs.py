@@ -51,6 +51,11 @@ def test_trace_groups_ranks_for_large_runs(tmp_path):
     names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name" and e["pid"] == 1]
     assert info["grouped"] and len(v.atoms) == 3
     assert "ranks 0-255 (x256)" in names and "ranks 256-299 (x44)" in names and "ranks 300-511 (x212)" in names
+    info = write_trace(v, tmp_path / "t2.json", max_rank_tracks=2)  # more groups than tracks allowed: fold
+    assert info["tracks"] <= 2 + 2  # two main tracks (+ their background tracks)
+    names = [e["args"]["name"] for e in json.loads((tmp_path / "t2.json").read_text())["traceEvents"]
+             if e.get("name") == "thread_name" and e["pid"] == 1 and e["tid"] < BG_OFFSET]
+    assert names == ["ranks 0-299 (x300, 2 groups; shows 0-255)", "ranks 300-511 (x212)"]
 
 
 def test_timeline_lanes_collapse_and_fold(tmp_path):
