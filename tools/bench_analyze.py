@@ -7,6 +7,7 @@ and once with everything, and reports wall time and the child's peak RSS. Prints
 
     .venv/bin/python tools/bench_analyze.py                      # 4096 GPUs x 1000 steps, 40 switches
     .venv/bin/python tools/bench_analyze.py --gpus 512 --steps 200
+    .venv/bin/python tools/bench_analyze.py --sim configs/sim/scale_4096gpu.yaml   # log from the simulator
     .venv/bin/python tools/bench_analyze.py --log runs/sim-20261130-101500
 """
 
@@ -42,10 +43,18 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--switches", type=int, default=40)
     ap.add_argument("--log", type=Path, default=None, help="analyse this run instead of generating one")
+    ap.add_argument("--sim", metavar="CONFIG", default=None,
+                    help="generate the log with `dynaresize simulate CONFIG sim.steps=STEPS` (e.g. configs/sim/scale_4096gpu.yaml)")
     ap.add_argument("--target-s", type=float, default=30.0)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_analyze_") as tmp:
-        if a.log is None:
+        if a.sim is not None:
+            t = time.perf_counter()
+            run = Path(tmp) / "sim"
+            subprocess.run([sys.executable, "-m", "dynaresize.cli", "simulate", a.sim, f"sim.steps={a.steps}", "--out", str(run)],
+                           check=True, stdout=subprocess.DEVNULL)
+            gen_s = time.perf_counter() - t
+        elif a.log is None:
             rng = random.Random(1)
             every = max(1, a.steps // (a.switches + 1))
             sw = tuple((k, rng.randint(int(0.3 * a.gpus), int(0.7 * a.gpus))) for k in range(every, a.steps, every))[: a.switches]
@@ -63,14 +72,15 @@ def main() -> int:
         w1, r1, rc1 = _child(base + ["--out", f"{tmp}/a1", "--no-plot", "--no-trace"])
         w2, r2, rc2 = _child(base + ["--out", f"{tmp}/a2"])
         trace_mb = (Path(tmp) / "a2" / "trace.json").stat().st_size / 1e6 if rc2 == 0 else None
-    rows = [("log", f"{a.gpus} GPUs x {a.steps} steps, {lines} lines, {size_mb:.1f} MB (generated in {gen_s:.1f} s)"),
+    src = f"simulate {a.sim}" if a.sim else (str(a.log) if a.log else f"synthetic {a.gpus} GPUs")
+    rows = [("log", f"{src} x {a.steps} steps, {lines} lines, {size_mb:.1f} MB (generated in {gen_s:.1f} s)"),
             ("analyze --no-plot --no-trace", f"{w1:.2f} s, peak RSS {r1:.0f} MiB, rc={rc1}"),
             ("analyze (PNG + trace)", f"{w2:.2f} s, peak RSS <= {r2:.0f} MiB, trace {trace_mb} MB, rc={rc2}"),
             ("target", f"{a.target_s:.0f} s: {'PASS' if rc1 == 0 and w1 <= a.target_s else 'FAIL'}")]
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k.ljust(width)}  {v}")
-    print(json.dumps({"bench": "analyze", "gpus": a.gpus, "steps": a.steps, "lines": lines, "log_mb": round(size_mb, 2),
+    print(json.dumps({"bench": "analyze", "source": src, "gpus": a.gpus, "steps": a.steps, "lines": lines, "log_mb": round(size_mb, 2),
                       "analyze_s": round(w1, 3), "analyze_rss_mib": round(r1), "analyze_full_s": round(w2, 3),
                       "analyze_full_rss_mib_max": round(r2), "trace_mb": trace_mb, "target_s": a.target_s,
                       "ok": rc1 == 0 and rc2 == 0 and w1 <= a.target_s}))

@@ -7,9 +7,9 @@ and written as comments at the top of the YAML file, so the file itself holds on
     dynaresize calibrate runs/quickstart-20261130-101500 -o costs.yaml
     dynaresize calibrate runs/real --json           # the full fit as JSON on stdout
 
-Format: the simulator's ``sim.costs`` (``SwitchCostConfig``) and ``sim.train`` sections, as top-level ``costs:`` and
-``train:`` keys (PROVISIONAL until ``dynaresize simulate --costs`` lands; :func:`to_costs_section` is the one
-place that maps the fit onto it).
+Format: ``sim: {costs: ..., train: ...}``: the simulator's ``sim.costs`` (``SwitchCostConfig``, which
+``dynaresize simulate --costs`` merges) and ``sim.train`` sections; :func:`to_costs_section` is the one place that
+maps the fit onto them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def to_costs_section(fit: dict) -> dict:
     """The fit as simulator config sections (only fitted values; the rest keeps the simulator's defaults).
 
+    Written as ``sim: {costs: ..., train: ...}``, the shape of an experiment config, so the file is both a
+    ``dynaresize simulate --costs`` file (which reads ``sim.costs``) and a config overlay.
+
     - ``costs``: :class:`dynaresize.policy.config.SwitchCostConfig` (the simulator's ``sim.costs``): measured
       per-op medians as ``override_s``; the median weight_sync stage as the ``weight_sync`` override when no
       weight_sync op was logged.
@@ -54,12 +57,12 @@ def to_costs_section(fit: dict) -> dict:
         train["tokens_per_gpu_s"] = round(f["tokens_per_s_per_gpu"], 6)
     if f["overhead_s"] is not None:
         train["step_overhead_s"] = round(max(f["overhead_s"], 0.0), 6)
-    out = {}
+    sim = {}
     if costs:
-        out["costs"] = costs
+        sim["costs"] = costs
     if train:
-        out["train"] = train
-    return out
+        sim["train"] = train
+    return {"sim": sim}
 
 
 def _comments(fit: dict) -> str:

@@ -50,7 +50,8 @@ def draw_timeline(v: Views, summary: Summary, path: Path, max_lanes: int = 40, d
     rd = v.rd
     lanes = _lanes(v, max_lanes)
     nl = len(lanes)
-    top_h = max(2.2, 0.3 * nl + 0.9)
+    n_legend = (len(np.unique(v.kind)) if len(v.kind) else 0) + 3
+    top_h = max(2.2, 0.3 * nl + 0.9, 0.17 * n_legend + 0.4)  # tall enough for its legend
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(15, top_h + 2.8), sharex=True,
                                   gridspec_kw={"height_ratios": [top_h, 2.4], "hspace": 0.08})
     t0, t1 = v.span_start, v.span_end

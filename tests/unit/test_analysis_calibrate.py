@@ -86,13 +86,17 @@ def test_costs_file_is_valid_simulator_config(tmp_path):
     assert text.startswith("# written by dynaresize calibrate")
     doc = yaml.safe_load(text)
     assert doc == to_costs_section(fit)
-    cfg = SwitchCostConfig(**doc["costs"])  # extra keys forbidden: the file holds only accepted keys
+    cfg = SwitchCostConfig(**doc["sim"]["costs"])  # extra keys forbidden: the file holds only accepted keys
     assert cfg.override_s["onload"] == pytest.approx(2.0) and cfg.override_s["weight_sync"] == pytest.approx(0.5)
     try:
+        from dynaresize.config.schema import Config
+        from dynaresize.sim.cli import merge_costs
         from dynaresize.sim.config import TrainPhysicsConfig
-    except ImportError:  # the simulator's config is not there yet
+    except ImportError:  # the simulator is not there yet
         return
-    assert TrainPhysicsConfig(**doc["train"]).tokens_per_gpu_s == pytest.approx(600.0, rel=1e-6)
+    assert TrainPhysicsConfig(**doc["sim"]["train"]).tokens_per_gpu_s == pytest.approx(600.0, rel=1e-6)
+    merged = merge_costs(Config(), str(path))  # what `dynaresize simulate --costs` does with the file
+    assert merged.sim.costs.override_s["onload"] == pytest.approx(2.0)
 
 
 def test_degenerate_fits_keep_the_mean_only():
