@@ -21,7 +21,8 @@ Rank side, :class:`CommandReceiver`:
   connection is broken it falls back to ``XREAD BLOCK block_ms``.
 - For each entry: decode (bad message -> logged ``control`` event, skipped, error ack when its id is readable);
   reject a stale epoch (below the job's epoch key or the highest epoch this rank saw) with an error ack;
-  claim the command (``HSETNX dr:<job>:applied:<r> <id> started``): an id already there is **not** applied again,
+  claim the command (``HSETNX dr:<job>:applied:<r> <id> started:<token>``, the token naming this receiver, so that a
+  claim retried after a lost reply recognises itself): an id already there is **not** applied again,
   its stored ack is re-sent (``replayed=true``); then run the handler and commit, in one MULTI, the stored ack,
   the cursor and ``XADD dr:<job>:ack:<id>``. A crash between claim and commit leaves ``started``: after a restart
   that command answers an error ("interrupted") instead of running twice (at most once).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from typing import Any, Callable, Iterable, NamedTuple
 
 import redis
@@ -51,7 +53,7 @@ from dynaresize.events import EventLog, format_ranks
 log = logging.getLogger("dynaresize.control.commands")
 
 Handler = Callable[[Command], "dict[str, Any] | None"]
-STARTED = b"started"
+STARTED = b"started"  # prefix of a claim: "started:<receiver token>"
 
 _SEND = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
@@ -70,8 +72,10 @@ return n
 """
 
 _CLAIM = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], 'started') == 1 then return false end
-return redis.call('HGET', KEYS[1], ARGV[1])
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then return false end
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if v == ARGV[2] then return false end
+return v
 """
 
 
@@ -201,6 +205,8 @@ class CommandReceiver:
         self.events = events
         self._incarnation = incarnation
         self._claim = client.register_script(_CLAIM)
+        self._token = f"{STARTED.decode()}:{uuid.uuid4().hex}"  # our claims; a retried claim recognises its own
+        self._uncommitted: dict[str, bytes] = {}  # applied here, ack not yet committed (Redis was unreachable)
         self.max_epoch = 0
         self.rejected = 0
         self.applied = 0
@@ -314,7 +320,10 @@ class CommandReceiver:
                          cmd.command_id, cmd.epoch)
             return
         self.max_epoch = cmd.epoch
-        prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id])
+        if cmd.command_id in self._uncommitted:  # applied before the connection broke: commit, never re-apply
+            self._commit(entry_id, cmd.command_id, self._uncommitted.pop(cmd.command_id), store=True)
+            return
+        prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:
             self._replay(entry_id, cmd, prev)
             return
@@ -328,15 +337,17 @@ class CommandReceiver:
             log.warning("rank %d: command %s (%s) failed: %s", self.rank, cmd.command_id, cmd.kind.value, e)
             ack = self._ack(cmd, ok=False, error=f"{e.__class__.__name__}: {e}"[:2000])
             raw_ack = encode(ack, self.cfg.max_message_bytes)
-        self._commit(entry_id, cmd.command_id, raw_ack, store=True)
         self.applied += 1
+        self._uncommitted[cmd.command_id] = raw_ack
+        self._commit(entry_id, cmd.command_id, raw_ack, store=True)
+        self._uncommitted.pop(cmd.command_id, None)
 
     def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
         return Ack(job_id=self.job_id, epoch=cmd.epoch, command_id=cmd.command_id, rank=self.rank,
                    incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed)
 
     def _replay(self, entry_id: bytes, cmd: Command, prev: bytes) -> None:
-        if prev == STARTED:
+        if prev.startswith(STARTED):
             reason = "interrupted: an earlier attempt started but did not finish; not re-applied (at most once)"
             ack = self._ack(cmd, ok=False, error=reason)
             _emit(self.events, "interrupted", reason, rank=self.rank, command_id=cmd.command_id, epoch=cmd.epoch)

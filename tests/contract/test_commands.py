@@ -6,6 +6,7 @@ import json
 import threading
 
 import pytest
+import redis
 
 from dynaresize.control.commands import CommandBus, CommandReceiver, FencedError
 from dynaresize.control.registry import Registry
@@ -184,3 +185,36 @@ def test_bad_messages_are_rejected_logged_and_skipped(client, cfg, job_id, tmp_p
     assert not u.ok and "kind" in u.error
     with pytest.raises(WireError, match="max_message_bytes"):
         encode(bus.command(CommandKind.PING, [0], {"blob": "x" * cfg.max_message_bytes}), cfg.max_message_bytes)
+
+
+def test_a_retried_claim_recognises_itself(client, cfg, job_id):
+    """redis-py may retry the claim after a lost reply: the retry must not look like someone else's claim."""
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    cmd = bus.send(CommandKind.TRAIN, [0])
+    assert recv._claim(keys=[f"dr:{job_id}:applied:0"], args=[cmd.command_id, recv._token]) is None
+    h = Recorder()
+    drain(recv, h)  # the 'retry': same token, so the command is applied (once)
+    assert [cid for cid, _ in h.seen] == [cmd.command_id]
+    assert bus.await_acks(cmd.command_id, [0], 1).acks[0].ok
+
+
+def test_commit_lost_to_a_connection_error_does_not_reapply(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    cmd = bus.send(CommandKind.TRAIN, [0])
+    h = Recorder()
+    real_commit, calls = recv._commit, []
+
+    def flaky_commit(*a, **kw):
+        calls.append(a)
+        if len(calls) == 1:
+            raise redis.ConnectionError("Redis went away after the handler ran")
+        return real_commit(*a, **kw)
+
+    recv._commit = flaky_commit
+    with pytest.raises(redis.ConnectionError):
+        recv.process(h)
+    drain(recv, h)  # the entry is read again (cursor not advanced): its ack is committed, the handler not re-run
+    assert len(h.seen) == 1
+    assert bus.await_acks(cmd.command_id, [0], 1).acks[0].result == {"n": 1}
