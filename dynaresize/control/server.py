@@ -216,6 +216,8 @@ class RedisServer:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> Endpoint:
+        if self.proc is not None and self.proc.poll() is None and self.endpoint is not None:
+            return self.endpoint  # already running
         self.dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.dir, 0o700)
         if self.external:
