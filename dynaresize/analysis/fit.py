@@ -11,7 +11,10 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
 - weight_sync_s: the median weight_sync stage time.
 - switch ops: the median duration per op name (robust to one slow outlier), with n, min, max and the share of
   critical occurrences; written as ``override_s`` (op -> seconds), the measured-duration override of the
-  simulator's switch cost model (``dynaresize.policy.config.SwitchCostConfig.override_s``).
+  simulator's switch cost model (``dynaresize.policy.config.SwitchCostConfig.override_s``), except for ops seen
+  both on the critical path and in the background (two different costs under one name). An override is a
+  constant: it does not scale with GPU count or bytes the way the simulator's formulas do (comm_init grows
+  with the world size), so replays at a much larger scale keep the measured small-scale value.
 """
 
 from __future__ import annotations
@@ -76,5 +79,7 @@ def fit_costs(rd: RunData) -> dict:
         "train": fit_stage(*pts["train"]),
         "weight_sync_s": statistics.median(ws) if ws else None,
         "ops": op_stats,
-        "override_s": {k: v["median_s"] for k, v in op_stats.items()},
+        # an op seen both on the critical path and in the background has two costs (e.g. the device->host part
+        # of optimizer_stage_out vs its NVMe write): one override would flatten them, so it keeps the formula
+        "override_s": {k: v["median_s"] for k, v in op_stats.items() if v["critical_share"] in (0.0, 1.0)},
     }

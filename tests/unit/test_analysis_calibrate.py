@@ -129,3 +129,35 @@ def test_calibrated_simulator_reproduces_real_cpu_run_step_times(tmp_path):
     assert sim_runs, f"simulate wrote no events.jsonl under {out}"
     a, b = _step_times(REAL_RUN), _step_times(sim_runs[0].parent)
     assert statistics.median(b) == pytest.approx(statistics.median(a), rel=0.15)
+
+
+def test_simulator_round_trip_with_known_switch_costs(tmp_path):
+    """The real simulator: known op costs in -> the same op costs out, and a replay with the calibrated file
+    reproduces every step time (identical workload seed and physics: only the switch costs come from the file,
+    so the tolerance is float rounding, 1e-6 relative)."""
+    pytest.importorskip("dynaresize.sim.cli")
+    from dynaresize.cli import main as dynaresize
+
+    config = Path(__file__).parents[2] / "configs" / "sim" / "paper_8gpu.yaml"
+    if not config.exists():
+        pytest.skip(f"no simulator config at {config}")
+    known = {"drain": 0.7, "offload": 1.3, "onload": 2.1, "comm_select": 0.05, "warmup": 0.9, "engine_build": 0.3}
+    (tmp_path / "known.yaml").write_text(yaml.safe_dump({"override_s": known}))
+    args = [str(config), "sim.steps=80", "sim.train.scaling_per_doubling=1.0"]
+    assert dynaresize(["simulate", *args, "--costs", str(tmp_path / "known.yaml"), "--out", str(tmp_path / "a")]) == 0
+    fit = fit_costs(load_run(tmp_path / "a"))
+    if not fit["ops"]:
+        pytest.skip("this simulator configuration made no switch")
+    for op, d in known.items():
+        if op in fit["ops"]:
+            assert fit["override_s"][op] == pytest.approx(d, rel=1e-6), op
+    from dynaresize.config.loader import load_config
+
+    train = load_config(config, args[1:]).sim.train  # with perfect scaling, the fit must recover these
+    assert fit["train"]["tokens_per_s_per_gpu"] == pytest.approx(train.tokens_per_gpu_s, rel=1e-4)
+    assert fit["train"]["overhead_s"] == pytest.approx(train.step_overhead_s, rel=1e-4)
+    costs = write_costs(fit, tmp_path / "costs.yaml")
+    assert dynaresize(["simulate", *args, "--costs", str(costs), "--out", str(tmp_path / "b")]) == 0
+    a, b = _step_times(tmp_path / "a"), _step_times(tmp_path / "b")
+    assert len(a) == len(b) == 80
+    assert b == pytest.approx(a, rel=1e-6)
