@@ -57,6 +57,7 @@ def test_lost_registration_is_re_registered_by_the_heartbeater(client, cfg, job_
 
 
 def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, registration):
+    cfg = cfg.model_copy(update={"heartbeat_s": 0.25})  # long enough that a busy 2-core CI box keeps the beat
     assert cfg.dead_after_heartbeats == 2
     period = cfg.heartbeat_s
     hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(3)]
@@ -73,7 +74,7 @@ def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, re
             time.sleep(period / 10)
         took = time.monotonic() - killed
         # worst case: it died right after a beat, so its last beat is 2 periods old when detected (+ polling)
-        assert took <= 2 * period + 0.15, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
+        assert took <= 2 * period + 0.2, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
         assert sorted(coord.live()) == [0, 2]
         coord.forget(1)
         assert coord.dead() == {}
