@@ -87,8 +87,9 @@ def static_choices(s: Setup) -> list[Topology]:
 
 def compare(s: Setup) -> dict:
     t0 = time.perf_counter()
-    s.table.sweep([c.n_rollout for c in s.candidates])
-    statics = [run_static(s, c) for c in static_choices(s)]
+    choices = static_choices(s)
+    s.table.sweep([c.n_rollout for c in choices])
+    statics = [run_static(s, c) for c in choices]
     best = min(statics, key=lambda r: r.total_s)
     dyn = run_dynamic(s, False)
     naive = run_dynamic(s, False, naive=True, name="dynaresize naive")

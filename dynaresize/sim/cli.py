@@ -1,0 +1,104 @@
+"""``dynaresize simulate CONFIG [key=value ...] [--compare] [--json] [--costs FILE] [--out RUN_DIR]``.
+
+Without ``--compare``: one simulated DynaResize run (or the static initial split with ``policy.enabled=false``)
+written as a run directory (``config.yaml``, ``events.jsonl``, ``summary.json``) that ``dynaresize analyze`` reads.
+With ``--compare``: every static split, DynaResize optimised and naive, greedy and the oracle bound as a table;
+``--json`` adds one JSON object as the last line. ``--costs FILE.yaml`` merges a cost file (the keys of
+``sim.costs``, at top level or under ``sim: costs:``; what ``dynaresize calibrate`` writes) into ``sim.costs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import datetime
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from dynaresize.config.loader import ConfigError, load_config, write_resolved
+from dynaresize.events import EventLog, EventType, make_event
+from dynaresize.policy.config import SwitchCostConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="experiment YAML (e.g. configs/sim/paper_8gpu.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sim.steps=500 cluster.gpus=64")
+    p.add_argument("--compare", action="store_true", help="run static splits, DynaResize, naive, greedy and the oracle")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--costs", metavar="FILE", help="YAML of switch costs merged into sim.costs (from dynaresize calibrate)")
+    p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: <run.output_dir>/<run.name>-<timestamp>)")
+
+
+def _deep(dst: dict, src: dict) -> dict:
+    for k, v in src.items():
+        dst[k] = _deep(dict(dst.get(k) or {}), v) if isinstance(v, dict) and isinstance(dst.get(k), dict) else v
+    return dst
+
+
+def merge_costs(cfg, path: str):
+    """Return ``cfg`` with the cost file at ``path`` merged into ``sim.costs`` (ConfigError naming file and key)."""
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read cost file: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if isinstance(data, dict) and "sim" in data:
+        data = (data["sim"] or {}).get("costs", {}) if isinstance(data["sim"], dict) else None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sim.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
+    try:
+        costs = SwitchCostConfig.model_validate(_deep(cfg.sim.costs.model_dump(), data))
+    except ValidationError as e:
+        msgs = "; ".join(f"sim.costs.{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in e.errors())
+        raise ConfigError(f"{path}: {msgs}; allowed keys: {', '.join(SwitchCostConfig.model_fields)}") from None
+    sim = cfg.sim.model_copy(update={"costs": costs})
+    return cfg.model_copy(update={"sim": sim})
+
+
+def main(args: argparse.Namespace) -> int:
+    from dynaresize.sim.compare import compare, format_table, run_dynamic, run_static, setup
+
+    cfg = load_config(args.config, args.overrides)
+    if args.costs:
+        cfg = merge_costs(cfg, args.costs)
+    s = setup(cfg)
+    if args.compare:
+        out = compare(s)
+        print(f"{cfg.run.name}: {cfg.cluster.gpus} GPUs, {cfg.sim.steps} steps, start {s.initial} (train:rollout)")
+        print(format_table(out["rows"]))
+        sm = out["summary"]
+        print(f"best static split {sm['best_static_split']}; DynaResize {100 * sm['gain_vs_best_static']:+.1f}% throughput, "
+              f"{100 * sm['fraction_of_oracle']:.1f}% of oracle, {sm['switches']} switches, "
+              f"{100 * sm['overhead_hidden_fraction']:.0f}% of switch overhead hidden")
+        if args.json:
+            print(json.dumps(sm))
+        return 0
+    run_dir = Path(args.out) if args.out else Path(cfg.run.output_dir) / f"{cfg.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_resolved(cfg, run_dir)
+    log = cfg.sim.write_events
+    t0 = time.perf_counter()
+    res = run_dynamic(s, log) if cfg.policy.enabled else run_static(s, s.initial, log)
+    wall = time.perf_counter() - t0
+    if log:
+        head = make_event(EventType.RUN_START, 0.0, run_id=run_dir.name, source="sim", world_size=cfg.cluster.gpus,
+                          wall_time=0.0, train_ranks=f"0-{s.initial.n_train - 1}" if s.initial.n_train > 1 else "0",
+                          rollout_ranks=f"{s.initial.n_train}-{cfg.cluster.gpus - 1}" if s.initial.n_rollout > 1 else str(s.initial.n_train))
+        tail = make_event(EventType.RUN_END, res.total_s, status="completed", steps=res.steps)
+        path = run_dir / "events.jsonl"
+        path.unlink(missing_ok=True)
+        with EventLog(path, t0=0.0) as ev:
+            ev.write_many([head, *res.events, tail])
+    summary = dict(run=res.name, total_s=res.total_s, throughput=res.throughput, samples=res.samples, steps=res.steps,
+                   switches=res.switches, overhead_s=res.overhead_s, critical_s=res.critical_s,
+                   overhead_hidden_fraction=res.hidden_fraction, wall_s=wall, events=len(res.events or []))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"{res.name}: {res.steps} steps in {res.total_s:.0f} simulated s, {res.throughput:.3f} samples/s, "
+          f"{res.switches} switches ({100 * res.hidden_fraction:.0f}% of overhead hidden); simulated in {wall:.2f} s -> {run_dir}")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
