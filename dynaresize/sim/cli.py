@@ -85,7 +85,7 @@ def main(args: argparse.Namespace) -> int:
     res = run_dynamic(s, log) if cfg.policy.enabled else run_static(s, s.initial, log)
     wall = time.perf_counter() - t0
     if log:
-        head = make_event(EventType.RUN_START, 0.0, run_id=run_dir.name, source="sim", world_size=cfg.cluster.gpus,
+        head = make_event(EventType.RUN_START, 0.0, run_id=f"{cfg.run.name}-seed{cfg.run.seed}", source="sim", world_size=cfg.cluster.gpus,
                           wall_time=0.0, train_ranks=f"0-{s.initial.n_train - 1}" if s.initial.n_train > 1 else "0",
                           rollout_ranks=f"{s.initial.n_train}-{cfg.cluster.gpus - 1}" if s.initial.n_rollout > 1 else str(s.initial.n_train))
         tail = make_event(EventType.RUN_END, res.total_s, status="completed", steps=res.steps)

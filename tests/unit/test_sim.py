@@ -1,0 +1,158 @@
+"""The simulator: physics sanity, pipeline arithmetic, determinism of the event log, the CLI and cost files."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dynaresize.cli import main as cli_main
+from dynaresize.config.loader import ConfigError, load_config
+from dynaresize.events import EventType, ReadStats, read_events
+from dynaresize.policy import Topology
+from dynaresize.sim import stages
+from dynaresize.sim.cli import merge_costs
+from dynaresize.sim.compare import compare, oracle_total, run_dynamic, run_static, setup
+from dynaresize.sim.stages import StepPhysics
+from dynaresize.sim.workload import make_batch
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+PAPER = ROOT / "configs/sim/paper_8gpu.yaml"
+
+
+def small(*extra: str):
+    return load_config(PAPER, ["sim.steps=30", *extra])
+
+
+def test_rollout_physics_monotone_with_a_tail_floor():
+    cfg = small()
+    ph = StepPhysics(cfg.sim, make_batch(cfg.sim.workload, 0, 10, 30))
+    times = [ph.rollout_s(n) for n in range(1, 64)]
+    assert all(a >= b - 1e-9 for a, b in zip(times, times[1:]))  # more GPUs never slower
+    assert times[-1] >= ph.tail_s * 0.9  # the longest response alone bounds it from below
+    assert times[0] > 2 * times[-1]
+
+
+def test_capped_schedule_matches_closed_form_when_everything_fits():
+    cfg = small("sim.rollout.max_seqs_per_gpu=100000", "sim.rollout.kv_cache_gb=1e6")
+    ph = StepPhysics(cfg.sim, make_batch(cfg.sim.workload, 0, 3, 30))
+    for n in (1, 2, 5):
+        assert ph._capped(n) == pytest.approx(float(ph._uncapped(np.array([n]))[0]), rel=1e-9)
+
+
+def test_thinned_capped_schedule_is_close_to_exact(monkeypatch):
+    cfg = small("sim.workload.prompts_per_step=256")  # 2048 responses, KV-capped on few GPUs
+    ph = StepPhysics(cfg.sim, make_batch(cfg.sim.workload, 0, 20, 30))
+    exact = ph._capped(4)
+    monkeypatch.setattr(stages, "CAPPED_EXACT", 512)
+    assert ph._capped(4) == pytest.approx(exact, rel=0.05)
+
+
+def test_static_split_time_is_max_stage_pipelined():
+    # constant lengths: every step identical, so total = fill + K x max(rollout + sync, train)
+    cfg = small("sim.workload.response_sigma=0", "sim.workload.prompt_tokens_sigma=0", "sim.workload.response_tokens_end=1000")
+    s = setup(cfg)
+    K = cfg.sim.steps
+    for topo in (Topology(6, 2), Topology(2, 6)):
+        r = s.table.rollout_s(5, topo.n_rollout)
+        t = s.table.train_s(5, topo.n_train)
+        sync = s.costs.weight_sync_s()
+        res = run_static(s, topo)
+        period = max(r + sync, t)
+        # steps 0 and 1 need no sync (staleness 1: they use the initial weights)
+        assert res.total_s == pytest.approx(r + t + (K - 1) * period, rel=0.01)
+        assert res.switches == 0
+    assert oracle_total(s) <= min(run_static(s, c).total_s for c in s.candidates) * 1.001
+
+
+def test_synchronous_pipeline_is_sum_of_stages():
+    cfg = small("sim.workload.response_sigma=0", "sim.workload.prompt_tokens_sigma=0", "sim.workload.response_tokens_end=1000",
+                "pipeline.staleness_bound=0")
+    s = setup(cfg)
+    r, t, sync = s.table.rollout_s(5, 2), s.table.train_s(5, 6), s.costs.weight_sync_s()
+    assert run_static(s, Topology(6, 2)).total_s == pytest.approx(cfg.sim.steps * (r + t) + (cfg.sim.steps - 1) * sync, rel=0.01)
+
+
+def test_same_seed_same_event_log_bytes(tmp_path):
+    outs = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        assert cli_main(["simulate", str(PAPER), "sim.steps=40", "sim.workload.response_tokens_end=9000", "--out", str(d)]) == 0
+        outs.append((d / "events.jsonl").read_bytes())
+    assert outs[0] == outs[1] and len(outs[0]) > 1000
+    d = tmp_path / "c"
+    cli_main(["simulate", str(PAPER), "sim.steps=40", "sim.workload.response_tokens_end=9000", "run.seed=1", "--out", str(d)])
+    assert (d / "events.jsonl").read_bytes() != outs[0]
+
+
+def test_event_log_follows_the_schema(tmp_path):
+    d = tmp_path / "run"
+    assert cli_main(["simulate", str(PAPER), "sim.steps=60", "cluster.initial_train=2", "--out", str(d)]) == 0
+    stats = ReadStats()
+    evs = list(read_events(d, stats))
+    assert stats.bad == 0
+    types = [e.type for e in evs]
+    assert types[0] is EventType.RUN_START and evs[0]["source"] == "sim" and types[-1] is EventType.RUN_END
+    assert sum(t is EventType.STEP_END for t in types) == 60
+    assert all(b.t >= a.t for a, b in zip(evs, evs[1:]))
+    starts = [e for e in evs if e.type is EventType.SWITCH_START]
+    assert starts, "the drifting workload should trigger at least one resize"
+    assert len(starts) == sum(t is EventType.SWITCH_END for t in types)
+    ops = [e for e in evs if e.type is EventType.SWITCH_OP]
+    assert any(not e["critical"] for e in ops) and any(e["critical"] for e in ops)
+    assert (d / "config.yaml").exists() and json.loads((d / "summary.json").read_text())["steps"] == 60
+
+
+def test_stationary_workload_settles_and_stays():
+    cfg = load_config(ROOT / "configs/sim/stationary_8gpu.yaml", ["sim.steps=150"])
+    r = run_dynamic(setup(cfg), log=False)
+    assert r.switches <= 1
+    assert len(set(r.topologies[20:])) == 1
+
+
+def test_naive_switching_hides_nothing_and_optimised_hides_some():
+    cfg = small("sim.steps=60", "cluster.initial_train=2")
+    s = setup(cfg)
+    opt = run_dynamic(s, False)
+    assert opt.switches >= 1 and opt.hidden_fraction > 0.2
+    naive = run_dynamic(s, False, naive=True)
+    if naive.switches:
+        assert naive.hidden_fraction < opt.hidden_fraction
+
+
+def test_compare_summary_has_the_promised_keys(capsys):
+    assert cli_main(["simulate", str(PAPER), "sim.steps=30", "--compare", "--json"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    for key in ("best_static_split", "best_static_throughput", "dynaresize_throughput", "oracle_throughput",
+                "gain_vs_best_static", "fraction_of_oracle", "overhead_hidden_fraction", "switches"):
+        assert key in summary
+    assert summary["oracle_throughput"] >= summary["best_static_throughput"] * 0.999
+    assert 0 < summary["fraction_of_oracle"] <= 1.001
+
+
+def test_cost_file_merges_and_bad_keys_are_named(tmp_path):
+    cfg = small()
+    f = tmp_path / "costs.yaml"
+    f.write_text("sim:\n  costs:\n    pcie_gbps: 50\n    override_s: {drain: 0.25}\n")
+    merged = merge_costs(cfg, str(f))
+    assert merged.sim.costs.pcie_gbps == 50 and merged.sim.costs.override_s == {"drain": 0.25}
+    assert merged.sim.costs.nvme_gbps == cfg.sim.costs.nvme_gbps
+    f.write_text("nvme_gbps: 7\n")
+    assert merge_costs(cfg, str(f)).sim.costs.nvme_gbps == 7
+    f.write_text("warp_drive_s: 1\n")
+    with pytest.raises(ConfigError, match=r"costs\.yaml: sim\.costs\.warp_drive_s"):
+        merge_costs(cfg, str(f))
+    f.write_text("override_s: {teleport: 1}\n")
+    with pytest.raises(ConfigError, match="unknown switch op 'teleport'"):
+        merge_costs(cfg, str(f))
+
+
+def test_every_sim_scenario_validates():
+    for p in sorted((ROOT / "configs/sim").glob("*.yaml")):
+        cfg = load_config(p)
+        assert cfg.sim.steps >= 2 and not math.isnan(cfg.sim.rollout.iteration_fixed_s)
