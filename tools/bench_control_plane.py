@@ -30,7 +30,6 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 JOB = "bench"
 
