@@ -15,7 +15,7 @@ from dynaresize.events import EventType, ReadStats, read_events
 from dynaresize.policy import Topology
 from dynaresize.sim import stages
 from dynaresize.sim.cli import merge_costs
-from dynaresize.sim.compare import compare, oracle_total, run_dynamic, run_static, setup
+from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup
 from dynaresize.sim.stages import StepPhysics
 from dynaresize.sim.workload import make_batch
 
