@@ -71,6 +71,8 @@ SlurmctldPort=$CTLD_PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=cred_expire=5
 StateSaveLocation=$SPOOL/ctld
 SlurmdSpoolDir=$SPOOL/d/%n
 SlurmctldPidFile=$RUN/slurmctld.pid

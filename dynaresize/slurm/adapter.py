@@ -84,16 +84,13 @@ def cancel(leader: str, signal: str | None = None) -> None:
     _run(cmd)
 
 
-def requeue(leader: str, start_now: bool = False) -> None:
+def requeue(leader: str) -> None:
     """``scontrol requeue <leader>``: every component goes back to PENDING with the same id (SLURM_RESTART_COUNT+1).
 
-    Slurm holds a requeued job for about two minutes (its begin time); ``start_now`` clears that with
-    ``scontrol update JobId=<leader> StartTime=now`` (used on the local test cluster).
+    Slurm then holds the job for ``AuthInfo=cred_expire`` seconds (default 120; the local cluster sets 5) before
+    it may start again.
     """
-    leader = leader_of(leader)
-    _run(["scontrol", "requeue", leader])
-    if start_now:
-        _run(["scontrol", "update", f"JobId={leader}", "StartTime=now"], check=False)
+    _run(["scontrol", "requeue", leader_of(leader)])
 
 
 class SqueueWatcher(core.InfoWatcher):
@@ -138,8 +135,8 @@ class HetSlurmJob(SlurmJob):
     def job_state(self, force: bool = True) -> JobState:
         return self.status(force).state
 
-    def requeue(self, start_now: bool = False) -> None:
-        requeue(self.job_id, start_now=start_now)
+    def requeue(self) -> None:
+        requeue(self.job_id)
         self.watcher._finished.discard(self.job_id)  # it runs again
 
     def wait_for(self, predicate: tp.Callable[[HetJobStatus], bool], timeout_s: float, poll_s: float = 0.5) -> HetJobStatus:

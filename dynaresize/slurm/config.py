@@ -30,9 +30,6 @@ class SlurmConfig(Section):
     signal_before_s: int = Field(120, ge=0, description="Seconds before the time limit at which Slurm sends USR2 (--signal); 0 disables")
     requeue: bool = Field(True, description="Requeue the job on preemption or time-out warning and resume from the checkpoint")
     max_requeues: int = Field(3, ge=0, description="Self-requeues on USR2 before the job only checkpoints and stops")
-    requeue_start_now: bool = Field(
-        False, description="After a self-requeue, clear Slurm's ~2 min requeue begin-time delay (scontrol update StartTime=now)"
-    )
     extra_sbatch: list[str] = Field(default_factory=list, description="Extra '#SBATCH' lines added verbatim to every component")
     shared_dir: str | None = Field(None, description="Shared directory for run directories on the cluster (default: run.output_dir)")
     python: str | None = Field(None, description="Python command on the compute nodes (default: the interpreter running submit)")

@@ -57,13 +57,10 @@ class SlurmContext:
     resume: bool  # True after a requeue (SLURM_RESTART_COUNT > 0) or when the run dir holds a checkpoint
 
 
-def _requeue_fn(cfg: Config) -> Callable[[str], None]:
-    def requeue(leader: str) -> None:
-        from dynaresize.slurm.adapter import requeue as slurm_requeue
+def _requeue(leader: str) -> None:
+    from dynaresize.slurm.adapter import requeue
 
-        slurm_requeue(leader, start_now=cfg.slurm.requeue_start_now)
-
-    return requeue
+    requeue(leader)
 
 
 def make_context(role: str, run_dir: str | Path, env: dict[str, str] | None = None) -> SlurmContext:
@@ -74,7 +71,7 @@ def make_context(role: str, run_dir: str | Path, env: dict[str, str] | None = No
     if role == "coordinator":
         pre = Preemption(
             ident.job_id if ident else None, ident.restart_count if ident else 0,
-            cfg.slurm.requeue, cfg.slurm.max_requeues, _requeue_fn(cfg),
+            cfg.slurm.requeue, cfg.slurm.max_requeues, _requeue,
         )
     resume = bool(ident and ident.restart_count > 0) or (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     return SlurmContext(cfg, run_dir, ident, pre, resume)
