@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         who = ctx.identity.to_json() if ctx.identity else "outside Slurm"
         logging.getLogger("dynaresize.slurm.entry").info("%s starting in %s as %s", args.role, ctx.run_dir, who)
         return int(fn(ctx) or 0)
-    except (ConfigError, identity_mod.IdentityError, RuntimeError) as e:
+    except (ConfigError, identity_mod.IdentityError, RuntimeError, TimeoutError) as e:
         print(f"dynaresize.slurm.entry {args.role}: {e}", file=sys.stderr)
         return 2
 
