@@ -139,13 +139,32 @@ def main(argv: list[str] | None = None) -> int:
         ctx = make_context(args.role, args.run_dir)
         if ctx.preemption is not None:
             ctx.preemption.install()
-        fn = resolve(args.role, ctx.cfg)
         who = ctx.identity.to_json() if ctx.identity else "outside Slurm"
         logging.getLogger("dynaresize.slurm.entry").info("%s starting in %s as %s", args.role, ctx.run_dir, who)
-        return int(fn(ctx) or 0)
+        if args.role == "coordinator":
+            return _run_coordinator(ctx)
+        return int(resolve(args.role, ctx.cfg)(ctx) or 0)
     except (ConfigError, identity_mod.IdentityError, RuntimeError, TimeoutError) as e:
         print(f"dynaresize.slurm.entry {args.role}: {e}", file=sys.stderr)
         return 2
+
+
+def _run_coordinator(ctx: SlurmContext) -> int:
+    """Run the coordinator; if it ends without publishing its endpoint, tell the ranks (they stop, not time out)."""
+    from dynaresize.slurm import rendezvous
+
+    job = ctx.identity.job_id if ctx.identity else "local"
+    restart = ctx.identity.restart_count if ctx.identity else 0
+    error = "the coordinator ended before publishing its Redis endpoint"
+    try:
+        return int(resolve("coordinator", ctx.cfg)(ctx) or 0)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        cur = rendezvous.read(ctx.run_dir)
+        if cur is None or (cur.job_id, cur.restart_count) != (job, restart):
+            rendezvous.publish(ctx.run_dir, job, restart, None, error=error)
 
 
 if __name__ == "__main__":

@@ -24,20 +24,27 @@ class RendezvousTimeout(TimeoutError):
     """The coordinator did not publish its endpoint in time (the message names the file and what was seen)."""
 
 
+class RendezvousFailed(RuntimeError):
+    """The coordinator of this job incarnation failed before its Redis was up (the message says why)."""
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     job_id: str
     restart_count: int
-    endpoint_file: str | None  # None: no Redis (file-only probe)
+    endpoint_file: str | None  # None when error is set
     written_at: float
+    error: str | None = None  # the coordinator failed: ranks stop instead of waiting
 
 
 def path(run_dir: str | Path) -> Path:
     return Path(run_dir) / SLURM_SUBDIR / RENDEZVOUS_FILE
 
 
-def publish(run_dir: str | Path, job_id: str, restart_count: int, endpoint_file: str | Path | None) -> Rendezvous:
-    rv = Rendezvous(job_id, restart_count, str(endpoint_file) if endpoint_file else None, time.time())
+def publish(run_dir: str | Path, job_id: str, restart_count: int, endpoint_file: str | Path | None,
+            error: str | None = None) -> Rendezvous:
+    """Announce the Redis endpoint of this job incarnation (or, with ``error``, that the coordinator failed)."""
+    rv = Rendezvous(job_id, restart_count, str(endpoint_file) if endpoint_file else None, time.time(), error)
     p = path(run_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
@@ -49,7 +56,7 @@ def publish(run_dir: str | Path, job_id: str, restart_count: int, endpoint_file:
 def read(run_dir: str | Path) -> Rendezvous | None:
     try:
         d = json.loads(path(run_dir).read_text())
-        return Rendezvous(str(d["job_id"]), int(d["restart_count"]), d.get("endpoint_file"), float(d["written_at"]))
+        return Rendezvous(str(d["job_id"]), int(d["restart_count"]), d.get("endpoint_file"), float(d["written_at"]), d.get("error"))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -61,6 +68,8 @@ def wait(run_dir: str | Path, job_id: str, restart_count: int, timeout_s: float 
     while time.monotonic() < deadline:
         last = read(run_dir)
         if last is not None and last.job_id == job_id and last.restart_count == restart_count:
+            if last.error:
+                raise RendezvousFailed(f"{path(run_dir)}: the coordinator of job {job_id} restart {restart_count} failed: {last.error}")
             return last
         time.sleep(poll_s)
     raise RendezvousTimeout(

@@ -140,3 +140,9 @@ def test_allocation_check_names_the_mismatch() -> None:
     assert allocation_problems(cfg, good) == []
     assert "cluster.gpus = 4" in allocation_problems(cfg, {**good, "SLURM_NTASKS_HET_GROUP_1": "8"})[0]
     assert "hetjob" in allocation_problems(cfg, {})[0]
+
+
+def test_rendezvous_reports_a_failed_coordinator(tmp_path: Path) -> None:
+    rendezvous.publish(tmp_path, "7", 0, None, error="RuntimeError: no main job")
+    with pytest.raises(rendezvous.RendezvousFailed, match="no main job"):
+        rendezvous.wait(tmp_path, "7", 0, timeout_s=1)
