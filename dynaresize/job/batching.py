@@ -1,0 +1,105 @@
+"""From generated samples to a training batch: rewards, group-relative advantages, staleness check.
+
+The coordinator does this once per step, in sample order (prompt, index), so the batch is the same whichever ranks
+generated it and however many trainers will split it. The batch goes to trainers as JSON under one Redis key;
+each trainer takes its contiguous slice.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.rl.grpo import group_advantages
+from dynaresize.tasks.base import Task
+
+
+class StalenessError(RuntimeError):
+    """A sample older than the staleness bound reached a training batch (the pipeline must never allow it)."""
+
+
+def sample_seed(seed: int, step: int, prompt: int, index: int) -> int:
+    """The per-sample generation seed: a pure function of (run seed, step, prompt, index), < 2**63."""
+    import hashlib
+
+    h = hashlib.blake2b(f"{seed}:{step}:{prompt}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int) -> tuple[list[WorkItem], list[str]]:
+    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompt texts."""
+    texts = [task.prompt(seed, step, p) for p in range(prompts)]
+    items = []
+    for p, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i)) for i in range(group)]
+    return items, texts
+
+
+def check_staleness(step: int, samples: list[SampleResult], bound: int) -> None:
+    """Batch ``step`` may only hold samples of policy versions >= step - bound."""
+    oldest = min((s.version for s in samples), default=step)
+    if oldest < step - bound:
+        bad = [s.key for s in samples if s.version < step - bound][:5]
+        raise StalenessError(
+            f"batch {step} holds samples of version {oldest} < {step} - {bound} (staleness bound), e.g. {bad}"
+        )
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    step: int
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    advantages: list[float]
+    rewards: list[float]
+    versions: list[int]
+    keys: list[str]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(r) for r in self.response_ids)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "TrainBatch":
+        d = json.loads(raw)
+        tb = cls(**d)
+        n = len(tb.keys)
+        if not all(len(getattr(tb, f)) == n for f in ("prompt_ids", "response_ids", "logprobs", "advantages", "rewards", "versions")):
+            raise ValueError("training batch fields have different lengths")
+        return tb
+
+
+def build_batch(
+    step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
+    group: int, bound: int, scale_by_std: bool = True,
+) -> TrainBatch:
+    """Score every sample, compute advantages per prompt group, and check the staleness bound."""
+    by_key = {s.key: s for s in samples}
+    missing = [it.key for it in items if it.key not in by_key]
+    if missing:
+        raise RuntimeError(f"batch {step}: {len(missing)} samples missing, e.g. {missing[:5]}")
+    ordered = [by_key[it.key] for it in items]
+    check_staleness(step, ordered, bound)
+    rewards = []
+    for it, s in zip(items, ordered):
+        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        rewards.append(float(task.reward(texts[it.prompt], text)))
+    adv = group_advantages(torch.tensor(rewards), group, scale_by_std=scale_by_std)
+    return TrainBatch(
+        step=step,
+        prompt_ids=[it.prompt_ids for it in items],
+        response_ids=[s.response_ids for s in ordered],
+        logprobs=[s.logprobs for s in ordered],
+        advantages=[float(a) for a in adv],
+        rewards=rewards,
+        versions=[s.version for s in ordered],
+        keys=[it.key for it in items],
+    )

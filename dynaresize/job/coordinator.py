@@ -1,0 +1,428 @@
+"""The coordinator: the RL schedule, one screen per step, with the expensive transitions as named steps.
+
+One-step-off pipeline with staleness bound ``s`` (``pipeline.staleness_bound``, default 1): while trainers train
+on batch ``k`` (producing policy version ``k+1``), rollout ranks already generate batch ``k+s`` with version ``k``.
+Then the new weights go to the rollout ranks. Each iteration reads::
+
+    observe  -> what the last step measured (stage times, tokens)
+    decide   -> the resizing policy (pure; the simulator runs the very same code)
+    switch   -> if the policy asks: ranks change role in place (no process restart, no new communicator)
+    generate -> batch k+s, pulled by the rollout ranks from a work queue (dynamic dispatch)
+    train    -> batch k on the trainers (GRPO loss, DeepSpeed ZeRO)
+    sync     -> version k+1 from the trainers to the rollout ranks
+
+Invariants (tested): batch ``k`` only holds samples of versions ``>= k - s``; every sample is seeded by (seed, step,
+prompt, index), so which rank generates it never changes it; a resize in the middle of a rollout neither drops nor
+duplicates a sample (the work queue is keyed by sample).
+
+Switches run at step boundaries, when no stage is in flight: moving a rank is then never racing a rollout, and
+the fine-grained operations inside the switch (optimizer-state transfer deferred to the first optimizer step,
+weight hand-over) are what the event log records. What it deliberately leaves out: the in-step "mixed" switch
+that the simulator models (a trainer joining a rollout already under way); see the README.
+
+Stop and resume: SIGINT/SIGTERM ask for a stop; the step in flight finishes, the ranks stage their state under
+``checkpoints/``, the coordinator writes ``checkpoints/coordinator.json``, and ``dynaresize run --resume RUN_DIR``
+continues with the same step counter. A second signal stops at once (resume then starts from the last checkpoint;
+samples already generated stay in the run's Redis and are reused, never generated twice).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dynaresize.config.loader import write_resolved
+from dynaresize.config.schema import Config
+from dynaresize.events import EventLog, Role, format_ranks
+from dynaresize.job.batching import TrainBatch, build_batch, work_items
+from dynaresize.job.state import JobState, load_state, policy_from_dict, policy_to_dict, save_state
+
+log = logging.getLogger("dynaresize.job")
+
+LAUNCH_FILE = "launch.json"
+
+
+class JobError(RuntimeError):
+    """The job cannot go on (a rank died, a command failed); the message says which rank and why."""
+
+
+@dataclass
+class StepTimes:
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+    sync_s: float = 0.0
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+
+
+@dataclass
+class Coordinator:
+    cfg: Config
+    run_dir: Path
+    resume: bool = False
+    launcher_factory: Callable[..., Any] | None = None  # (run_dir, world, job_id, device) -> launcher; default local
+    on_step: Callable[[dict], None] | None = None  # progress callback (the CLI's progress bar)
+    stop_requested: threading.Event = field(default_factory=threading.Event)
+
+    # ---------------------------------------------------------------------------------------------------------
+    # set-up
+
+    def __post_init__(self) -> None:
+        self.run_dir = Path(self.run_dir)
+        self.world = self.cfg.cluster.gpus
+        self.bound = self.cfg.pipeline.staleness_bound
+        self.job_id = self.run_dir.name
+        st = load_state(self.run_dir) if self.resume else None
+        self.state = st or JobState(n_train=self.cfg.cluster.initial_train)
+        self.state.incarnation += 1
+        self.group = self.cfg.rollout.group_size
+        self.per_step = self.cfg.rollout.prompts_per_step * self.group
+        self.last = StepTimes()
+        self.t_start = time.monotonic()
+
+    def install_signal_handlers(self) -> None:
+        """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: stop now."""
+
+        def handler(signum, frame):
+            if self.stop_requested.is_set():
+                raise KeyboardInterrupt
+            log.warning("signal %d: stopping after this step (send it again to stop now)", signum)
+            self.stop_requested.set()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    def run(self) -> dict[str, Any]:
+        from dynaresize.control.commands import CommandBus
+        from dynaresize.control.registry import Registry
+        from dynaresize.control.server import RedisServer, connect
+        from dynaresize.job.workqueue import RolloutQueue
+        from dynaresize.models.store import ensure_model, load_tokenizer
+        from dynaresize.policy import ResizePolicy, SwitchCostModel, from_cluster
+        from dynaresize.tasks.registry import load_task
+
+        write_resolved(self.cfg, self.run_dir)
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        if self.state.incarnation == 1:
+            self.events.emit(
+                "run_start", run_id=self.job_id, source="runtime", world_size=self.world, wall_time=self.events.t0,
+                train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()),
+            )
+            self.events.emit("topology", step=0, train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()))
+        else:
+            self.events.emit("control", what="resume", reason=f"incarnation {self.state.incarnation} from step {self.state.step}")
+        status = "failed"
+        self.launcher = None
+        try:
+            self.task = load_task(self.cfg.task)
+            self.model_dir = ensure_model(self.cfg)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.sim.costs, self.cfg.sim.optimizations), from_cluster(self.cfg.cluster))
+            self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
+            with RedisServer(self.cfg.redis, self.run_dir) as srv:
+                self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
+                self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)
+                self.registry = Registry(self.redis, self.job_id, self.cfg.redis)
+                self.queue = RolloutQueue(self.redis, self.job_id)
+                self._write_launch_file()
+                self.start_ranks()
+                try:
+                    self.loop()
+                    status = "interrupted" if self.state.step < self.cfg.run.steps else "completed"
+                except KeyboardInterrupt:
+                    status = "interrupted"
+                finally:
+                    self.stop_ranks(checkpoint=status != "failed" or self.state.step > 0)
+        finally:
+            self.events.emit("run_end", status=status, steps=self.state.step)
+            self.events.close()
+        return self.summary(status)
+
+    def _write_launch_file(self) -> None:
+        """What every rank reads at start (local or Slurm): model, split, and where to restore state from."""
+        launch = {
+            "job_id": self.job_id, "model_dir": str(self.model_dir), "world": self.world, "n_train": self.state.n_train,
+            "version": self.state.version, "checkpoint": self.state.checkpoint,
+        }
+        tmp = self.run_dir / (LAUNCH_FILE + ".tmp")
+        tmp.write_text(json.dumps(launch, indent=1))
+        tmp.replace(self.run_dir / LAUNCH_FILE)
+
+    def start_ranks(self) -> None:
+        from dynaresize.job.launcher import LocalLauncher
+
+        factory = self.launcher_factory or (lambda run_dir, world, job_id, device: LocalLauncher(run_dir, world, job_id, device))
+        self.launcher = factory(self.run_dir, self.world, self.job_id, self.cfg.cluster.device)
+        self.launcher.start()
+        deadline = time.monotonic() + 600
+        while len(self.registry.live()) < self.world:
+            self._check_ranks_alive()
+            if time.monotonic() > deadline:
+                raise JobError(f"only {len(self.registry.live())} of {self.world} ranks registered within 600 s")
+            if self.stop_requested.is_set():
+                raise KeyboardInterrupt
+            time.sleep(0.2)
+        cmd, res = self.bus.request("ping", range(self.world), {}, timeout=120)
+        self._require(res, "ping", range(self.world))
+        log.info("%d ranks up", self.world)
+
+    def _check_ranks_alive(self) -> None:
+        dead = self.launcher.dead() if hasattr(self.launcher, "dead") else {}
+        if dead:
+            r, code = next(iter(dead.items()))
+            tail = self.launcher.log_tail(r) if hasattr(self.launcher, "log_tail") else ""
+            raise JobError(f"rank {r} exited with code {code}; last lines of its log:\n{tail}")
+
+    def stop_ranks(self, checkpoint: bool) -> None:
+        if self.launcher is None:
+            return
+        try:
+            if checkpoint and not self.launcher.dead():
+                self.checkpoint()
+            self.bus.send("shutdown", range(self.world), {})
+        except Exception as e:  # the ranks are stopped below either way
+            log.warning("could not shut the ranks down cleanly: %s", e)
+        self.launcher.stop()
+
+    # ---------------------------------------------------------------------------------------------------------
+    # the schedule
+
+    def loop(self) -> None:
+        steps = self.cfg.run.steps
+        k = self.state.step
+        # fill the pipeline: batches k .. k+s-1 (already there after a resume, then this is a no-op)
+        for j in range(k, min(k + self.bound, steps)):
+            self.generate(j, wait=True)
+        while k < steps and not self.stop_requested.is_set():
+            self.events.emit("step_start", step=k)
+            decision = self.decide(k)
+            if decision is not None and decision.resize:
+                self.switch(k, decision)
+            ahead = k + self.bound
+            gen = self.generate(ahead, wait=False) if ahead < steps and self.bound > 0 else None
+            if self.bound == 0:
+                self.generate(k, wait=True)
+            batch = self.make_batch(k)
+            train = self.train(k, batch)
+            self.finish(k, gen, train, batch)
+            self.sync_weights(k + 1)
+            k = self.state.step = k + 1
+            self.state.elapsed_s = self._elapsed()
+            self.report(k - 1, batch)
+            every = self.cfg.run.checkpoint_every
+            if every and k % every == 0 and k < steps:
+                self.checkpoint()
+
+    def observation(self, k: int):
+        from dynaresize.policy import Observation, Topology
+
+        return Observation(
+            step=k - 1, topology=Topology(self.state.n_train, self.world - self.state.n_train),
+            rollout_s=self.last.rollout_s, train_s=self.last.train_s, weight_sync_s=self.last.sync_s,
+            tokens_generated=self.last.tokens_generated, tokens_trained=self.last.tokens_trained,
+            mixed=getattr(self, "_switched_last", False),
+        )
+
+    def decide(self, k: int):
+        """Feed the last step's measurements to the policy; ``None`` before anything was measured."""
+        if k == 0 or self.last.train_s <= 0 or not self.cfg.policy.enabled:
+            self._switched_last = False
+            return None
+        self.pstate, d = self.policy.step(self.pstate, self.observation(k))
+        self.state.policy = policy_to_dict(self.pstate)
+        self._switched_last = False
+        self.events.emit(
+            "decision", step=k, action=d.action.value, reason=d.reason, imbalance=round(d.imbalance, 4),
+            target_train=d.target.n_train, target_rollout=d.target.n_rollout,
+            expected_saving_s=round(d.expected_saving_s, 4), cost_s=round(d.critical_cost_s, 4),
+        )
+        return d
+
+    def switch(self, k: int, decision) -> None:
+        """Move ranks between roles in place: every rank gets the command and does its part of the plan."""
+        old, new = self.state.n_train, decision.target.n_train
+        sid = f"sw{len(self.state.switches)}-s{k}"
+        self.events.emit(
+            "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=self.world - old, to_train=new,
+            to_rollout=self.world - new, planned_critical_s=round(decision.critical_cost_s, 4), mode="optimized",
+        )
+        t0 = time.monotonic()
+        payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
+        cmd, res = self.bus.request("switch_role", range(self.world), payload, timeout=600)
+        self._require(res, "switch_role", range(self.world))
+        critical = time.monotonic() - t0
+        hidden = sum(
+            op.get("end", 0) - op.get("start", 0)
+            for a in res.acks.values() for op in (a.result or {}).get("ops", []) if not op.get("critical", True)
+        )
+        moved = range(min(old, new), max(old, new))
+        frm, to = (Role.TRAIN, Role.ROLLOUT) if new < old else (Role.ROLLOUT, Role.TRAIN)
+        self.events.emit("role_change", step=k, ranks=format_ranks(moved), from_role=frm, to_role=to)
+        self.state.n_train = new
+        self.events.emit("topology", step=k, train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()))
+        self.events.emit("switch_end", switch_id=sid, critical_path_s=round(critical, 6), hidden_s=round(hidden, 6))
+        self.state.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{self.world - old}", "to": f"{new}:{self.world - new}",
+                                    "critical_path_s": round(critical, 4), "hidden_s": round(hidden, 4)})
+        self._switched_last = True
+        log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
+
+    def generate(self, j: int, wait: bool):
+        """Queue batch ``j`` and let the rollout ranks pull it. Returns (command, send time) or waits for it."""
+        items, _ = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step, self.group)
+        self.queue.publish(j, items)
+        for r in range(self.world):  # nothing is in flight for j yet, except claims of an earlier incarnation
+            self.queue.release(j, r)
+        if self.queue.done(j) >= self.queue.total(j):
+            return None
+        ro = self.cfg.rollout
+        payload = {"step": j, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
+                   "temperature": ro.temperature, "top_p": ro.top_p}
+        sent = (self.bus.send("generate", self._rollouts(), payload), time.monotonic(), j)
+        if wait:
+            self._await_generate(sent)
+            return None
+        return sent
+
+    def _await_generate(self, sent) -> float:
+        cmd, t0, j = sent
+        res = self._await(cmd, self._rollouts(), "generate")
+        if self.queue.done(j) < self.queue.total(j):
+            raise JobError(f"generate {j}: {self.queue.total(j) - self.queue.done(j)} samples missing after every rollout rank acked")
+        self.last.tokens_generated = sum(int((a.result or {}).get("tokens", 0)) for a in res.acks.values())
+        return max(a.acked_at for a in res.acks.values()) - (time.time() - (time.monotonic() - t0))
+
+    def make_batch(self, k: int) -> TrainBatch:
+        items, texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, k, self.cfg.rollout.prompts_per_step, self.group)
+        batch = build_batch(k, items, self.queue.results(k), texts, self.task, self.tokenizer, self.group, self.bound)
+        self.redis.set(self._batch_key(k), batch.to_json(), ex=24 * 3600)
+        return batch
+
+    def _batch_key(self, k: int) -> str:
+        from dynaresize.control.keys import Keys
+
+        return f"{Keys(self.job_id).ns}:batch:{k}"
+
+    def train(self, k: int, batch: TrainBatch):
+        payload = {"step": k, "batch_key": self._batch_key(k), "n_train": self.state.n_train, "version_after": k + 1}
+        return self.bus.send("train", self._trainers(), payload), time.monotonic()
+
+    def finish(self, k: int, gen, train, batch: TrainBatch) -> None:
+        """Wait for the step's training and the overlapping rollout; record what they took."""
+        cmd, t0 = train
+        res = self._await(cmd, self._trainers(), "train")
+        wall0 = time.time() - (time.monotonic() - t0)
+        self.last.train_s = max(a.acked_at for a in res.acks.values()) - wall0
+        self.last.tokens_trained = batch.tokens
+        losses = [float((a.result or {}).get("loss", 0.0)) for a in res.acks.values()]
+        self._loss = sum(losses)  # per-rank shares of the global loss add up to it
+        self.last.rollout_s = self._await_generate(gen) if gen is not None else 0.0
+
+    def sync_weights(self, version: int) -> None:
+        t0 = time.monotonic()
+        ranks = [0] + self._rollouts()
+        cmd, res = self.bus.request("sync_weights", ranks, {"version": version, "n_train": self.state.n_train}, timeout=600)
+        self._require(res, "sync_weights", ranks)
+        self.last.sync_s = time.monotonic() - t0
+        self.state.version = version
+
+    def checkpoint(self) -> None:
+        tag = f"step-{self.state.step}"
+        t0 = time.monotonic()
+        cmd, res = self.bus.request("stage_state", range(self.world), {"tag": tag}, timeout=600)
+        self._require(res, "stage_state", range(self.world))
+        self.state.checkpoint = f"checkpoints/{tag}"
+        self.state.elapsed_s = self._elapsed()
+        save_state(self.run_dir, self.state)
+        self.events.emit("stage", step=self.state.step, stage="checkpoint", ranks=format_ranks(range(self.world)),
+                         start=self.events.now() - (time.monotonic() - t0), end=self.events.now())
+
+    # ---------------------------------------------------------------------------------------------------------
+    # bookkeeping
+
+    def report(self, k: int, batch: TrainBatch) -> None:
+        reward = sum(batch.rewards) / max(1, len(batch.rewards))
+        self.state.rewards[str(k)] = reward
+        self.state.samples += len(batch.keys)
+        self.state.tokens += batch.tokens
+        self.events.emit("step_end", step=k, samples=len(batch.keys), tokens_generated=self.last.tokens_generated,
+                         tokens_trained=batch.tokens, reward_mean=round(reward, 6), loss=round(self._loss, 8),
+                         rollout_s=round(self.last.rollout_s, 4), train_s=round(self.last.train_s, 4), sync_s=round(self.last.sync_s, 4))
+        with open(self.run_dir / "batches.jsonl", "a") as f:
+            f.write(json.dumps({"step": k, "keys": batch.keys, "versions": batch.versions, "rewards": batch.rewards,
+                                "loss": self._loss, "n_train": self.state.n_train}, separators=(",", ":")) + "\n")
+        if self.on_step:
+            self.on_step({"step": k, "reward": reward, "roles": self.roles(), "switches": len(self.state.switches),
+                          "rollout_s": self.last.rollout_s, "train_s": self.last.train_s})
+
+    def roles(self) -> str:
+        return "T" * self.state.n_train + "R" * (self.world - self.state.n_train)
+
+    def _trainers(self) -> list[int]:
+        return list(range(self.state.n_train))
+
+    def _rollouts(self) -> list[int]:
+        return list(range(self.state.n_train, self.world))
+
+    def _elapsed(self) -> float:
+        prev = getattr(self, "_elapsed_before", None)
+        if prev is None:
+            prev = self._elapsed_before = self.state.elapsed_s
+        return prev + time.monotonic() - self.t_start
+
+    def _await(self, cmd, ranks, what: str):
+        """Wait for acks, checking that no rank process died meanwhile."""
+        ranks = list(ranks)
+        while True:
+            res = self.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
+            if not res.missing:
+                self._require(res, what, ranks)
+                return res
+            self._check_ranks_alive()
+            dead = self.registry.dead()
+            gone = [r for r in res.missing if r in dead]
+            if gone:
+                raise JobError(f"{what}: rank(s) {format_ranks(gone)} stopped heartbeating")
+
+    def _require(self, res, what: str, ranks) -> None:
+        if res.missing:
+            raise JobError(f"{what}: no ack from rank(s) {format_ranks(res.missing)}")
+        bad = {r: a.error for r, a in res.acks.items() if not a.ok}
+        if bad:
+            r, err = next(iter(sorted(bad.items())))
+            raise JobError(f"{what} failed on rank {r}: {err}")
+
+    def summary(self, status: str) -> dict[str, Any]:
+        rewards = self.state.rewards
+        steps_done = sorted(int(s) for s in rewards)
+        span = max(1e-9, self.state.elapsed_s or self._elapsed())
+        out = {
+            "status": status,
+            "run_dir": str(self.run_dir),
+            "steps": self.state.step,
+            "samples": self.state.samples,
+            "samples_per_s": round(self.state.samples / span, 4),
+            "tokens_per_s": round(self.state.tokens / span, 2),
+            "elapsed_s": round(span, 2),
+            "reward_first": rewards[str(steps_done[0])] if steps_done else None,
+            "reward_last": rewards[str(steps_done[-1])] if steps_done else None,
+            "reward_first3": _mean([rewards[str(s)] for s in steps_done[:3]]),
+            "reward_last3": _mean([rewards[str(s)] for s in steps_done[-3:]]),
+            "switches": self.state.switches,
+            "switch_critical_path_s": round(sum(s["critical_path_s"] for s in self.state.switches), 4),
+            "final_split": f"{self.state.n_train}:{self.world - self.state.n_train}",
+            "policy": "dynamic" if self.cfg.policy.enabled else "static",
+        }
+        tmp = self.run_dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(self.run_dir / "summary.json")
+        return out
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None

@@ -1,0 +1,113 @@
+"""What the coordinator asks of worker ranks: the payload of each command kind and the result its ack carries.
+
+The transport is the control plane (``dynaresize.control``: durable per-rank streams, epochs, acks); this module
+only fixes the *content*, as frozen pydantic models that travel as JSON. A worker validates every payload
+(``parse_payload``) and answers a bad one with an error ack; it never crashes on it.
+
+==============  =====================================================  ===============================================
+kind            payload                                                ack result
+==============  =====================================================  ===============================================
+generate        :class:`GeneratePayload` (step, version, sampling)    :class:`GenerateResult` (samples, tokens, busy)
+train           :class:`TrainPayload` (step, batch key, topology)      :class:`TrainResult` (loss, metrics, busy)
+sync_weights    :class:`SyncPayload` (version, topology)               :class:`SyncResult` (bytes, seconds, version)
+switch_role     :class:`SwitchPayload` (switch id, old/new trainers)  :class:`SwitchResult` (role, ops)
+stage_state     :class:`StagePayload` (tag)                            ``{"manifest": path, "bytes": n}``
+shutdown        ``{}``                                                  ``{}``
+==============  =====================================================  ===============================================
+
+Roles are positional: with ``n_train`` trainers, ranks ``0..n_train-1`` train and the rest roll out (nested
+prefixes, see :mod:`dynaresize.comm.groups`), so a topology is one integer on the wire.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class GeneratePayload(_Msg):
+    step: int = Field(ge=0, description="RL step whose batch the samples belong to")
+    version: int = Field(ge=0, description="policy version the rank must hold (it refuses to generate with another)")
+    pull_batch: int = Field(ge=1, description="samples claimed from the work queue at a time")
+    max_tokens: int = Field(ge=1)
+    temperature: float = Field(gt=0)
+    top_p: float = Field(gt=0, le=1)
+
+
+class GenerateResult(_Msg):
+    samples: int
+    tokens: int
+    busy_s: float
+    version: int
+
+
+class TrainPayload(_Msg):
+    step: int = Field(ge=0)
+    batch_key: str = Field(description="Redis key of the training batch (JSON, written by the coordinator)")
+    n_train: int = Field(ge=1)
+    version_after: int = Field(ge=1, description="policy version once this update is applied")
+
+
+class TrainResult(_Msg):
+    loss: float
+    metrics: dict[str, float] = {}
+    tokens: int
+    busy_s: float
+    version: int
+
+
+class SyncPayload(_Msg):
+    version: int = Field(ge=0)
+    n_train: int = Field(ge=1)
+
+
+class SyncResult(_Msg):
+    version: int
+    bytes: int
+    seconds: float
+
+
+class SwitchPayload(_Msg):
+    switch_id: str
+    step: int = Field(ge=0)
+    from_train: int = Field(ge=1)
+    to_train: int = Field(ge=1)
+
+
+class SwitchResult(_Msg):
+    role: str
+    ops: list[dict[str, Any]] = []
+
+
+class StagePayload(_Msg):
+    tag: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+
+
+PAYLOADS: dict[str, type[_Msg]] = {
+    "generate": GeneratePayload,
+    "train": TrainPayload,
+    "sync_weights": SyncPayload,
+    "switch_role": SwitchPayload,
+    "stage_state": StagePayload,
+}
+
+
+class PayloadError(ValueError):
+    """A command payload that does not match its kind's model."""
+
+
+def parse_payload(kind: str, payload: dict[str, Any]) -> _Msg:
+    model = PAYLOADS.get(kind)
+    if model is None:
+        raise PayloadError(f"command kind {kind!r} has no payload model")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "<payload>"
+        raise PayloadError(f"{kind}: payload.{where} = {first.get('input')!r}: {first['msg']}") from None

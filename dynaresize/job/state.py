@@ -1,0 +1,87 @@
+"""The coordinator's checkpoint: everything needed to continue a run with the same step counter.
+
+Written atomically (temp file + rename) to ``<run_dir>/checkpoints/coordinator.json`` after the ranks have
+acknowledged staging their own state under ``checkpoints/<tag>/``. Buffered rollouts are not in this file: they
+live in the run's Redis (append-only file in ``<run_dir>/redis``), keyed by sample, and survive the restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynaresize.policy.types import Estimates, PolicyState
+
+STATE_FILE = "coordinator.json"
+STATE_VERSION = 1
+
+
+@dataclass
+class JobState:
+    step: int = 0  # next step to train
+    version: int = 0  # policy version the ranks hold (updates applied)
+    n_train: int = 1  # trainers (ranks 0..n_train-1)
+    checkpoint: str | None = None  # directory (relative to the run dir) holding the ranks' staged state
+    samples: int = 0  # samples trained on so far
+    tokens: int = 0
+    rewards: dict[str, float] = field(default_factory=dict)  # step -> mean reward of its batch
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    policy: dict[str, Any] | None = None  # serialised PolicyState
+    elapsed_s: float = 0.0  # run time of earlier incarnations (summary throughput spans all of them)
+    incarnation: int = 0  # how many times the run was started (1 on the first start)
+
+    def to_json(self) -> str:
+        return json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=1, sort_keys=True)
+
+
+def policy_to_dict(ps: PolicyState) -> dict[str, Any]:
+    return asdict(ps)
+
+
+def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
+    if not d:
+        return None
+    est = d.get("estimates")
+    return PolicyState(
+        estimates=Estimates(**est) if est else None,
+        signal_dir=int(d.get("signal_dir", 0)),
+        signal_count=int(d.get("signal_count", 0)),
+        steps_since_resize=int(d.get("steps_since_resize", 10**9)),
+        cooldown_left=int(d.get("cooldown_left", 0)),
+        history=tuple(d.get("history", ())),
+    )
+
+
+def save_state(run_dir: Path, st: JobState) -> Path:
+    ck = Path(run_dir) / "checkpoints"
+    ck.mkdir(parents=True, exist_ok=True)
+    tmp = ck / (STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(st.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, ck / STATE_FILE)
+    return ck / STATE_FILE
+
+
+class StateError(ValueError):
+    pass
+
+
+def load_state(run_dir: Path) -> JobState | None:
+    path = Path(run_dir) / "checkpoints" / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        d = json.loads(path.read_text())
+    except ValueError as e:
+        raise StateError(f"{path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    if d.pop("state_version", None) != STATE_VERSION:
+        raise StateError(f"{path}: unknown state_version (this build reads {STATE_VERSION})")
+    try:
+        return JobState(**d)
+    except TypeError as e:
+        raise StateError(f"{path}: {e}") from None
