@@ -1,0 +1,112 @@
+"""Versioned, chunked weight broadcast over a pre-built group (trainer -> rollout sync, and weights for new trainers).
+
+Protocol (every member calls :func:`broadcast_weights` with the same ``src``, group and bucket size):
+
+1. a header, ``int64[4] = (version, number of tensors, total elements, structure hash)``, from ``src``;
+   every receiver checks the count, size and the hash of (name, shape) against its own tensor list and fails
+   with a clear :class:`WeightSyncError` on a mismatch;
+2. the tensors, concatenated in list order into buckets of about ``bucket_bytes`` (a tensor never straddles
+   two buckets; one larger than a bucket travels alone), one ``broadcast`` per bucket.
+
+Receivers hand each bucket's tensors (views of the received bucket) to ``sink``; the default copies them into
+their own tensors in place, a vLLM engine passes them to its weight loader instead. The host memory a sync
+needs is one bucket, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+Named = Sequence[tuple[str, torch.Tensor]]
+Sink = Callable[[list[tuple[str, torch.Tensor]]], None]
+
+
+class WeightSyncError(RuntimeError):
+    """The sender's and a receiver's model do not match (count, size or names/shapes)."""
+
+
+def structure_hash(named: Named) -> int:
+    desc = json.dumps([[n, list(t.shape)] for n, t in named], separators=(",", ":")).encode()
+    return zlib.crc32(desc)
+
+
+def buckets(named: Named, bucket_bytes: int) -> list[list[int]]:
+    """Indices of ``named`` grouped into buckets of at most ``bucket_bytes`` (a big tensor goes alone)."""
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i, (_, t) in enumerate(named):
+        nb = t.numel() * t.element_size()
+        if cur and (size + nb > bucket_bytes or t.dtype != named[cur[0]][1].dtype):
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += nb
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _copy_into(named: Named) -> Sink:
+    targets = dict(named)
+
+    def sink(items: list[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, t in items:
+                targets[name].copy_(t)
+
+    return sink
+
+
+def broadcast_weights(
+    named: Named,
+    src: int,
+    group=None,
+    bucket_bytes: int = 64 << 20,
+    version: int = 0,
+    sink: Sink | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[int, int]:
+    """Broadcast ``named`` from global rank ``src``; returns ``(version, bytes moved)`` on every member.
+
+    On receivers ``named`` gives the expected names, shapes and dtypes (their own model's tensors).
+    """
+    me = dist.get_rank()
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    total = sum(t.numel() for _, t in named)
+    if me == src:
+        header.copy_(torch.tensor([version, len(named), total, structure_hash(named)], dtype=torch.int64))
+    dist.broadcast(header, src=src, group=group)
+    version_in, n, numel, shash = (int(x) for x in header.tolist())
+    if me != src:
+        if n != len(named) or numel != total:
+            raise WeightSyncError(
+                f"weight sync v{version_in} from rank {src}: sender has {n} tensors / {numel} elements, "
+                f"rank {me} expects {len(named)} / {total}"
+            )
+        if shash != structure_hash(named):
+            raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
+    sink = sink or _copy_into(named)
+    moved = 0
+    for idx in buckets(named, bucket_bytes):
+        dtype = named[idx[0]][1].dtype
+        count = sum(named[i][1].numel() for i in idx)
+        if me == src:
+            flat = torch.cat([named[i][1].detach().reshape(-1).to(device) for i in idx])
+        else:
+            flat = torch.empty(count, dtype=dtype, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        moved += flat.numel() * flat.element_size()
+        if me != src:
+            items, off = [], 0
+            for i in idx:
+                name, t = named[i]
+                items.append((name, flat[off : off + t.numel()].view(t.shape)))
+                off += t.numel()
+            sink(items)
+    return version_in, moved

@@ -1,0 +1,330 @@
+"""The training engine: DeepSpeed ZeRO-1/2 on a pre-built trainer group. The only module that imports deepspeed.
+
+Why it looks like this (see docs/workers.md, "DeepSpeed on a new group without new communicators"):
+
+- DeepSpeed gets the trainer group through an ``mpu`` object (:class:`GroupMPU`) and ``dist_init_required=False``;
+  without an ``mpu`` it clones the world group with a collective ``new_group``. Only members build the engine.
+- ZeRO stage 1/2 with ``round_robin_gradients: false``, fp32, ``torch_adam: true`` (no FusedAdam JIT on CPU).
+- The global batch is fixed whatever the trainer count: each trainer gets a slice, and the loss of a slice is
+  scaled by ``dp * local_samples / global_samples`` so that DeepSpeed's gradient average over ``dp`` ranks is the
+  gradient of the global-batch mean, also when the batch does not divide evenly.
+- ZeRO layout (read from ``stage_1_and_2.py``): per parameter group, parameters are flattened in order with an
+  alignment gap after each one (independent of ``dp``), giving a *logical* flat vector of length ``L``; DeepSpeed
+  pads it to a multiple of ``2*dp`` and rank ``r`` owns ``[r*ps, (r+1)*ps)``. :class:`Partition` describes one
+  rank's slice of fp32 master, ``exp_avg``, ``exp_avg_sq`` in those global coordinates, so a reshard is a pure
+  copy of overlapping ranges (``dynaresize.engines.reshard``).
+- Optimizer state can be installed *deferred*: :meth:`ZeroTrainer.defer_optimizer_state` registers a step
+  pre-hook on the inner torch optimizer that installs the moments right before the first update, i.e. after the
+  first forward/backward on the new topology.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+# Must be set before deepspeed is imported: its accelerator (and hence gloo vs NCCL) is chosen once, at import.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+class TrainerError(RuntimeError):
+    """A training-engine problem: bad batch, wrong topology, state that does not fit this engine."""
+
+
+def preload() -> None:
+    """Import DeepSpeed and the lazily-imported modules its first ``initialize`` would pay 3-6 s for."""
+    import torch._dynamo  # noqa: F401
+    import deepspeed  # noqa: F401
+    import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
+    import deepspeed.runtime.engine  # noqa: F401
+
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+class GroupMPU:
+    """What DeepSpeed asks of an ``mpu``: our pre-built trainer group as its data-parallel group, no model parallel.
+
+    Deliberately no ``initialize_sequence_parallel`` (DeepSpeed would create groups through it).
+    """
+
+    def __init__(self, group, ranks: tuple[int, ...]):
+        self._group = group
+        self._ranks = tuple(ranks)
+
+    def get_data_parallel_group(self):
+        return self._group
+
+    def get_data_parallel_world_size(self) -> int:
+        return len(self._ranks)
+
+    def get_data_parallel_rank(self) -> int:
+        return self._ranks.index(dist.get_rank())
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return list(self._ranks)
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_group(self):
+        return None
+
+
+class LossFn(Protocol):
+    """``loss_fn(model, batch) -> (loss, stats)``: ``loss`` is the *mean* over this slice's samples (the engine
+    rescales it to the global batch); ``stats`` are floats to report."""
+
+    def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+def token_nll_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean over samples of the per-sample mean next-token NLL on ``loss_mask`` tokens (a simple test loss)."""
+    ids = batch["input_ids"]
+    attn = batch.get("attention_mask", torch.ones_like(ids))
+    mask = batch.get("loss_mask", attn).float()
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    nll = nll.view(ids.shape[0], -1) * mask[:, 1:]
+    per_sample = nll.sum(1) / mask[:, 1:].sum(1).clamp(min=1)
+    loss = per_sample.mean()
+    return loss, {"nll": float(loss.detach())}
+
+
+@dataclass(frozen=True)
+class PartitionLayout:
+    """Where one rank's ZeRO partition of one parameter group sits in the logical flat vector."""
+
+    group: int  # parameter-group index
+    length: int  # L: logical flat length (params + alignment gaps), the same for every dp size
+    dp: int  # trainers
+    dp_rank: int
+    size: int  # ps: partition size = padded length / dp
+
+    @property
+    def start(self) -> int:
+        return self.dp_rank * self.size
+
+    @property
+    def valid(self) -> int:
+        """Elements of this partition inside ``[0, length)`` (the rest is DeepSpeed's tail padding)."""
+        return max(0, min(self.size, self.length - self.start))
+
+    def to_json(self) -> dict[str, int]:
+        return {"group": self.group, "length": self.length, "dp": self.dp, "dp_rank": self.dp_rank, "size": self.size}
+
+
+@dataclass
+class Partition:
+    """One rank's optimizer state for one parameter group: fp32 master and Adam moments (1-D, ``layout.size``)."""
+
+    layout: PartitionLayout
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: float
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        g = self.layout.group
+        return {f"g{g}.master": self.master, f"g{g}.exp_avg": self.exp_avg, f"g{g}.exp_avg_sq": self.exp_avg_sq}
+
+
+def ds_config(train_cfg, global_batch: int, dp: int) -> dict[str, Any]:
+    micro = max(1, math.ceil(global_batch / dp))
+    return {
+        "train_batch_size": micro * dp,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": float(train_cfg.grad_clip),
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": float(train_cfg.lr), "weight_decay": float(train_cfg.weight_decay), "torch_adam": True},
+        },
+        "zero_optimization": {
+            "stage": int(train_cfg.zero_stage),
+            "elastic_checkpoint": True,
+            "round_robin_gradients": False,
+        },
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+
+
+class ZeroTrainer:
+    """A DeepSpeed engine over ``module`` on the pre-built group of ``ranks`` (this rank must be one of them)."""
+
+    def __init__(self, module: torch.nn.Module, train_cfg, group, ranks: tuple[int, ...], global_batch: int):
+        if train_cfg.zero_stage not in (1, 2):
+            raise TrainerError(f"train.zero_stage={train_cfg.zero_stage}: resharding needs ZeRO stage 1 or 2")
+        if dist.get_rank() not in ranks:
+            raise TrainerError(f"rank {dist.get_rank()} is not in the trainer set {ranks}")
+        import deepspeed
+
+        self.ranks = tuple(ranks)
+        self.dp = len(ranks)
+        self.dp_rank = self.ranks.index(dist.get_rank())
+        self.global_batch = int(global_batch)
+        self._hooks_before = _hook_keys(module)
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=[p for p in module.parameters() if p.requires_grad],
+            config=ds_config(train_cfg, global_batch, self.dp),
+            mpu=GroupMPU(group, self.ranks),
+            dist_init_required=False,
+        )
+        self.module = module
+        self._pending_hook = None
+        self._pending: list[Partition] | Callable[[], list[Partition]] | None = None
+
+    # -- training -------------------------------------------------------------------------------------------
+
+    def slice_of(self, n: int) -> tuple[int, int]:
+        """This rank's [start, end) of a global batch of ``n`` samples (contiguous, sizes differ by at most one)."""
+        base, extra = divmod(n, self.dp)
+        start = self.dp_rank * base + min(self.dp_rank, extra)
+        return start, start + base + (1 if self.dp_rank < extra else 0)
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn = token_nll_loss) -> dict[str, float]:
+        """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice)."""
+        n = int(next(iter(batch.values())).shape[0])
+        if n < self.dp:
+            raise TrainerError(f"batch of {n} samples is smaller than the {self.dp} trainers")
+        a, b = self.slice_of(n)
+        local = {k: v[a:b] for k, v in batch.items()}
+        self.engine.train()
+        loss, stats = loss_fn(self.engine.module, local)
+        scaled = loss * (self.dp * (b - a) / n)
+        self.engine.backward(scaled)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        out = {"loss_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+        if norm is not None:
+            out["grad_norm"] = float(norm)
+        return out
+
+    @property
+    def zero(self):
+        return self.optimizer  # DeepSpeedZeroOptimizer
+
+    # -- ZeRO partitions ------------------------------------------------------------------------------------
+
+    def layouts(self) -> list[PartitionLayout]:
+        opt = self.zero
+        out = []
+        for i in range(len(opt.bit16_groups)):
+            metas = opt.round_robin_bit16_meta[i]
+            length = opt.round_robin_bit16_offsets[i][-1] + metas[-1].numel()
+            out.append(PartitionLayout(i, int(length), self.dp, self.dp_rank, int(opt.partition_size[i])))
+        return out
+
+    def export_partitions(self, copy: bool = True) -> list[Partition]:
+        """This rank's fp32 master and Adam moments per parameter group (copies on CPU unless ``copy=False``)."""
+        self._install_pending()
+        opt = self.zero
+        parts = []
+        for lay in self.layouts():
+            master = opt.single_partition_of_fp32_groups[lay.group]
+            st = opt.optimizer.state.get(master, {})
+            z = torch.zeros_like(master)
+            m, v = st.get("exp_avg", z), st.get("exp_avg_sq", z)
+            step = float(st["step"]) if "step" in st else 0.0
+            f = (lambda t: t.detach().to("cpu", copy=True)) if copy else (lambda t: t.detach())
+            parts.append(Partition(lay, f(master), f(m), f(v), step))
+        return parts
+
+    def install_partitions(self, parts: list[Partition]) -> None:
+        """Install optimizer state for exactly this rank's layout now (master, moments, step)."""
+        opt = self.zero
+        layouts = self.layouts()
+        if len(parts) != len(layouts):
+            raise TrainerError(f"got state for {len(parts)} parameter groups, engine has {len(layouts)}")
+        for lay, part in zip(layouts, parts):
+            if part.layout != lay:
+                raise TrainerError(f"state layout {part.layout} does not match this engine's {lay}")
+            master = opt.single_partition_of_fp32_groups[lay.group]
+            with torch.no_grad():
+                master.copy_(part.master.to(master.device))
+            st = opt.optimizer.state[master]
+            st["exp_avg"] = part.exp_avg.to(master.device, copy=True)
+            st["exp_avg_sq"] = part.exp_avg_sq.to(master.device, copy=True)
+            # torch AdamW keeps ``step`` as a 0-d float tensor (DeepSpeed quirk 1 concerns the legacy loader only)
+            st["step"] = torch.tensor(float(part.step), dtype=torch.float32)
+        opt._link_all_hp_params()  # quirk 3: relink fragments so DeepSpeed's own state getters see the state
+
+    def defer_optimizer_state(self, source: list[Partition] | Callable[[], list[Partition]]) -> None:
+        """Install optimizer state at the first optimizer step on this topology (a step pre-hook), so that getting
+        it (``source`` may be a callable that waits for a background restore) overlaps forward and backward."""
+        self._pending = source
+        inner = self.zero.optimizer
+
+        def _hook(opt, args, kwargs):
+            self._install_pending()
+
+        self._pending_hook = inner.register_step_pre_hook(_hook)
+
+    def has_pending_state(self) -> bool:
+        return self._pending is not None
+
+    def _install_pending(self) -> None:
+        if self._pending is None:
+            return
+        src, self._pending = self._pending, None
+        if self._pending_hook is not None:
+            self._pending_hook.remove()
+            self._pending_hook = None
+        self.install_partitions(src() if callable(src) else src)
+
+    # -- weights and teardown -------------------------------------------------------------------------------
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The module's parameters (tied ones once), in a fixed order: what weight sync sends."""
+        return [(n, p.detach()) for n, p in self.engine.module.named_parameters()]
+
+    def destroy(self) -> torch.nn.Module:
+        """Tear the engine down and hand back the module with its own parameter storage (detached from ZeRO's
+        flat buffers), ready for a rollout engine. No communicator is touched."""
+        self._pending = None
+        if self._pending_hook is not None:
+            self._pending_hook.remove()
+            self._pending_hook = None
+        module = self.engine.module
+        self.engine.destroy()
+        with torch.no_grad():
+            for p in module.parameters():
+                p.data = p.data.clone()
+                p.grad = None
+        _remove_new_hooks(module, self._hooks_before)
+        self.engine = self.optimizer = None  # type: ignore[assignment]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return module
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _hook_keys(module: torch.nn.Module) -> dict[int, dict[str, set]]:
+    return {id(m): {d: set(getattr(m, d).keys()) for d in _HOOK_DICTS} for m in module.modules()}
+
+
+def _remove_new_hooks(module: torch.nn.Module, before: dict[int, dict[str, set]]) -> None:
+    for m in module.modules():
+        old = before.get(id(m), {})
+        for d in _HOOK_DICTS:
+            hooks = getattr(m, d)
+            for k in list(hooks.keys()):
+                if k not in old.get(d, set()):
+                    del hooks[k]
