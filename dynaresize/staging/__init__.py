@@ -1,0 +1,5 @@
+"""Bounded state staging to node-local disk (``store``: :class:`Stager`, :class:`Prefetch`, :class:`StagingError`)."""
+
+from dynaresize.staging.store import Prefetch, StageResult, Stager, StagingError, default_dir, read_manifest
+
+__all__ = ["Prefetch", "StageResult", "Stager", "StagingError", "default_dir", "read_manifest"]

@@ -1,0 +1,274 @@
+"""Bounded state staging to a node-local directory: chunked, checksummed, manifest-last, no pickle.
+
+Why: a GPU leaving the training role must put its weights and optimizer state somewhere while vLLM takes the
+device, and host RAM must not blow up (a 30B model's Adam state is hundreds of GB per node). So state passes
+through a **fixed pool of chunk buffers** (``buffer_mb`` in total) to node-local disk (NVMe on clusters):
+
+- the producer (the caller's thread) copies the next ``chunk_mb`` of the tensor byte stream into a free pool
+  buffer (blocking while the pool is empty, which is what bounds memory) and checksums it;
+- ``writer_threads`` asynchronous writer threads ``pwrite`` full buffers at their offsets and return them to
+  the pool;
+- the manifest (``manifest.json``: tensor names, dtypes, shapes, byte offsets; chunk offsets, lengths and
+  checksums; free-form JSON ``meta``) is written last, to a temporary name, and renamed into place atomically.
+  A snapshot without a manifest does not exist, so a crash mid-write never yields a half snapshot.
+
+Layout of a snapshot ``<dir>/<name>/``: ``data.bin`` (all tensors back to back) and ``manifest.json``.
+Restore reads chunk by chunk through one buffer, verifies each checksum (and the file length) and only then
+copies bytes into the destination tensors: a corrupted or truncated chunk raises :class:`StagingError` naming
+the file and the chunk, and nothing of that chunk is loaded. :class:`Prefetch` runs a restore on a thread, so a
+deferred optimizer restore overlaps forward and backward.
+
+Checksum: zlib's CRC-32 by default (C speed, ~3 GB/s here, releases the GIL), ``blake2b`` on request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MANIFEST = "manifest.json"
+DATA = "data.bin"
+FORMAT = 1
+
+
+class StagingError(RuntimeError):
+    """A snapshot that is missing, incomplete, corrupted or does not match what the caller expects."""
+
+
+def default_dir(job_id: str) -> Path:
+    """``$SLURM_TMPDIR/dynaresize-<job>`` on Slurm (node-local), else ``<tempdir>/dynaresize-<job>``."""
+    base = os.environ.get("SLURM_TMPDIR") or tempfile.gettempdir()
+    return Path(base) / f"dynaresize-{job_id}"
+
+
+def _checksum(algo: str, data) -> str:
+    if algo == "crc32":
+        return f"{zlib.crc32(data):08x}"
+    if algo == "blake2b":
+        return hashlib.blake2b(data, digest_size=16).hexdigest()
+    raise StagingError(f"unknown checksum algorithm {algo!r} (allowed: crc32, blake2b)")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise StagingError(f"manifest names an unknown dtype {name!r}")
+    return dt
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class StageResult:
+    path: Path  # snapshot directory
+    bytes: int
+    seconds: float
+    chunks: int
+
+
+class Stager:
+    """Writes and reads snapshots under ``root`` through a pool of ``buffer_mb`` MiB of chunk buffers."""
+
+    def __init__(self, root: str | Path, buffer_mb: int = 64, chunk_mb: int = 8, writer_threads: int = 1,
+                 checksum: str = "crc32", fsync: bool = False, pin: bool = False):
+        self.root = Path(root)
+        self.chunk = min(chunk_mb, buffer_mb) << 20
+        n = max(1, (buffer_mb << 20) // self.chunk)
+        self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(n)]
+        self.writer_threads = max(1, writer_threads)
+        self.algo = checksum
+        _checksum(checksum, b"")
+        self.fsync = fsync
+
+    @property
+    def buffer_bytes(self) -> int:
+        return len(self.buffers) * self.chunk
+
+    # -- write ----------------------------------------------------------------------------------------------
+
+    def stage(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StageResult:
+        """Write ``tensors`` (any device) as snapshot ``name``; returns when the manifest is in place."""
+        t0 = time.perf_counter()
+        snap = self.root / name
+        snap.mkdir(parents=True, exist_ok=True)
+        (snap / MANIFEST).unlink(missing_ok=True)  # an old manifest must never describe new data
+        free: queue.Queue = queue.Queue()
+        for b in self.buffers:
+            free.put(b)
+        jobs: queue.Queue = queue.Queue(maxsize=len(self.buffers))
+        errors: list[BaseException] = []
+        fd = os.open(snap / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+
+        def writer() -> None:
+            while True:
+                job = jobs.get()
+                if job is None:
+                    return
+                buf, off, n = job
+                try:
+                    if not errors:
+                        view = memoryview(buf.numpy())[:n]
+                        done = 0
+                        while done < n:
+                            done += os.pwrite(fd, view[done:], off + done)
+                except BaseException as e:  # noqa: BLE001 - handed to the producer
+                    errors.append(e)
+                finally:
+                    free.put(buf)
+
+        threads = [threading.Thread(target=writer, daemon=True, name=f"stage-writer-{i}") for i in range(self.writer_threads)]
+        for th in threads:
+            th.start()
+        entries, chunks, offset = [], [], 0
+        try:
+            buf, fill = free.get(), 0
+
+            def flush() -> None:
+                nonlocal buf, fill, offset
+                chunks.append({"offset": offset, "length": fill, "checksum": _checksum(self.algo, memoryview(buf.numpy())[:fill])})
+                jobs.put((buf, offset, fill))
+                offset += fill
+                if errors:
+                    raise errors[0]
+                buf, fill = free.get(), 0
+
+            for tname, t in tensors.items():
+                src = _bytes_of(t)
+                entries.append({"name": tname, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                "offset": offset + fill, "nbytes": src.numel()})
+                pos = 0
+                while pos < src.numel():
+                    k = min(self.chunk - fill, src.numel() - pos)
+                    buf[fill:fill + k].copy_(src[pos:pos + k])
+                    fill += k
+                    pos += k
+                    if fill == self.chunk:
+                        flush()
+            if fill:
+                flush()
+            free.put(buf)
+        finally:
+            for _ in threads:
+                jobs.put(None)
+            for th in threads:
+                th.join()
+            if self.fsync and not errors:
+                os.fsync(fd)
+            os.close(fd)
+        if errors:
+            raise StagingError(f"writing {snap / DATA}: {errors[0]}") from errors[0]
+        manifest = {"format": FORMAT, "name": name, "checksum": self.algo, "chunk_bytes": self.chunk, "total_bytes": offset,
+                    "tensors": entries, "chunks": chunks, "meta": meta or {}}
+        tmp = snap / f".{MANIFEST}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(manifest, f, separators=(",", ":"))
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, snap / MANIFEST)
+        return StageResult(snap, offset, time.perf_counter() - t0, len(chunks))
+
+    # -- read -----------------------------------------------------------------------------------------------
+
+    def load(self, name: str | Path, into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Read snapshot ``name`` (or a snapshot directory); verify every chunk before using its bytes.
+
+        ``into`` gives destination tensors (same names, shapes and dtypes; any device); missing ones are allocated
+        on the CPU. Returns (tensors, meta).
+        """
+        snap = Path(name) if Path(name).is_absolute() else self.root / name
+        man = read_manifest(snap)
+        out: dict[str, torch.Tensor] = {}
+        views: list[tuple[int, int, torch.Tensor]] = []  # (start, end, byte view) in stream coordinates
+        for e in man["tensors"]:
+            shape, dt = tuple(e["shape"]), _dtype(e["dtype"])
+            if into is not None and e["name"] in into:
+                t = into[e["name"]]
+                if tuple(t.shape) != shape or t.dtype != dt:
+                    raise StagingError(f"{snap}: tensor {e['name']!r} is {dt}{list(shape)} in the snapshot, "
+                                       f"the destination is {t.dtype}{list(t.shape)}")
+            else:
+                t = torch.empty(shape, dtype=dt)
+            out[e["name"]] = t
+            views.append((e["offset"], e["offset"] + e["nbytes"], t.view(-1).view(torch.uint8) if t.numel() else t.view(torch.uint8)))
+        path = snap / DATA
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise StagingError(f"{path}: data file missing (manifest lists {len(man['chunks'])} chunks)") from None
+        if size < man["total_bytes"]:
+            raise StagingError(f"{path}: truncated: {size} bytes, manifest says {man['total_bytes']}")
+        buf = torch.empty(self.chunk, dtype=torch.uint8)  # one chunk: reads are bounded too
+        with open(path, "rb", buffering=0) as f:
+            for ci, c in enumerate(man["chunks"]):
+                off, n = int(c["offset"]), int(c["length"])
+                if n > buf.numel():
+                    buf = torch.empty(n, dtype=torch.uint8)
+                mv = memoryview(buf.numpy())[:n]
+                f.seek(off)
+                got = f.readinto(mv)
+                if got != n:
+                    raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: read {got} of {n} bytes")
+                if _checksum(man["checksum"], mv) != c["checksum"]:
+                    raise StagingError(f"{path}: chunk {ci} (offset {off}, {n} bytes) fails its {man['checksum']} checksum: corrupted")
+                for a, b, v in views:  # copy the verified chunk's bytes into every tensor it overlaps
+                    lo, hi = max(a, off), min(b, off + n)
+                    if lo < hi:
+                        v[lo - a:hi - a].copy_(buf[lo - off:hi - off])
+        return out, man["meta"]
+
+
+def read_manifest(snap: str | Path) -> dict[str, Any]:
+    path = Path(snap) / MANIFEST
+    try:
+        with open(path) as f:
+            man = json.load(f)
+    except FileNotFoundError:
+        raise StagingError(f"{path}: no manifest (snapshot missing or never completed)") from None
+    except ValueError as e:
+        raise StagingError(f"{path}: not valid JSON ({e})") from None
+    for key in ("format", "checksum", "total_bytes", "tensors", "chunks", "meta"):
+        if key not in man:
+            raise StagingError(f"{path}: manifest lacks key {key!r}")
+    if man["format"] != FORMAT:
+        raise StagingError(f"{path}: manifest format {man['format']!r}, this reader knows {FORMAT}")
+    return man
+
+
+class Prefetch:
+    """A restore running on a background thread (e.g. optimizer state needed only at the first step)."""
+
+    def __init__(self, stager: Stager, name: str | Path, into: dict[str, torch.Tensor] | None = None):
+        self._result: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self._error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        self._th = threading.Thread(target=self._run, args=(stager, name, into), daemon=True, name="stage-prefetch")
+        self._th.start()
+
+    def _run(self, stager: Stager, name, into) -> None:
+        try:
+            self._result = stager.load(name, into)
+        except BaseException as e:  # noqa: BLE001 - re-raised in result()
+            self._error = e
+        self.finished = time.perf_counter()
+
+    def result(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._th.join()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
