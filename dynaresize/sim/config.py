@@ -48,6 +48,10 @@ class TrainPhysicsConfig(Section):
     )
     scaling_per_doubling: float = Field(0.95, gt=0.5, le=1, description="Data-parallel efficiency kept per doubling of trainers (ASSUMPTION)")
     step_overhead_s: float = Field(2.0, ge=0, description="Fixed per training step: optimizer step, barriers (ASSUMPTION)")
+    attention_per_context_token: float = Field(
+        0.0, ge=0, description="Extra cost per trained token per token of context before it, relative to the dense cost "
+        "(Qwen3-8B: 4 x 36 layers x 4096 / (2 x 8.2e9) = 3.6e-5; 0 = linear in tokens, as dynaresize calibrate fits)"
+    )
 
 
 class SimConfig(Section):

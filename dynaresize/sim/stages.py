@@ -17,7 +17,8 @@ sequence's start and end in decode iterations (``_capped``).
 
 Assumptions (also in docs/simulator.md): context per sequence is the step's token-weighted mean (prompt +
 E[L^2] / 2E[L]); prefill happens once per prompt (prefix caching) at ``prefill_tokens_per_s``; no preemption.
-Training: tokens / (tokens_per_gpu_s x n x eff(n)) + step_overhead_s, eff(n) = scaling_per_doubling ** log2 n.
+Training: tokens x (1 + attention_per_context_token x context) / (tokens_per_gpu_s x n x eff(n)) + step_overhead_s,
+eff(n) = scaling_per_doubling ** log2 n (context: the token-weighted mean position in a sample, ``train_context``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,15 @@ from dynaresize.sim.config import SimConfig
 from dynaresize.sim.workload import Batch, make_batch
 
 CAPPED_EXACT = 2048  # sequences above which the capped list schedule runs on a thinned sample
+
+
+def train_context(batch: Batch) -> float:
+    """Token-weighted mean context of a trained token: E[S^2] / 2E[S] over samples S = prompt + response (causal
+    attention: the token at position i attends to i tokens; prompt lengths taken at their mean)."""
+    L, p = batch.lengths, batch.prompt_mean
+    m1 = p + float(L.mean())
+    m2 = p * p + 2 * p * float(L.mean()) + float((L * L).mean())
+    return m2 / (2 * m1)
 
 
 class StepPhysics:
@@ -55,7 +65,8 @@ class StepPhysics:
         self._L = L
         self.tail_s = self.lmax * (self.w + self.u)
         t = sim.train
-        self._train = (batch.tokens_trained / t.tokens_per_gpu_s, t.scaling_per_doubling, t.step_overhead_s)
+        self.train_tokens_eff = batch.tokens_trained * (1.0 + t.attention_per_context_token * train_context(batch))
+        self._train = (self.train_tokens_eff / t.tokens_per_gpu_s, t.scaling_per_doubling, t.step_overhead_s)
 
     def rollout_s(self, n: int) -> float:
         return float(self.rollout_many(np.array([n]))[0])
@@ -123,6 +134,7 @@ class StageTable:
         self._roll = np.full((steps, total_gpus + 1), np.nan)
         self.tail = np.full(steps, np.nan)
         self.batches: dict[int, tuple[int, int, int]] = {}  # step -> (samples, generated, trained)
+        self._train_eff: dict[int, float] = {}  # step -> trained tokens weighted by attention cost
 
     def physics(self, k: int) -> StepPhysics:
         ph = self._phys.get(k)
@@ -134,6 +146,7 @@ class StageTable:
             self.tail[k] = ph.tail_s
             b = ph.batch
             self.batches[k] = (b.samples, b.tokens_generated, b.tokens_trained)
+            self._train_eff[k] = ph.train_tokens_eff
         return ph
 
     def rollout_s(self, k: int, n: int) -> float:
@@ -148,7 +161,7 @@ class StageTable:
     def _train_fast(self, k: int, n: int) -> float:
         t = self.sim.train
         eff = t.scaling_per_doubling ** math.log2(n) if n > 1 else 1.0
-        return self.batches[k][2] / t.tokens_per_gpu_s / (n * eff) + t.step_overhead_s
+        return self._train_eff[k] / t.tokens_per_gpu_s / (n * eff) + t.step_overhead_s
 
     def tail_s(self, k: int) -> float:
         v = self.tail[k]
