@@ -25,6 +25,9 @@ class PolicyConfig(Section):
     cooldown_steps: int = Field(2, ge=0, description="Steps after a resize during which signals are ignored")
     payback_horizon_steps: int = Field(10, ge=1, description="Horizon over which the expected saving is summed")
     payback_margin: float = Field(1.5, ge=1, description="Expected saving must exceed the switch cost times this margin")
+    min_relative_gain: float = Field(
+        0.0, ge=0, lt=1, description="A resize must cut the predicted step time by at least this fraction (0: off; guards against noise)"
+    )
     payback_check: bool = Field(True, description="Apply the payback check (false only for the greedy baseline)")
     train_scaling_per_doubling: float = Field(
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"

@@ -14,7 +14,8 @@ Rules, applied in this order after the stage-time estimates are updated (worked 
 3. **consecutive signals**: ``consecutive_signals`` signals in a row, in the same direction, are required.
 4. **minimum dwell**: a topology is kept at least ``min_dwell_steps`` steps.
 5. **best split**: the candidate with the largest net gain horizon x saving - cost; hold if none beats the current.
-6. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``.
+6. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (noise guard; 0: off).
+7. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``.
 
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
@@ -85,6 +86,9 @@ class ResizePolicy:
         if best is None:
             return hold("no faster split predicted", state)
         _, target, saving, cost = best
+        gain = saving / cfg.payback_horizon_steps / now if now > 0 else 0.0
+        if gain < cfg.min_relative_gain:
+            return hold(f"gain {gain:.3f} < min_relative_gain {cfg.min_relative_gain}", state)
         if cfg.payback_check and saving <= cost * cfg.payback_margin:
             return hold(f"payback: saving {saving:.1f}s over {cfg.payback_horizon_steps} steps <= cost {cost:.1f}s x {cfg.payback_margin}", state)
         plan = self.costs.plan(cur, target)
@@ -100,4 +104,5 @@ def greedy_config(cfg: PolicyConfig) -> PolicyConfig:
     """The no-hysteresis baseline: act on every imbalance at once, ignore switch costs."""
     return cfg.model_copy(update=dict(
         imbalance_threshold=0.0, consecutive_signals=1, min_dwell_steps=0, cooldown_steps=0, payback_check=False,
+        min_relative_gain=0.0,
     ))
