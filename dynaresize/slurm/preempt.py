@@ -1,8 +1,11 @@
 """Time-out and preemption: Slurm's warning signal -> checkpoint -> requeue by leader id -> resume.
 
 Slurm sends USR2 ``slurm.signal_before_s`` seconds before the time limit (``--signal=B:USR2@s``; the batch shell
-forwards it to the coordinator, see :mod:`dynaresize.slurm.sbatch`). Doing real work inside a Python signal
-handler is unsafe (it interrupts the main loop anywhere), so the handler only records the request; the
+forwards it to the coordinator's srun, see :mod:`dynaresize.slurm.sbatch`). slurmstepd then signals EVERY process of
+the coordinator's step, the embedded redis-server included, whose default action for USR2 is to die (seen on the
+local cluster). So :meth:`Preemption.install` BLOCKS USR2 in the coordinator (children inherit the mask across
+fork and exec, so Redis and any helper never see it) and a thread takes it with ``sigtimedwait``; a Python handler
+stays installed as a fallback. Doing real work at signal time is unsafe anyway, so only the request is recorded; the
 coordinator's loop calls :meth:`Preemption.poll` at a safe point (between steps). ``poll`` then runs the
 checkpoint callbacks that the main job registered (ranks flush staged state, the coordinator writes its
 checkpoint into the run directory) and requeues the whole het job with ``scontrol requeue <leader>``. The
@@ -74,8 +77,32 @@ class Preemption:
         self.handled: Decision | None = None
 
     def install(self) -> "Preemption":
-        signal.signal(self.signum, self._on_signal)
+        """Block the signal in this process (call it before starting threads or children) and watch for it.
+
+        Must be called from the main thread. Children started afterwards inherit the blocked signal.
+        """
+        self._old_handler = signal.signal(self.signum, self._on_signal)
+        self._old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {self.signum})
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, name="slurm-preemption", daemon=True)
+        self._watcher.start()
         return self
+
+    def uninstall(self) -> None:
+        """Undo :meth:`install` (tests)."""
+        if getattr(self, "_watcher", None) is None:
+            return
+        self._stop.set()
+        self._watcher.join(timeout=2)
+        self._watcher = None
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old_mask)
+        signal.signal(self.signum, self._old_handler)
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            if signal.sigtimedwait({self.signum}, 0.2) is not None:
+                log.warning("preemption: signal %d received", self.signum)
+                self._on_signal(self.signum, None)
 
     def _on_signal(self, signum, frame) -> None:  # only records: safe anywhere
         self.signalled_at = time.time()

@@ -73,6 +73,7 @@ def run_coordinator(ctx) -> int:
         _write_json(state_path, state)
         pre = ctx.preemption
         pre.on_checkpoint(lambda reason: _write_json(state_path, {**state, "checkpoint_reason": reason}))
+        stopped = None
         while state["step"] < cfg.slurm.probe_steps:
             time.sleep(cfg.slurm.probe_step_s)
             state["step"] += 1
@@ -82,9 +83,10 @@ def run_coordinator(ctx) -> int:
                 print(f"probe: requeued at step {state['step']}", flush=True)
                 return 0
             if action is Action.STOP:
-                print(f"probe: stopping at step {state['step']} ({pre.handled.reason if pre.handled else ''})", flush=True)
+                stopped = pre.handled.reason if pre.handled else "stop"
+                print(f"probe: stopping at step {state['step']} ({stopped})", flush=True)
                 break
-        _write_json(pdir / "done.json", {"step": state["step"], "restart": restart, "t": time.time()})
+        _write_json(pdir / "done.json", {"step": state["step"], "restart": restart, "t": time.time(), "stopped": stopped})
         # give ranks a moment to see done.json and deregister before the server goes away
         end = time.monotonic() + 30
         while time.monotonic() < end and registry.live():

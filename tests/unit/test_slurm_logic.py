@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -101,17 +104,26 @@ def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
     calls: list[str] = []
     pre = Preemption("42", 0, True, 2, requeue_fn=lambda leader: calls.append(f"requeue {leader}"))
     pre.on_checkpoint(lambda reason: calls.append("checkpoint"))
-    old = signal.getsignal(signal.SIGUSR2)
+    pre.install()
     try:
-        pre.install()
         assert pre.poll() is Action.CONTINUE and calls == []
+        # a child started after install() inherits the blocked signal: USR2 must not kill it (like redis-server)
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         os.kill(os.getpid(), signal.SIGUSR2)
+        child.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 5
+        while not pre.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert pre.requested
+        assert child.poll() is None, "a child of the coordinator died of USR2"
+        child.kill()
+        child.wait()
         assert pre.poll() is Action.REQUEUED
         assert calls == ["checkpoint", "requeue 42"]
         assert pre.poll() is Action.REQUEUED and len(calls) == 2  # handled once
     finally:
-        signal.signal(signal.SIGUSR2, old)
+        pre.uninstall()
+    assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
 
 
 def test_failed_requeue_stops_after_checkpoint() -> None:
