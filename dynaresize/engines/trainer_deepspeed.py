@@ -82,8 +82,9 @@ class GroupMPU:
 
 
 class LossFn(Protocol):
-    """``loss_fn(model, batch) -> (loss, stats)``: ``loss`` is the *mean* over this slice's samples (the engine
-    rescales it to the global batch); ``stats`` are floats to report."""
+    """``loss_fn(model, batch) -> (loss, stats)`` on this rank's slice of the batch. ``loss`` is either the mean
+    over the slice (the engine weights it by the slice's share of samples) or, when the batch carries a 0-d
+    ``loss_denominator`` (e.g. the global token count), already normalised to the global batch."""
 
     def __call__(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]: ...
 
@@ -202,10 +203,13 @@ class ZeroTrainer:
         if n < self.dp:
             raise TrainerError(f"batch of {n} samples is smaller than the {self.dp} trainers")
         a, b = self.slice_of(n)
-        local = {k: v[a:b] for k, v in batch.items()}
+        local = {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}
         self.engine.train()
         loss, stats = loss_fn(self.engine.module, local)
-        scaled = loss * (self.dp * (b - a) / n)
+        # DeepSpeed averages gradients over dp ranks. With a global ``loss_denominator`` the loss function already
+        # normalises to the global batch (undo the average: x dp); otherwise weight each slice by its share.
+        share = 1.0 if "loss_denominator" in batch else (b - a) / n
+        scaled = loss * (self.dp * share)
         self.engine.backward(scaled)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()

@@ -183,12 +183,22 @@ class Stager:
 
     # -- read -----------------------------------------------------------------------------------------------
 
-    def load(self, name: str | Path, into: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def verify(self, name: str | Path) -> None:
+        """Check every chunk's length and checksum without loading anything (raises :class:`StagingError`)."""
+        _verify(self, Path(name) if Path(name).is_absolute() else self.root / name)
+
+    def load(self, name: str | Path, into: dict[str, torch.Tensor] | None = None,
+             verify_first: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Read snapshot ``name`` (or a snapshot directory); verify every chunk before using its bytes.
 
         ``into`` gives destination tensors (same names, shapes and dtypes; any device); missing ones are allocated
-        on the CPU. Returns (tensors, meta).
+        on the CPU. With ``verify_first`` (default: when ``into`` is given, i.e. live tensors) every chunk is
+        verified in a first pass, so a bad snapshot leaves the destination untouched. Returns (tensors, meta).
         """
+        if verify_first is None:
+            verify_first = into is not None
+        if verify_first:
+            self.verify(name)
         snap = Path(name) if Path(name).is_absolute() else self.root / name
         man = read_manifest(snap)
         out: dict[str, torch.Tensor] = {}
@@ -229,6 +239,28 @@ class Stager:
                     if lo < hi:
                         v[lo - a:hi - a].copy_(buf[lo - off:hi - off])
         return out, man["meta"]
+
+
+def _verify(stager: "Stager", snap: Path) -> None:
+    man = read_manifest(snap)
+    path = snap / DATA
+    buf = torch.empty(stager.chunk, dtype=torch.uint8)
+    try:
+        f = open(path, "rb", buffering=0)
+    except FileNotFoundError:
+        raise StagingError(f"{path}: data file missing (manifest lists {len(man['chunks'])} chunks)") from None
+    with f:
+        for ci, c in enumerate(man["chunks"]):
+            off, n = int(c["offset"]), int(c["length"])
+            if n > buf.numel():
+                buf = torch.empty(n, dtype=torch.uint8)
+            mv = memoryview(buf.numpy())[:n]
+            f.seek(off)
+            got = f.readinto(mv)
+            if got != n:
+                raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: read {got} of {n} bytes")
+            if _checksum(man["checksum"], mv) != c["checksum"]:
+                raise StagingError(f"{path}: chunk {ci} (offset {off}, {n} bytes) fails its {man['checksum']} checksum: corrupted")
 
 
 def read_manifest(snap: str | Path) -> dict[str, Any]:

@@ -43,6 +43,7 @@ class RolloutConfig(Section):
     max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
     pull_batch: int = Field(8, ge=1, description="Sequences a rollout rank pulls from the work queue at a time")
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
+    sync_bucket_mb: int = Field(64, ge=1, description="Weight sync trainer -> rollout moves parameters in buckets of this size (MiB)")
 
 
 class TrainConfig(Section):
@@ -65,6 +66,8 @@ class StagingConfig(Section):
     buffer_mb: int = Field(64, ge=1, description="Size of the bounded host buffer that staged state passes through (MiB)")
     chunk_mb: int = Field(8, ge=1, description="Chunk size of staged files (MiB); one checksum per chunk")
     writer_threads: int = Field(1, ge=1, description="Asynchronous writer threads")
+    checksum: Literal["crc32", "blake2b"] = Field("crc32", description="Per-chunk checksum of staged files")
+    fsync: bool = Field(False, description="fsync staged data before the manifest (node-local scratch rarely needs it)")
     deferred_optimizer: bool = Field(
         True, description="Restore optimizer state lazily at the first optimizer step on a new topology"
     )

@@ -68,7 +68,10 @@ def test_corrupted_chunk_is_caught_and_named(tmp_path, algo):
     data.write_bytes(bytes(raw))
     dest = {k: torch.zeros_like(t) for k, t in src.items()}
     with pytest.raises(StagingError, match=r"data\.bin: chunk 3 .*checksum"):
-        st.load("c", dest)
+        st.load("c", dest)  # verify-first: nothing loaded at all
+    assert all(int(t.count_nonzero()) == 0 for t in dest.values())
+    with pytest.raises(StagingError, match=r"data\.bin: chunk 3 .*checksum"):
+        st.load("c", dest, verify_first=False)  # streaming: chunks 0-2 loaded, the bad one never
     # nothing of the bad chunk reached the destination: bytes from chunk 3 on are still zero
     w = dest["w"].view(-1).view(torch.uint8)
     assert torch.equal(w[: 3 * 8192], src["w"].view(-1).view(torch.uint8)[: 3 * 8192])
@@ -104,3 +107,18 @@ def test_pool_bounds_buffers(tmp_path):
     st = Stager(tmp_path, buffer_mb=4, chunk_mb=1)
     assert len(st.buffers) == 4 and st.buffer_bytes == 4 << 20
     assert Stager(tmp_path, buffer_mb=1, chunk_mb=8).buffer_bytes == 1 << 20  # chunk never exceeds the buffer
+
+
+def test_bad_snapshot_leaves_live_tensors_untouched(tmp_path):
+    st = Stager(tmp_path, buffer_mb=1, chunk_mb=1)
+    st.chunk = 4096
+    src = _state()
+    st.stage("v", src)
+    data = tmp_path / "v" / "data.bin"
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF  # last chunk
+    data.write_bytes(bytes(raw))
+    live = {k: torch.full_like(t, 3) for k, t in src.items()}
+    with pytest.raises(StagingError, match="checksum"):
+        st.load("v", live)  # verify_first by default with live destinations
+    assert all(bool((t == 3).all()) for t in live.values())

@@ -1,0 +1,396 @@
+"""One worker rank: holds the engines, executes commands, never restarts on a role change.
+
+``Worker.handle(kind, payload) -> result`` is the whole command-execution core; it knows nothing of the transport
+(Redis streams in ``dynaresize.worker.main``, JSON over pipes in ``dynaresize.worker.local`` for tests and
+benchmarks). Roles are positional (``dynaresize.comm.groups``): with ``n_train`` trainers, ranks ``0..n_train-1``
+train, the rest roll out.
+
+A role switch (``switch_role``, run by every rank of the union of old and new trainer sets, which is itself a
+pre-built group) is this list of named operations, each written to the event log as a ``switch_op``::
+
+    offload            old trainers: ZeRO partitions (fp32 master, Adam moments) to host     critical
+    comm_select        pick the pre-built trainer / union groups (never create one)          critical
+    weight_sync        new trainers whose weights are stale get rank 0's, chunked            critical
+    engine_build       DeepSpeed engine on the new trainer group / torch rollout engine      critical
+    optimizer_reshard  ZeRO ranges copied old rank -> new rank, point to point               critical
+    optimizer_stage_in moments installed at the first optimizer step (step pre-hook)         background
+
+Ranks outside the union keep generating: a switch never stops them.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from dynaresize.comm import groups as G
+from dynaresize.comm.weights import broadcast_weights
+from dynaresize.engines import reshard as R
+from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
+from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss
+from dynaresize.events import EventLog, EventType, Role, SwitchOp, format_ranks
+from dynaresize.staging import Prefetch, Stager
+
+
+class WorkerError(RuntimeError):
+    """A command this rank cannot execute in its current state (wrong role, wrong version, bad payload)."""
+
+
+class DataPlane(Protocol):
+    """Where rollout work comes from and training batches are read (Redis in a real run)."""
+
+    def claim(self, step: int, rank: int, n: int) -> list[Any]: ...  # WorkItem-like: prompt_ids, seed, step, prompt, index
+
+    def complete(self, step: int, rank: int, results: list[Any]) -> int: ...
+
+    def batch(self, key: str) -> Any: ...  # TrainBatch-like
+
+
+@dataclass
+class WorkerSetup:
+    rank: int
+    world: int
+    n_train: int  # trainers at start
+    unit: int  # resize unit (ranks)
+    train_cfg: Any  # TrainConfig
+    rollout_cfg: Any  # RolloutConfig
+    staging_cfg: Any  # StagingConfig
+    staging_dir: Path
+    model_factory: Callable[[], torch.nn.Module]
+    eos_ids: list[int]
+    pad_id: int
+    global_batch: int  # samples per training step (B x G), fixed whatever the trainer count
+    device: str = "cpu"
+    events: EventLog | None = None
+    data: DataPlane | None = None
+    loss_fn: Callable | None = None  # default: GRPO from dynaresize.rl when the batch has advantages, else token NLL
+
+
+@dataclass
+class Worker:
+    setup: WorkerSetup
+    groups: G.CommGroups
+    module: torch.nn.Module
+    n_train: int
+    version: int = 0
+    trainer: ZeroTrainer | None = None
+    rollout: TorchRollout | None = None
+    stager: Stager | None = None
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    stopped: bool = False
+
+    @classmethod
+    def start(cls, setup: WorkerSetup) -> "Worker":
+        """Build every group (collective, same order on all ranks), then the model and this rank's engine."""
+        groups = G.CommGroups.build(unit=setup.unit, device=setup.device)
+        module = setup.model_factory()
+        w = cls(setup, groups, module, setup.n_train)
+        w.stager = Stager(setup.staging_dir, setup.staging_cfg.buffer_mb, setup.staging_cfg.chunk_mb,
+                          setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
+                          pin=setup.device == "cuda")
+        if w.is_trainer:
+            w._build_trainer(setup.n_train)
+        else:
+            w._build_rollout()
+        return w
+
+    # -- state ----------------------------------------------------------------------------------------------
+
+    @property
+    def rank(self) -> int:
+        return self.setup.rank
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank < self.n_train
+
+    @property
+    def role(self) -> Role:
+        return Role.TRAIN if self.is_trainer else Role.ROLLOUT
+
+    def _build_trainer(self, n: int) -> None:
+        self.trainer = ZeroTrainer(self.module, self.setup.train_cfg, self.groups.trainer_group(n),
+                                   G.trainer_ranks(n), self.setup.global_batch)
+
+    def _build_rollout(self) -> None:
+        self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device)
+        self.rollout.version = self.version
+
+    def _weights(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n, p.detach()) for n, p in self.module.named_parameters()]
+
+    # -- command dispatch -----------------------------------------------------------------------------------
+
+    def handle(self, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Execute one command; raises WorkerError (or a library error) for the transport to ack as failed."""
+        payload = payload or {}
+        fn = getattr(self, f"_cmd_{kind}", None)
+        if fn is None:
+            raise WorkerError(f"rank {self.rank}: unknown command kind {kind!r}")
+        return fn(**payload)
+
+    def _cmd_ping(self, **_: Any) -> dict[str, Any]:
+        return {"rank": self.rank, "role": self.role.value, "version": self.version, "n_train": self.n_train}
+
+    def _cmd_shutdown(self, **_: Any) -> dict[str, Any]:
+        self.stopped = True
+        return {}
+
+    # -- generate -------------------------------------------------------------------------------------------
+
+    def _cmd_generate(self, step: int, version: int, pull_batch: int, max_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
+        if self.rollout is None:
+            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
+        if version != self.version:
+            raise WorkerError(f"rank {self.rank} holds policy version {self.version}, generate asks for {version}")
+        if self.setup.data is None:
+            raise WorkerError("no data plane: generate needs a work queue")
+        from dynaresize.job.workqueue import SampleResult
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        t0, samples, tokens = time.perf_counter(), 0, 0
+        while True:
+            items = self.setup.data.claim(step, self.rank, pull_batch)
+            if not items:
+                break
+            gens = self.rollout.generate([it.prompt_ids for it in items], [it.seed for it in items], params)
+            results = [SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, self.version, self.rank)
+                       for it, g in zip(items, gens)]
+            self.setup.data.complete(step, self.rank, results)
+            samples += len(results)
+            tokens += sum(len(g.token_ids) for g in gens)
+        return {"samples": samples, "tokens": tokens, "busy_s": time.perf_counter() - t0, "version": self.version}
+
+    def generate_direct(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):
+        """Batch-in/batch-out generation without a work queue (tests, benchmarks)."""
+        if self.rollout is None:
+            raise WorkerError(f"rank {self.rank} is not a rollout rank")
+        return self.rollout.generate(prompts, seeds, params)
+
+    def _cmd_generate_direct(self, prompts: list[list[int]], seeds: list[int], max_tokens: int = 16,
+                             temperature: float = 1.0, top_p: float = 1.0) -> dict[str, Any]:
+        gens = self.generate_direct(prompts, seeds, SamplingParams(max_tokens, temperature, top_p))
+        return {"token_ids": [g.token_ids for g in gens], "logprobs": [g.logprobs for g in gens], "version": self.version}
+
+    # -- train ----------------------------------------------------------------------------------------------
+
+    def _cmd_train(self, step: int, batch_key: str, n_train: int, version_after: int) -> dict[str, Any]:
+        if self.setup.data is None:
+            raise WorkerError("no data plane: train needs the batch store")
+        return self.train_batch(self._tensors_of(self.setup.data.batch(batch_key)), n_train, version_after)
+
+    def _cmd_train_direct(self, input_ids: list[list[int]], n_train: int, version_after: int, **_: Any) -> dict[str, Any]:
+        """Train on an inline batch of token ids with the token-NLL loss (tests, benchmarks)."""
+        return self.train_batch({"input_ids": torch.tensor(input_ids, dtype=torch.long)}, n_train, version_after, token_nll_loss)
+
+    def train_batch(self, batch: dict[str, torch.Tensor], n_train: int, version_after: int, loss_fn=None) -> dict[str, Any]:
+        if self.trainer is None:
+            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a trainer")
+        if n_train != self.n_train:
+            raise WorkerError(f"rank {self.rank} trains with {self.n_train} trainers, the command says {n_train}")
+        if version_after != self.version + 1:
+            raise WorkerError(f"rank {self.rank} is at version {self.version}; train would make it {version_after}")
+        pending = self.trainer.has_pending_state()
+        t0 = time.perf_counter()
+        stats = self.trainer.train_step(batch, loss_fn or self._loss_fn(batch))
+        t1 = time.perf_counter()
+        if pending:  # the deferred optimizer state went in during this step, hidden behind forward/backward
+            self._op(self._pending_switch, SwitchOp.OPTIMIZER_STAGE_IN, t0, t1, critical=False,
+                     bytes=getattr(self, "_pending_bytes", 0))
+        self.version = version_after
+        tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else int(batch["input_ids"].numel())
+        return {"loss": float(stats.get("loss", stats.get("loss_local", 0.0))), "metrics": stats, "tokens": tokens,
+                "busy_s": t1 - t0, "version": self.version}
+
+    def _loss_fn(self, batch: dict[str, torch.Tensor]):
+        if self.setup.loss_fn is not None:
+            return self.setup.loss_fn
+        if "advantages" in batch:
+            from dynaresize.rl.grpo import GrpoLoss
+
+            return GrpoLoss.from_config(self.setup.train_cfg, self.setup.rollout_cfg.temperature)
+        return token_nll_loss
+
+    def _tensors_of(self, tb: Any) -> dict[str, torch.Tensor]:
+        from dynaresize.rl.batch import collate
+
+        batch = collate(tb.prompt_ids, tb.response_ids, self.setup.pad_id, tb.logprobs, tb.advantages)
+        if self.setup.train_cfg.loss_norm == "token":
+            batch["loss_denominator"] = batch["response_mask"].sum()
+        else:
+            batch["loss_denominator"] = torch.tensor(float(len(tb.prompt_ids)))
+        return batch
+
+    # -- weight sync ----------------------------------------------------------------------------------------
+
+    def _cmd_sync_weights(self, version: int, n_train: int) -> dict[str, Any]:
+        if n_train != self.n_train:
+            raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, sync says {n_train}")
+        if self.rank not in G.sync_ranks(n_train, self.setup.world):
+            return {"version": self.version, "bytes": 0, "seconds": 0.0}  # trainers other than dp-rank 0: nothing to do
+        if self.rank == 0 and version != self.version:
+            raise WorkerError(f"rank 0 holds version {self.version}, sync asks to send {version}")
+        t0 = time.perf_counter()
+        sink = self.rollout.load_weights if self.rollout is not None else None
+        got, moved = broadcast_weights(self._weights(), 0, self.groups.sync_group(n_train),
+                                       self.setup.rollout_cfg.sync_bucket_mb << 20, self.version, sink=sink)
+        self.version = got
+        if self.rollout is not None:
+            self.rollout.version = got
+        return {"version": got, "bytes": moved, "seconds": time.perf_counter() - t0}
+
+    # -- role switch ----------------------------------------------------------------------------------------
+
+    def _op(self, switch_id: str | None, op: SwitchOp, start: float, end: float, critical: bool = True, bytes: int = 0) -> None:
+        rec = {"switch_id": switch_id or "", "op": op.value, "rank": self.rank, "start": start, "end": end,
+               "seconds": end - start, "critical": critical, "bytes": int(bytes)}
+        self.ops.append(rec)
+        ev = self.setup.events
+        if ev is not None and switch_id:
+            # perf_counter -> run clock: shift by the offset measured now
+            off = ev.now() - time.perf_counter()
+            ev.emit(EventType.SWITCH_OP, switch_id=switch_id, op=op, ranks=format_ranks([self.rank]),
+                    start=start + off, end=end + off, critical=critical, bytes=int(bytes))
+
+    def _cmd_switch_role(self, switch_id: str, step: int, from_train: int, to_train: int) -> dict[str, Any]:
+        if from_train != self.n_train:
+            raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, switch {switch_id} says {from_train}")
+        cands = self.groups.trainer_counts()
+        if to_train not in cands:
+            raise WorkerError(f"switch {switch_id}: {to_train} trainers is not a candidate topology {cands}")
+        first = len(self.ops)
+        was, will = self.rank < from_train, self.rank < to_train
+        if self.rank >= max(from_train, to_train):  # not involved: keeps its role, engine and work
+            self.n_train = to_train
+            return {"role": self.role.value, "ops": []}
+        old_role = self.role
+        pc = time.perf_counter
+        # offload: old trainers' ZeRO partitions to host
+        t0 = pc()
+        old = self.trainer.export_partitions() if was else None
+        nbytes = sum(p.master.numel() * 12 for p in old) if old else 0
+        if was:
+            self._op(switch_id, SwitchOp.OFFLOAD, t0, pc(), bytes=nbytes)
+        # comm_select
+        t0 = pc()
+        union = self.groups.union_group(from_train, to_train)
+        self._op(switch_id, SwitchOp.COMM_SELECT, t0, pc())
+        # weight_sync for new trainers with stale weights (rank 0's version is authoritative)
+        t0 = pc()
+        v = torch.tensor([self.version], dtype=torch.int64)
+        dist.broadcast(v, src=0, group=union)
+        stale = torch.tensor([int(will and int(v) != self.version)], dtype=torch.int64)
+        dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=union)
+        if int(stale):
+            _, moved = broadcast_weights(self._weights(), 0, union, self.setup.rollout_cfg.sync_bucket_mb << 20, int(v))
+            self.version = int(v)
+            self._op(switch_id, SwitchOp.WEIGHT_SYNC, t0, pc(), bytes=moved)
+        # engine teardown and build
+        t0 = pc()
+        if self.trainer is not None:
+            self.module = self.trainer.destroy()
+            self.trainer = None
+        if self.rollout is not None and will:
+            self.rollout.sleep()
+            self.rollout = None
+        gc.collect()
+        self.n_train = to_train
+        if will:
+            self._build_trainer(to_train)
+        elif self.rollout is None:
+            self.module.eval()
+            self._build_rollout()
+        self._op(switch_id, SwitchOp.ENGINE_BUILD, t0, pc())
+        # optimizer reshard (point to point over the union group); installed at the first step
+        t0 = pc()
+        layouts = self.trainer.layouts() if will else None
+        n_groups = len(layouts) if layouts else (len(old) if old else 0)
+        n_groups_t = torch.tensor([n_groups], dtype=torch.int64)
+        dist.all_reduce(n_groups_t, op=dist.ReduceOp.MAX, group=union)
+        new, sent = R.exchange(old, layouts, from_train, to_train, union, int(n_groups_t))
+        del old
+        self._op(switch_id, SwitchOp.OPTIMIZER_RESHARD, t0, pc(), bytes=sent)
+        if will:
+            self._defer(new, switch_id)
+        result_ops = self.ops[first:]
+        return {"role": self.role.value, "from_role": old_role.value, "ops": result_ops}
+
+    def _defer(self, parts: list[Partition] | Callable[[], list[Partition]], switch_id: str) -> None:
+        assert self.trainer is not None
+        self._pending_switch = switch_id
+        if self.setup.staging_cfg.deferred_optimizer:
+            self.trainer.defer_optimizer_state(parts)
+        else:
+            self.trainer.install_partitions(parts() if callable(parts) else parts)
+
+    # -- staging --------------------------------------------------------------------------------------------
+
+    def _snapshot_name(self, tag: str, what: str) -> str:
+        return f"{tag}-rank{self.rank}-{what}"
+
+    def _cmd_stage_state(self, tag: str) -> dict[str, Any]:
+        """Stage this rank's weights and, on a trainer, its ZeRO partitions to node-local disk (two snapshots, so
+        a restore can take the weights now and the optimizer state later)."""
+        assert self.stager is not None
+        meta: dict[str, Any] = {"rank": self.rank, "version": self.version, "n_train": self.n_train}
+        t0 = time.perf_counter()
+        res = [self.stager.stage(self._snapshot_name(tag, "weights"), {n: t for n, t in self._weights()}, meta)]
+        if self.trainer is not None:
+            tensors, parts_meta = {}, []
+            for p in self.trainer.export_partitions(copy=False):
+                tensors.update(p.tensors())
+                parts_meta.append({**p.layout.to_json(), "step": p.step})
+            res.append(self.stager.stage(self._snapshot_name(tag, "optim"), tensors, {**meta, "partitions": parts_meta}))
+        total = sum(r.bytes for r in res)
+        self._op(None, SwitchOp.OPTIMIZER_STAGE_OUT, t0, time.perf_counter(), critical=False, bytes=total)
+        return {"manifest": str(res[0].path / "manifest.json"), "manifests": [str(r.path / "manifest.json") for r in res],
+                "bytes": total, "seconds": time.perf_counter() - t0}
+
+    def _cmd_restore_state(self, tag: str) -> dict[str, Any]:
+        """Restore this rank's weights now (verified chunk by chunk, in place) and, on a trainer, its optimizer
+        state on a background thread, installed at the first optimizer step. The trainer count must be the one
+        the state was staged with (a different count goes through the reshard of ``switch_role``)."""
+        assert self.stager is not None
+        t0 = time.perf_counter()
+        _, meta = self.stager.load(self._snapshot_name(tag, "weights"), into={n: t for n, t in self._weights()})
+        self.version = int(meta["version"])
+        if self.rollout is not None:
+            self.rollout.version = self.version
+        t1 = time.perf_counter()
+        self._op(tag, SwitchOp.WEIGHT_LOAD, t0, t1)
+        if self.trainer is not None:
+            if meta["n_train"] != self.n_train:
+                raise WorkerError(f"state {tag!r} of rank {self.rank} was staged with {meta['n_train']} trainers, "
+                                  f"this rank has {self.n_train}")
+            pf = Prefetch(self.stager, self._snapshot_name(tag, "optim"))
+
+            def parts() -> list[Partition]:
+                out, m = pf.result()  # raises StagingError on a corrupted chunk: never installed
+                return [Partition(PartitionLayout(pj["group"], pj["length"], pj["dp"], pj["dp_rank"], pj["size"]),
+                                  out[f"g{pj['group']}.master"], out[f"g{pj['group']}.exp_avg"],
+                                  out[f"g{pj['group']}.exp_avg_sq"], pj["step"]) for pj in m["partitions"]]
+
+            self._defer(parts, tag)
+        return {"version": self.version, "seconds": t1 - t0}
+
+    # -- inspection (tests, debugging) ----------------------------------------------------------------------
+
+    def _cmd_state_digest(self) -> dict[str, Any]:
+        """blake2b of the logical optimizer state of the trainer group (on rank 0) and of this rank's weights."""
+        h = __import__("hashlib").blake2b(digest_size=16)
+        for n, t in self._weights():
+            h.update(n.encode())
+            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        out: dict[str, Any] = {"weights": h.hexdigest(), "version": self.version, "role": self.role.value}
+        if self.trainer is not None:
+            out["optimizer"] = R.state_digest(self.trainer.export_partitions(), self.groups.trainer_group(self.n_train))
+        return out
+
+    def _cmd_comm_stats(self) -> dict[str, Any]:
+        return {"created_after_startup": self.groups.created_after_startup(), "created_total": G.group_creations()}
