@@ -34,7 +34,7 @@ def timed_4096(log: bool) -> tuple[float, int]:
         with tempfile.TemporaryDirectory() as d:
             with EventLog(Path(d) / "events.jsonl", t0=0.0) as ev:
                 ev.write_many([make_event(EventType.RUN_START, 0.0, run_id="bench", source="sim", world_size=4096, wall_time=0.0),
-                               *res.events, make_event(EventType.RUN_END, res.total_s, status="completed", steps=res.steps)])
+                               *res.events, make_event(EventType.RUN_END, round(res.total_s, 6), status="completed", steps=res.steps)])
             n = len(res.events) + 2
     return time.perf_counter() - t0, n
 

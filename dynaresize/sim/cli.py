@@ -88,7 +88,7 @@ def main(args: argparse.Namespace) -> int:
         head = make_event(EventType.RUN_START, 0.0, run_id=f"{cfg.run.name}-seed{cfg.run.seed}", source="sim", world_size=cfg.cluster.gpus,
                           wall_time=0.0, train_ranks=f"0-{s.initial.n_train - 1}" if s.initial.n_train > 1 else "0",
                           rollout_ranks=f"{s.initial.n_train}-{cfg.cluster.gpus - 1}" if s.initial.n_rollout > 1 else str(s.initial.n_train))
-        tail = make_event(EventType.RUN_END, res.total_s, status="completed", steps=res.steps)
+        tail = make_event(EventType.RUN_END, round(res.total_s, 6), status="completed", steps=res.steps)  # rounded like every event
         path = run_dir / "events.jsonl"
         path.unlink(missing_ok=True)
         with EventLog(path, t0=0.0) as ev:

@@ -8,13 +8,24 @@ Stages and their dependencies (staleness bound s, default 1; T_k produces policy
 
 With s = 1, R_{k+1} runs while T_k trains: a static split's step time is max(rollout + sync, train).
 
-The policy observes step k when T_k ends and decides. A resize applies to the next rollout that has not started
-and to T_{k+1}. Optimised switching (communicator reuse): only the moving ranks and the staying trainers run
-their ops; moving trainers -> rollout join the next rollout as soon as they are ready, even while the old pool
-still finishes the in-flight rollout (the "mixed" step: two rollouts and one training pass at once); moving
-rollout ranks -> training first finish the in-flight rollout. Deferred optimizer state is loaded during the next
-training step's forward/backward; only what does not fit in that window delays it. Naive switching (no
-communicator reuse) stops the world: every rank waits for in-flight work, runs the ops, and the pipeline refills.
+Decision points: with staleness >= 1, R_{k+1} runs beside T_k, and the policy is consulted when the first of the
+two finishes, the moment one pool falls idle, with the newest finished step: step k if T_k ended first
+(rollout-bound), step k-1 if R_{k+1} did (train-bound; T_{k-1} ended before R_{k+1} began). One observation per
+decision: when the bound stage changes, either nothing finished since the last decision (no decision is taken) or
+two steps did (the policy is shown the newest; the EWMA misses one sample). With
+staleness 0 the decision waits for T_k. A resize applies to the next rollout that has not started and to T_{k+1}.
+Each group of ranks starts its ops as soon as it is both told and free, so nothing is delayed by waiting for a
+decision:
+
+- rollout -> trainers (optimised): the moving ranks start when their in-flight rollout ends (often the decision
+  point itself), so their chain (drain, offload, onload, weight sync, warm-up) runs while T_k still trains; the
+  staying trainers run their ops (stage-out of the old partitioning, rebuild) after T_k; T_{k+1} waits for both;
+- trainers -> rollout (optimised): the moving trainers start when T_k ends and join the next rollout as soon as
+  they are ready, even while the old pool still finishes the in-flight rollout (the "mixed" step: two rollouts
+  and one training pass at once);
+- deferred optimizer state is loaded during T_{k+1}'s forward/backward; only what does not fit delays it;
+- naive switching (no communicator reuse) stops the world: every rank waits until both in-flight stages are done,
+  runs the ops, and the pipeline refills. Knowing the decision earlier buys it nothing.
 
 A switch's ``critical_path_s`` is how much later its gated stage ends than with a free, instant switch to the
 same split; ``hidden_s`` = the sum of its ops' costs minus that.
@@ -214,28 +225,29 @@ class Pipeline:
         moving = abs(dst.n_train - src.n_train)
         lo, hi = sorted((src.n_train, dst.n_train))
         mv = rank_range(lo, hi)
-        inflight_end = self.r_end[-1] if self.r_end else 0.0
+        inflight_end = max(t_d, self.r_end[-1] if self.r_end else 0.0)  # the rollout pool is free
+        free_t = max(t_d, self.t_end[k])  # the trainers are free (T_k may still run at a rollout-end decision)
         sw = _Switch(sid, k, src, dst, overhead, bg_train=bg_train)
         if self.costs.stop_the_world:
-            barrier = max(t_d, inflight_end)
+            barrier = max(free_t, inflight_end)  # every rank stops: nothing overlaps in-flight work
             resume = barrier + crit[OpGroup.ALL] + max(crit[OpGroup.MOVING], crit[OpGroup.TRAINERS])
             self.gate_r = self.gate_t = resume
-            sw.gate_t_free = t_d
+            sw.gate_t_free = free_t
             starts = {OpGroup.ALL: barrier, OpGroup.MOVING: barrier, OpGroup.TRAINERS: barrier}
             sw.t_end = resume
         elif to_rollout:
-            ready = t_d + crit[OpGroup.MOVING]
-            sw.head = (ready, t_d, moving)
-            self.gate_t = t_d + crit[OpGroup.TRAINERS]
-            sw.gate_t_free = t_d
-            starts = {OpGroup.ALL: t_d, OpGroup.MOVING: t_d, OpGroup.TRAINERS: t_d}
+            ready = free_t + crit[OpGroup.MOVING]  # moving trainers start once T_k is done
+            sw.head = (ready, free_t, moving)
+            self.gate_t = free_t + crit[OpGroup.TRAINERS]
+            sw.gate_t_free = free_t
+            starts = {OpGroup.ALL: t_d, OpGroup.MOVING: free_t, OpGroup.TRAINERS: free_t}
             sw.t_end = max(ready, self.gate_t)
         else:
-            free_m = max(t_d, inflight_end)
+            free_m = inflight_end  # moving rollout ranks start once their in-flight rollout is done
             ready = free_m + crit[OpGroup.MOVING]
-            self.gate_t = max(t_d + crit[OpGroup.TRAINERS], ready)
-            sw.gate_t_free = free_m
-            starts = {OpGroup.ALL: t_d, OpGroup.MOVING: free_m, OpGroup.TRAINERS: t_d}
+            self.gate_t = max(free_t + crit[OpGroup.TRAINERS], ready)
+            sw.gate_t_free = max(free_m, free_t)
+            starts = {OpGroup.ALL: t_d, OpGroup.MOVING: free_m, OpGroup.TRAINERS: free_t}
             sw.t_end = self.gate_t
         self.emit(t_d, EventType.SWITCH_START, switch_id=sid, step=k, from_train=src.n_train, from_rollout=src.n_rollout,
                   to_train=dst.n_train, to_rollout=dst.n_rollout, planned_critical_s=round(dec.critical_cost_s, 6),
@@ -263,29 +275,41 @@ class Pipeline:
         t0 = time.perf_counter()
         topo0 = self.topo
         self.emit(0.0, EventType.TOPOLOGY, step=0, train_ranks=rank_range(0, topo0.n_train), rollout_ranks=rank_range(topo0.n_train, self.N))
+        fed = -1  # newest step already shown to the policy
         for k in range(self.K):
             while len(self.r_end) <= k:
                 self._run_rollout(len(self.r_end))
             self._run_train(k)
-            t_d = self.t_end[k]
-            while len(self.r_end) < self.K and len(self.r_end) - self.s - 1 <= k and self._rollout_start(len(self.r_end)) < t_d:
-                self._run_rollout(len(self.r_end))
             self.result.topologies.append(f"{self.t_n[k]}:{self.r_n[k]}")
-            obs = Observation(
-                step=k, topology=self.topo, rollout_s=self.r_end[k] - self.r_gen[k], train_s=self.t_end[k] - self.t_start[k],
-                rollout_tail_s=self.tab.tail_s(k), weight_sync_s=self.sync_s if k - self.s >= 1 else 0.0,
-                tokens_generated=self.tab.batches[k][1], tokens_trained=self.tab.batches[k][2],
-                mixed=self.r_mixed[k] or self.t_n[k] + self.r_n[k] != self.N or self.t_n[k] != self.topo.n_train or self.pending is not None,
-            )
             if k == self.K - 1:
                 break
+            # decision point: the first of the two concurrent stages (R_{k+1}, T_k) to finish, i.e. the moment a
+            # pool falls idle; with staleness 0 nothing overlaps T_k and the decision waits for it
+            t_d = self.t_end[k]
+            if self.s >= 1:
+                while len(self.r_end) <= k + 1:
+                    self._run_rollout(len(self.r_end))
+                t_d = min(t_d, self.r_end[k + 1])
+            while len(self.r_end) < self.K and len(self.r_end) - self.s - 1 <= k and self._rollout_start(len(self.r_end)) < t_d:
+                self._run_rollout(len(self.r_end))
+            j = k if self.t_end[k] <= t_d else k - 1  # newest finished step (T_{k-1} ended before R_{k+1} began)
+            if j <= fed:
+                continue  # nothing new to learn from since the last decision
+            fed = j
+            obs = Observation(
+                step=j, topology=self.topo, rollout_s=self.r_end[j] - self.r_gen[j], train_s=self.t_end[j] - self.t_start[j],
+                rollout_tail_s=self.tab.tail_s(j), weight_sync_s=self.sync_s if j - self.s >= 1 else 0.0,
+                tokens_generated=self.tab.batches[j][1], tokens_trained=self.tab.batches[j][2],
+                mixed=self.r_mixed[j] or self.t_n[j] + self.r_n[j] != self.N or self.t_n[j] != self.topo.n_train
+                or self.r_n[j] != self.topo.n_rollout or self.pending is not None,
+            )
             dec = self.ctl.decide(obs)
             if self.log and not isinstance(self.ctl, StaticController):
                 extra = {}
                 if dec.resize:
                     extra = dict(target_train=dec.target.n_train, target_rollout=dec.target.n_rollout,
                                  expected_saving_s=round(dec.expected_saving_s, 6), cost_s=round(dec.critical_cost_s, 6))
-                self.emit(t_d, EventType.DECISION, step=k, action=dec.action.value, reason=dec.reason,
+                self.emit(t_d, EventType.DECISION, step=j, action=dec.action.value, reason=dec.reason,
                           imbalance=round(dec.imbalance, 6), **extra)
             if dec.resize and dec.target != self.topo:
                 if self.pending is not None:  # only without cooldown (greedy): close the earlier switch as it stands

@@ -99,6 +99,18 @@ def test_payback_check_holds_when_switch_costs_more_than_saving():
     assert p2.step(p2.initial_state(), obs(0, Topology(6, 2), 200, 100))[1].resize
 
 
+def test_min_relative_gain_holds_small_predicted_gains():
+    # 5:3, rollout 90 s (tail 60 + 90 GPU-s / 3), train 120 s (600 GPU-s / 5): train-bound, imbalance 0.25.
+    # Best candidate 6:2: max(60 + 45, 100) = 105 s, a 12.5% gain per step.
+    t = Topology(5, 3)
+    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.2)
+    s, d = p.step(p.initial_state(), obs(0, t, 90, 120, tail=60))
+    assert not d.resize and d.reason.startswith("gain 0.125 < min_relative_gain 0.2")
+    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.1)
+    s, d = p.step(p.initial_state(), obs(0, t, 90, 120, tail=60))
+    assert d.resize and d.target == Topology(6, 2) and d.expected_saving_s == pytest.approx(10 * 15)
+
+
 def test_mixed_steps_do_not_teach_the_model():
     p = policy()
     s, _ = p.step(p.initial_state(), obs(0, Topology(6, 2), 200, 100, tail=40))

@@ -12,10 +12,12 @@ import pytest
 from dynaresize.cli import main as cli_main
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.events import EventType, ReadStats, read_events
-from dynaresize.policy import Topology
+from dynaresize.policy import Decision, Observation, OpGroup, Topology
+from dynaresize.policy.types import Action
 from dynaresize.sim import stages
 from dynaresize.sim.cli import merge_costs
 from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup
+from dynaresize.sim.engine import Pipeline
 from dynaresize.sim.stages import StepPhysics
 from dynaresize.sim.workload import make_batch
 
@@ -156,3 +158,64 @@ def test_every_sim_scenario_validates():
     for p in sorted((ROOT / "configs/sim").glob("*.yaml")):
         cfg = load_config(p)
         assert cfg.sim.steps >= 2 and not math.isnan(cfg.sim.rollout.iteration_fixed_s)
+
+
+class ResizeOnce:
+    """A scripted controller: resize to ``target`` when shown step ``at``, hold otherwise."""
+
+    def __init__(self, at: int, target: Topology):
+        self.at, self.target, self.seen = at, target, []
+
+    def decide(self, obs: Observation) -> Decision:
+        self.seen.append(obs.step)
+        if obs.step == self.at:
+            return Decision(Action.RESIZE, self.target, "scripted")
+        return Decision(Action.HOLD, obs.topology, "scripted")
+
+
+def _crit(costs, src, dst):
+    out = {g: 0.0 for g in OpGroup}
+    for p in costs.plan(src, dst):
+        out[p.group] += p.cost_s if p.critical else 0.0
+    return out
+
+
+def test_rollout_to_train_switch_is_decided_when_the_rollout_ends_and_its_chain_hidden():
+    # constant lengths, 2:6 is strongly train-bound: R_{k+1} ends long before T_k, so the decision is taken then
+    # (on the newest finished step, k-1) and the moving ranks' whole op chain runs while T_k still trains
+    cfg = small("sim.workload.response_sigma=0", "sim.workload.prompt_tokens_sigma=0", "sim.workload.response_tokens_end=1000")
+    s = setup(cfg)
+    src, dst = Topology(2, 6), Topology(3, 5)
+    ctl = ResizeOnce(3, dst)
+    res = Pipeline("x", s.table, src, ctl, s.costs, 1, True, cfg.sim.costs.deferred_overlap_fraction).run()
+    assert ctl.seen[:4] == [0, 1, 2, 3]  # one observation per decision, none skipped
+    evs = res.events
+    t_end = {e["step"]: e.t for e in evs if e.type is EventType.STEP_END}
+    dec = next(e for e in evs if e.type is EventType.DECISION and e["step"] == 3)
+    assert dec.t < t_end[4]  # decided while T_4 trains (old rule: at t_end[4])
+    crit = _crit(s.costs, src, dst)
+    assert crit[OpGroup.MOVING] > crit[OpGroup.TRAINERS] > 0  # so the old rule (decide at t_end[4]) would cost MOVING
+    assert res.switches == 1
+    # only the staying trainers' critical ops (they cannot start before T_4 ends) delay T_5
+    assert res.critical_s == pytest.approx(crit[OpGroup.TRAINERS], rel=1e-6)
+    assert res.hidden_fraction > 0.8
+    assert res.topologies[5] == "3:6" and res.topologies[6] == "3:5"  # T_5 on 3 trainers; R_6 on 5 rollout GPUs
+    # stop-the-world switching gains nothing from the earlier decision: every op is on the critical path
+    naive = Pipeline("n", s.table, src, ResizeOnce(3, dst), s.naive_costs, 1, False, 0.9).run()
+    assert naive.switches == 1 and naive.hidden_fraction == pytest.approx(0.0, abs=1e-9)
+    assert naive.critical_s == pytest.approx(s.naive_costs.total_cost_s(src, dst), rel=1e-6)
+
+
+def test_oracle_is_the_per_step_best_split():
+    cfg = small("sim.steps=40", "sim.workload.response_tokens_end=8000")
+    s = setup(cfg)
+    sync = s.costs.weight_sync_s()
+    total = 0.0
+    for k in range(cfg.sim.steps):
+        per = [(max(s.table.rollout_s(k, c.n_rollout) + (sync if k else 0.0), s.table.train_s(k, c.n_train)), c) for c in s.candidates]
+        best = min(per, key=lambda x: x[0])[1]
+        total += min(p for p, _ in per)
+        if k == 0:
+            total += min(s.table.rollout_s(0, best.n_rollout), s.table.train_s(0, best.n_train))
+    assert oracle_total(s) == pytest.approx(total, rel=1e-9)
+    assert oracle_total(s) <= min(run_static(s, c).total_s for c in s.candidates)
