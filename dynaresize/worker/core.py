@@ -70,6 +70,7 @@ class WorkerSetup:
     events: EventLog | None = None
     data: DataPlane | None = None
     loss_fn: Callable | None = None  # default: GRPO from dynaresize.rl when the batch has advantages, else token NLL
+    checkpoint_dir: Path | None = None  # stage_state writes <checkpoint_dir>/<tag>/ (shared, resumable) when set
 
 
 @dataclass
@@ -90,6 +91,8 @@ class Worker:
         """Build every group (collective, same order on all ranks), then the model and this rank's engine."""
         groups = G.CommGroups.build(unit=setup.unit, device=setup.device)
         module = setup.model_factory()
+        if setup.device == "cuda":
+            module = module.to(torch.device("cuda", torch.cuda.current_device()))
         w = cls(setup, groups, module, setup.n_train)
         w.stager = Stager(setup.staging_dir, setup.staging_cfg.buffer_mb, setup.staging_cfg.chunk_mb,
                           setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
@@ -332,7 +335,9 @@ class Worker:
     # -- staging --------------------------------------------------------------------------------------------
 
     def _snapshot_name(self, tag: str, what: str) -> str:
-        return f"{tag}-rank{self.rank}-{what}"
+        if self.setup.checkpoint_dir is not None:  # a checkpoint of the run: <checkpoint_dir>/<tag>/rank<r>-<what>
+            return str(Path(self.setup.checkpoint_dir).resolve() / tag / f"rank{self.rank}-{what}")
+        return f"{tag}-rank{self.rank}-{what}"  # node-local staging: <staging_dir>/<tag>-rank<r>-<what>
 
     def _cmd_stage_state(self, tag: str) -> dict[str, Any]:
         """Stage this rank's weights and, on a trainer, its ZeRO partitions to node-local disk (two snapshots, so
