@@ -204,8 +204,8 @@ class Worker:
         stats = self.trainer.train_step(batch, loss_fn or self._loss_fn(batch))
         t1 = time.perf_counter()
         if pending:  # the deferred optimizer state went in during this step, hidden behind forward/backward
-            self._op(self._pending_switch, SwitchOp.OPTIMIZER_STAGE_IN, t0, t1, critical=False,
-                     bytes=getattr(self, "_pending_bytes", 0))
+            moved = sum(lay.size * 12 for lay in self.trainer.layouts())  # fp32 master + exp_avg + exp_avg_sq
+            self._op(self._pending_switch, SwitchOp.OPTIMIZER_STAGE_IN, t0, t1, critical=False, bytes=moved)
         self.version = version_after
         tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else int(batch["input_ids"].numel())
         return {"loss": float(stats.get("loss", stats.get("loss_local", 0.0))), "metrics": stats, "tokens": tokens,
