@@ -292,7 +292,9 @@ class Pipeline:
                 t_d = min(t_d, self.r_end[k + 1])
             while len(self.r_end) < self.K and len(self.r_end) - self.s - 1 <= k and self._rollout_start(len(self.r_end)) < t_d:
                 self._run_rollout(len(self.r_end))
-            j = k if self.t_end[k] <= t_d else k - 1  # newest finished step (T_{k-1} ended before R_{k+1} began)
+            j = k  # newest finished step (with s = 1, T_{k-1} ended before R_{k+1} began)
+            while j > fed and self.t_end[j] > t_d:
+                j -= 1
             if j <= fed:
                 continue  # nothing new to learn from since the last decision
             fed = j
