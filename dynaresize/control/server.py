@@ -202,7 +202,7 @@ class RedisServer:
 
     def __init__(self, cfg: RedisConfig, run_dir: str | Path):
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir).resolve()  # redis-server runs in its own directory: paths must be absolute
         self.dir = self.run_dir / REDIS_DIR
         self.endpoint_file = self.dir / ENDPOINT_FILE
         self.proc: subprocess.Popen | None = None
