@@ -44,9 +44,20 @@ def preload() -> None:
     import deepspeed  # noqa: F401
     import deepspeed.runtime.zero.stage_1_and_2  # noqa: F401
     import deepspeed.runtime.engine  # noqa: F401
+    # The first initialize() imports the Muon optimizer module, which calls torch.compile at import time and so
+    # pulls in all of inductor (5-7 s on 2 cores). Pay it at start-up, not on a switch's critical path.
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
 
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def warm_backend() -> None:
+    """Create DeepSpeed's communication wrapper around the existing world group now (it loads a shared-memory op
+    on CPU); it creates no process group. Call once after the world group exists."""
+    import deepspeed
+
+    deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, auto_mpi_discovery=False, verbose=False)
 
 
 class GroupMPU:
@@ -296,9 +307,10 @@ class ZeroTrainer:
         """The module's parameters (tied ones once), in a fixed order: what weight sync sends."""
         return [(n, p.detach()) for n, p in self.engine.module.named_parameters()]
 
-    def destroy(self) -> torch.nn.Module:
-        """Tear the engine down and hand back the module with its own parameter storage (detached from ZeRO's
-        flat buffers), ready for a rollout engine. No communicator is touched."""
+    def destroy(self, detach: bool = True) -> torch.nn.Module:
+        """Tear the engine down and hand back the module. ``detach``: give parameters their own storage (off
+        ZeRO's flat buffer), for a rollout engine; a rank that trains again skips the copy (the next engine
+        flattens them anyway). No communicator is touched."""
         self._pending = None
         if self._pending_hook is not None:
             self._pending_hook.remove()
@@ -307,7 +319,8 @@ class ZeroTrainer:
         self.engine.destroy()
         with torch.no_grad():
             for p in module.parameters():
-                p.data = p.data.clone()
+                if detach:
+                    p.data = p.data.clone()
                 p.grad = None
         _remove_new_hooks(module, self._hooks_before)
         self.engine = self.optimizer = None  # type: ignore[assignment]
