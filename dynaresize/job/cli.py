@@ -1,23 +1,104 @@
-"""``dynaresize run CONFIG [overrides]``: the main job.
+"""``dynaresize run CONFIG [overrides] | --resume RUN_DIR``: GRPO with dynamic resizing on this machine.
 
-Until the GRPO job with dynamic resizing lands (issue 5), this runs the control-plane demo on the same config:
-an embedded real redis-server, simulated ranks that register, heartbeat, receive role-switch commands and ack
-them, and a dead rank noticed by the coordinator. The README says so.
+Starts a private redis-server, ``cluster.gpus`` worker processes (one per device slot: a CPU slot here, a GPU on a
+cluster) and the coordinator; shows a progress bar (step, reward, the role of each rank, switches); leaves a run
+directory with the resolved config, the event log, checkpoints and ``summary.json``.
+
+    dynaresize run configs/quickstart.yaml                 # dynamic resizing, 4 CPU ranks
+    dynaresize run configs/quickstart-static.yaml          # the same job with the split held static
+    dynaresize run --resume runs/quickstart-20261130-...   # continue a stopped run (same step counter)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import sys
+from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dynaresize.control import demo
-
-    demo.add_arguments(p)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__
+    p.add_argument("config", nargs="?", help="experiment YAML (see configs/)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 cluster.gpus=4")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.control import demo
+    from dynaresize.config.loader import load_config
+    from dynaresize.control.demo import make_run_dir
+    from dynaresize.job.coordinator import Coordinator, JobError
 
-    print("dynaresize run: the GRPO job is not built yet; running the control-plane demo on this config.")
-    return demo.main(args)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            print(f"dynaresize run: --resume {run_dir}: no config.yaml there (not a run directory)", file=sys.stderr)
+            return 2
+        if args.config:
+            print("dynaresize run: give either CONFIG or --resume RUN_DIR (the run's own config.yaml is used)", file=sys.stderr)
+            return 2
+        cfg = load_config(run_dir / "config.yaml", args.overrides)
+    else:
+        if not args.config:
+            print("dynaresize run: CONFIG is required (e.g. configs/quickstart.yaml), or --resume RUN_DIR", file=sys.stderr)
+            return 2
+        cfg = load_config(args.config, args.overrides)
+        run_dir = make_run_dir(cfg.run.output_dir, cfg.run.name)
+    bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
+    coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+    coord.install_signal_handlers()
+    print(f"run dir  {run_dir}")
+    try:
+        summary = coord.run()
+    except JobError as e:
+        print(f"dynaresize run: {e}", file=sys.stderr)
+        print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
+        return 1
+    finally:
+        if bar:
+            bar.close()
+    _print_summary(summary)
+    return 0 if summary["status"] == "completed" else 130
+
+
+class _Bar:
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+
+    def update(self, info: dict) -> None:
+        self.bar.n = info["step"] + 1
+        self.bar.set_postfix_str(
+            f"reward {info['reward']:.3f} roles {info['roles']} switches {info['switches']} "
+            f"rollout {info['rollout_s']:.1f}s train {info['train_s']:.1f}s"
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, enabled: bool):
+    return _Bar(total) if enabled else None
+
+
+def _print_summary(s: dict) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    print(f"\n{s['status']}: {s['steps']} steps, {s['samples']} samples in {s['elapsed_s']:.1f} s "
+          f"({s['samples_per_s']:.2f} samples/s), split now {s['final_split']} ({s['policy']})")
+    print(f"mean reward: first step {f(s['reward_first'])}, last step {f(s['reward_last'])} "
+          f"(first 3 {f(s['reward_first3'])}, last 3 {f(s['reward_last3'])})")
+    if s["switches"]:
+        print(f"switches ({len(s['switches'])}, {s['switch_critical_path_s']:.2f} s on the critical path):")
+        for sw in s["switches"]:
+            print(f"  step {sw['step']:>3}: {sw['from']} -> {sw['to']}  critical {sw['critical_path_s']:.2f} s, hidden {sw['hidden_s']:.2f} s")
+    else:
+        print("switches: none")
+    print(f"summary  {Path(s['run_dir']) / 'summary.json'}")
+    print(json.dumps({k: s[k] for k in ('steps', 'samples_per_s', 'reward_first', 'reward_last', 'switch_critical_path_s')}))
