@@ -5,9 +5,11 @@ device, and host RAM must not blow up (a 30B model's Adam state is hundreds of G
 through a **fixed pool of chunk buffers** (``buffer_mb`` in total) to node-local disk (NVMe on clusters):
 
 - the producer (the caller's thread) copies the next ``chunk_mb`` of the tensor byte stream into a free pool
-  buffer (blocking while the pool is empty, which is what bounds memory) and checksums it;
-- ``writer_threads`` asynchronous writer threads ``pwrite`` full buffers at their offsets and return them to
-  the pool;
+  buffer (blocking while the pool is empty, which is what bounds memory); a tensor already in
+  host memory is written straight from its own memory (no copy), a pool slot still bounding the writes in flight
+  (the caller must not modify tensors during :meth:`Stager.stage`, which returns only when all is written);
+- ``writer_threads`` asynchronous writer threads checksum and ``pwrite`` full buffers at their offsets and
+  return them to the pool (zlib's CRC and ``pwrite`` release the GIL, so two writers use two cores);
 - the manifest (``manifest.json``: tensor names, dtypes, shapes, byte offsets; chunk offsets, lengths and
   checksums; free-form JSON ``meta``) is written last, to a temporary name, and renamed into place atomically.
   A snapshot without a manifest does not exist, so a crash mid-write never yields a half snapshot.
@@ -18,7 +20,9 @@ copies bytes into the destination tensors: a corrupted or truncated chunk raises
 the file and the chunk, and nothing of that chunk is loaded. :class:`Prefetch` runs a restore on a thread, so a
 deferred optimizer restore overlaps forward and backward.
 
-Checksum: zlib's CRC-32 by default (C speed, ~3 GB/s here, releases the GIL), ``blake2b`` on request.
+Checksum (recorded in the manifest): xxh3-64 when the ``xxhash`` package is installed (``auto``, the default),
+else zlib's CRC-32; ``blake2b`` on request. The checksum is most of staging's own CPU cost, so its speed decides
+the throughput against a plain write when cores are busy.
 """
 
 from __future__ import annotations
@@ -52,12 +56,31 @@ def default_dir(job_id: str) -> Path:
     return Path(base) / f"dynaresize-{job_id}"
 
 
+try:  # xxh3 is several times faster than CRC-32 (the checksum is most of staging's own CPU cost)
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - optional
+    _xxhash = None
+
+ALGORITHMS = ("xxh3", "crc32", "blake2b")
+
+
+def resolve_checksum(algo: str) -> str:
+    """``auto`` -> ``xxh3`` when the xxhash package is installed, else ``crc32``."""
+    if algo == "auto":
+        return "xxh3" if _xxhash is not None else "crc32"
+    return algo
+
+
 def _checksum(algo: str, data) -> str:
+    if algo == "xxh3":
+        if _xxhash is None:
+            raise StagingError("checksum xxh3 needs the xxhash package (pip install xxhash)")
+        return _xxhash.xxh3_64_hexdigest(data)
     if algo == "crc32":
         return f"{zlib.crc32(data):08x}"
     if algo == "blake2b":
         return hashlib.blake2b(data, digest_size=16).hexdigest()
-    raise StagingError(f"unknown checksum algorithm {algo!r} (allowed: crc32, blake2b)")
+    raise StagingError(f"unknown checksum algorithm {algo!r} (allowed: auto, {', '.join(ALGORITHMS)})")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -82,16 +105,17 @@ class StageResult:
 class Stager:
     """Writes and reads snapshots under ``root`` through a pool of ``buffer_mb`` MiB of chunk buffers."""
 
-    def __init__(self, root: str | Path, buffer_mb: int = 64, chunk_mb: int = 8, writer_threads: int = 1,
-                 checksum: str = "crc32", fsync: bool = False, pin: bool = False):
+    def __init__(self, root: str | Path, buffer_mb: int = 64, chunk_mb: int = 8, writer_threads: int = 2,
+                 checksum: str = "auto", fsync: bool = False, pin: bool = False, zero_copy_host: bool = True):
         self.root = Path(root)
         self.chunk = min(chunk_mb, buffer_mb) << 20
         n = max(1, (buffer_mb << 20) // self.chunk)
         self.buffers = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=pin) for _ in range(n)]
         self.writer_threads = max(1, writer_threads)
-        self.algo = checksum
-        _checksum(checksum, b"")
+        self.algo = resolve_checksum(checksum)
+        _checksum(self.algo, b"")  # fails early on an unknown or unavailable algorithm
         self.fsync = fsync
+        self.zero_copy_host = zero_copy_host  # CPU tensors are written from their own memory (no pool copy)
 
     @property
     def buffer_bytes(self) -> int:
@@ -117,10 +141,10 @@ class Stager:
                 job = jobs.get()
                 if job is None:
                     return
-                buf, off, n = job
+                buf, view, off, n, rec = job
                 try:
                     if not errors:
-                        view = memoryview(buf.numpy())[:n]
+                        rec["checksum"] = _checksum(self.algo, view)  # in the writer: checksums of chunks run in parallel
                         done = 0
                         while done < n:
                             done += os.pwrite(fd, view[done:], off + done)
@@ -136,23 +160,37 @@ class Stager:
         try:
             buf, fill = free.get(), 0
 
-            def flush() -> None:
-                nonlocal buf, fill, offset
-                chunks.append({"offset": offset, "length": fill, "checksum": _checksum(self.algo, memoryview(buf.numpy())[:fill])})
-                jobs.put((buf, offset, fill))
-                offset += fill
+            def submit(token: torch.Tensor, view: memoryview, n: int) -> None:
+                nonlocal offset
+                rec = {"offset": offset, "length": n, "checksum": None}
+                chunks.append(rec)
+                jobs.put((token, view, offset, n, rec))
+                offset += n
                 if errors:
                     raise errors[0]
+
+            def flush() -> None:
+                nonlocal buf, fill
+                submit(buf, memoryview(buf.numpy())[:fill], fill)
                 buf, fill = free.get(), 0
 
             for tname, t in tensors.items():
                 src = _bytes_of(t)
                 entries.append({"name": tname, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                                 "offset": offset + fill, "nbytes": src.numel()})
+                host = self.zero_copy_host and src.device.type == "cpu"
+                whole = memoryview(src.numpy()) if host and src.numel() else None
                 pos = 0
                 while pos < src.numel():
+                    if whole is not None and fill == 0 and src.numel() - pos >= self.chunk:
+                        # host memory already: write straight from the tensor (it is not modified during stage());
+                        # the pool slot still bounds the writes in flight
+                        submit(buf, whole[pos:pos + self.chunk], self.chunk)
+                        buf = free.get()
+                        pos += self.chunk
+                        continue
                     k = min(self.chunk - fill, src.numel() - pos)
-                    buf[fill:fill + k].copy_(src[pos:pos + k])
+                    buf[fill:fill + k].copy_(src[pos:pos + k])  # device -> host (pinned on GPUs), or a tail piece
                     fill += k
                     pos += k
                     if fill == self.chunk:

@@ -65,8 +65,10 @@ class StagingConfig(Section):
     )
     buffer_mb: int = Field(64, ge=1, description="Size of the bounded host buffer that staged state passes through (MiB)")
     chunk_mb: int = Field(8, ge=1, description="Chunk size of staged files (MiB); one checksum per chunk")
-    writer_threads: int = Field(1, ge=1, description="Asynchronous writer threads")
-    checksum: Literal["crc32", "blake2b"] = Field("crc32", description="Per-chunk checksum of staged files")
+    writer_threads: int = Field(2, ge=1, description="Asynchronous writer threads (each checksums and writes its chunks; 2 use two cores)")
+    checksum: Literal["auto", "xxh3", "crc32", "blake2b"] = Field(
+        "auto", description="Per-chunk checksum of staged files (auto: xxh3 if the xxhash package is installed, else crc32)"
+    )
     fsync: bool = Field(False, description="fsync staged data before the manifest (node-local scratch rarely needs it)")
     deferred_optimizer: bool = Field(
         True, description="Restore optimizer state lazily at the first optimizer step on a new topology"
