@@ -70,3 +70,15 @@ class Config(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
+
+    @model_validator(mode="after")
+    def _forced_splits_fit_the_cluster(self) -> "Config":
+        c = self.cluster
+        unit = c.gpus_per_node if c.granularity == "node" else 1
+        for step, n in self.policy.forced_splits.items():
+            if step < 0 or not (unit <= n <= c.gpus - unit) or n % unit:
+                raise ValueError(
+                    f"policy.forced_splits: {step}: {n} is not a valid trainer count for cluster.gpus={c.gpus} "
+                    f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
+                )
+        return self

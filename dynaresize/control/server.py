@@ -132,7 +132,10 @@ def _free_port(host: str) -> int:
 
 
 def _child_setup() -> None:  # pragma: no cover - runs in the child
-    """Die with the parent (no orphan servers) and allow many client connections."""
+    """Die with the parent (no orphan servers), stay out of the parent's process group (a Ctrl-C, a SIGTERM to the
+    group or Slurm's warning signal is for the coordinator, which must still reach Redis to checkpoint), and allow
+    many client connections."""
+    os.setsid()
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:

@@ -230,7 +230,18 @@ class Coordinator:
         )
 
     def decide(self, k: int):
-        """Feed the last step's measurements to the policy; ``None`` before anything was measured."""
+        """Feed the last step's measurements to the policy; ``None`` before anything was measured.
+
+        ``policy.forced_splits`` (tests, experiments) replaces the policy's answer at the steps it names."""
+        forced = self.cfg.policy.forced_splits.get(k)
+        if forced is not None and forced != self.state.n_train:
+            from dynaresize.policy import Action, Decision, Topology
+
+            self._switched_last = False
+            d = Decision(Action.RESIZE, Topology(forced, self.world - forced), "forced by policy.forced_splits")
+            self.events.emit("decision", step=k, action=d.action.value, reason=d.reason, target_train=forced,
+                             target_rollout=self.world - forced)
+            return d
         if k == 0 or self.last.train_s <= 0 or not self.cfg.policy.enabled:
             self._switched_last = False
             return None

@@ -32,6 +32,10 @@ class PolicyConfig(Section):
     train_scaling_per_doubling: float = Field(
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"
     )
+    forced_splits: dict[int, int] = Field(
+        default_factory=dict,
+        description="Scripted resizes for tests and experiments: {step: trainers} switches at those steps, bypassing the policy",
+    )
 
 
 class OptimizationsConfig(Section):
