@@ -68,6 +68,8 @@ class Coordinator:
     resume: bool = False
     launcher_factory: Callable[..., Any] | None = None  # (run_dir, world, job_id, device) -> launcher; default local
     on_step: Callable[[dict], None] | None = None  # progress callback (the CLI's progress bar)
+    on_redis_ready: Callable[[Any], None] | None = None  # called with the RedisServer once it answers (Slurm rendezvous)
+    preemption: Any | None = None  # dynaresize.slurm.preempt.Preemption: USR2 -> checkpoint -> requeue, polled per step
     stop_requested: threading.Event = field(default_factory=threading.Event)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -127,10 +129,14 @@ class Coordinator:
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
             with RedisServer(self.cfg.redis, self.run_dir) as srv:
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
+                if self.on_redis_ready is not None:
+                    self.on_redis_ready(srv)
                 self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)
                 self.registry = Registry(self.redis, self.job_id, self.cfg.redis)
                 self.queue = RolloutQueue(self.redis, self.job_id)
                 self._write_launch_file()
+                if self.preemption is not None:
+                    self.preemption.on_checkpoint(self.checkpoint)
                 self.start_ranks()
                 try:
                     self.loop()
@@ -146,9 +152,12 @@ class Coordinator:
 
     def _write_launch_file(self) -> None:
         """What every rank reads at start (local or Slurm): model, split, and where to restore state from."""
+        from dynaresize.job.launcher import free_port
+
         launch = {
             "job_id": self.job_id, "model_dir": str(self.model_dir), "world": self.world, "n_train": self.state.n_train,
-            "version": self.state.version, "checkpoint": self.state.checkpoint,
+            "version": self.state.version, "checkpoint": self.state.checkpoint, "incarnation": self.state.incarnation,
+            "master_port": free_port("0.0.0.0"),  # for ranks started by srun; local ranks get theirs on the command line
         }
         tmp = self.run_dir / (LAUNCH_FILE + ".tmp")
         tmp.write_text(json.dumps(launch, indent=1))
@@ -218,6 +227,8 @@ class Coordinator:
             every = self.cfg.run.checkpoint_every
             if every and k % every == 0 and k < steps:
                 self.checkpoint()
+            if self.preemption is not None and self.preemption.poll().value != "continue":
+                break  # checkpointed by the preemption hook; requeued or stopping
 
     def observation(self, k: int):
         from dynaresize.policy import Observation, Topology
@@ -342,8 +353,10 @@ class Coordinator:
         self.last.sync_s = time.monotonic() - t0
         self.state.version = version
 
-    def checkpoint(self) -> None:
+    def checkpoint(self, reason: str = "") -> None:
         tag = f"step-{self.state.step}"
+        if self.state.checkpoint == f"checkpoints/{tag}" and (self.run_dir / "checkpoints" / "coordinator.json").exists():
+            return  # this step is checkpointed already
         t0 = time.monotonic()
         cmd, res = self.bus.request("stage_state", range(self.world), {"tag": tag}, timeout=600)
         self._require(res, "stage_state", range(self.world))
@@ -437,3 +450,37 @@ class Coordinator:
 
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
+
+
+class ExternalRanks:
+    """The ranks are started by someone else (``srun`` in a Slurm het job): nothing to start or stop here; a dead
+    rank shows up as a missing heartbeat in the registry."""
+
+    def __init__(self, run_dir, world, job_id, device):
+        self.world = world
+
+    def start(self) -> None:
+        pass
+
+    def dead(self) -> dict[int, int]:
+        return {}
+
+    def stop(self, grace_s: float = 0.0) -> None:
+        pass
+
+
+def run_coordinator(ctx) -> int:
+    """Slurm entry of het component 0 (``dynaresize.slurm.entry coordinator``): the coordinator and the run's Redis;
+    the worker ranks are component 1, started by ``srun``, and find Redis through the rendezvous file."""
+    from dynaresize.slurm import rendezvous
+
+    ident = ctx.identity
+    job, restart = (ident.job_id, ident.restart_count) if ident else ("local", 0)
+    coord = Coordinator(
+        ctx.cfg, ctx.run_dir, resume=ctx.resume, launcher_factory=ExternalRanks, preemption=ctx.preemption,
+        on_redis_ready=lambda srv: rendezvous.publish(ctx.run_dir, job, restart, srv.endpoint_file),
+    )
+    coord.install_signal_handlers()
+    summary = coord.run()
+    print(json.dumps({k: summary[k] for k in ("status", "steps", "samples_per_s", "reward_first", "reward_last")}), flush=True)
+    return 0 if summary["status"] in ("completed", "interrupted") else 1
