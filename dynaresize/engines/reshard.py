@@ -70,12 +70,13 @@ def exchange(
     ``new_layouts``: its new layouts if it is one now. Returns (this rank's new partitions or None, bytes sent)."""
     me = dist.get_rank()
     # 1. rank 0 (a trainer before and after, trainer sets are prefixes) tells everyone the sizes and the step
-    hdr = torch.zeros(n_groups + 2, 3, dtype=torch.int64)
+    hdr = torch.zeros(n_groups + 2, 3, dtype=torch.int64, device=device)
     if me == 0:
         if old is None or new_layouts is None:
             raise RuntimeError("rank 0 must be a trainer before and after a reshard")
         hdr.copy_(layout_header([p.layout for p in old], new_layouts, old[0].step if old else 0))
     dist.broadcast(hdr, src=0, group=group)
+    hdr = hdr.cpu()
     if int(hdr[0, 0]) != n_groups:
         raise RuntimeError(f"reshard: rank 0 has {int(hdr[0, 0])} parameter groups, rank {me} has {n_groups}")
     step = float(hdr[-1, 0])
@@ -86,7 +87,6 @@ def exchange(
     # 2. receive buffers for my new partitions
     mine: list[Partition] | None = None
     if new_layouts is not None:
-        d = new_layouts[0].dp_rank
         mine = [
             Partition(lay, *(torch.zeros(lay.size, dtype=torch.float32, device=device) for _ in FIELDS), step=step)
             for lay in new_layouts
@@ -111,13 +111,13 @@ def exchange(
                 reqs.append(dist.isend(src_view.contiguous().to(device), dst=c.dst, group=group, tag=tag * 3 + k))
                 sent += src_view.numel() * 4
             else:
-                reqs.append(dist.irecv(dst_view, src=c.src, group=group, tag=tag * 3 + k))
+                reqs.append(dist.irecv(dst_view, src=c.src, group=group, tag=tag * 3 + k))  # into the new partition
     for r in reqs:
         r.wait()
     return mine, sent
 
 
-def state_digest(parts: list[Partition], group) -> dict[str, str] | None:
+def state_digest(parts: list[Partition], group, device: torch.device | str = "cpu") -> dict[str, str] | None:
     """Hashes of the *logical* (unpartitioned) optimizer state of a trainer group, computed on dp rank 0.
 
     Every trainer sends the valid part of its partitions to dp rank 0, which concatenates and hashes them; equal
@@ -135,12 +135,12 @@ def state_digest(parts: list[Partition], group) -> dict[str, str] | None:
                     if s == 0:
                         buf = getattr(p, fld)[:valid].contiguous()
                     else:
-                        buf = torch.empty(valid, dtype=torch.float32)
+                        buf = torch.empty(valid, dtype=torch.float32, device=device)
                         if valid:
                             dist.recv(buf, src=s, group=group)
                     out[fld].update(buf.cpu().numpy().tobytes())
                 elif s == me_dp and valid:
-                    dist.send(getattr(p, fld)[:valid].contiguous().cpu(), dst=0, group=group)
+                    dist.send(getattr(p, fld)[:valid].contiguous().to(device), dst=0, group=group)
     if me_dp != 0:
         return None
     res = {f: h.hexdigest() for f, h in out.items()}

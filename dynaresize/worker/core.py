@@ -71,6 +71,7 @@ class WorkerSetup:
     data: DataPlane | None = None
     loss_fn: Callable | None = None  # default: GRPO from dynaresize.rl when the batch has advantages, else token NLL
     checkpoint_dir: Path | None = None  # stage_state writes <checkpoint_dir>/<tag>/ (shared, resumable) when set
+    model_dir: str | None = None  # HF directory of the model (the vLLM engine loads its architecture from it)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Worker:
     stager: Stager | None = None
     ops: list[dict[str, Any]] = field(default_factory=list)
     stopped: bool = False
+    vllm: Any = None  # VllmRollout, created once at start-up on every rank when rollout.engine=vllm (GPU only)
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -98,7 +100,17 @@ class Worker:
         w.stager = Stager(setup.staging_dir, setup.staging_cfg.buffer_mb, setup.staging_cfg.chunk_mb,
                           setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
                           pin=setup.device == "cuda")
+        if setup.rollout_cfg.engine == "vllm":
+            # UNVERIFIED (no GPU here): vLLM starts before the trainer allocates (it checks free memory), once per
+            # process; trainers put it to sleep right away and wake it when they become rollout ranks.
+            from dynaresize.engines.rollout_vllm import VllmRollout
+
+            if setup.model_dir is None:
+                raise WorkerError("rollout.engine=vllm needs the model directory (WorkerSetup.model_dir)")
+            w.vllm = VllmRollout(setup.model_dir, setup.eos_ids, setup.rollout_cfg.vllm)
         if w.is_trainer:
+            if w.vllm is not None:
+                w.vllm.sleep()
             w._build_trainer(setup.n_train)
         else:
             w._build_rollout()
@@ -127,8 +139,20 @@ class Worker:
                                    G.trainer_ranks(n), self.setup.global_batch)
 
     def _build_rollout(self) -> None:
+        if self.vllm is not None:  # wake the weights, load this rank's current weights in place, then the KV cache
+            self.vllm.wake_up(["weights"])
+            self.vllm.load_weights(self._weights())
+            self.vllm.finish_weight_update(self.version)
+            self.vllm.wake_up(["kv_cache"])
+            self.rollout = self.vllm
+            return
         self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device)
         self.rollout.version = self.version
+
+    @property
+    def _dev(self) -> torch.device:
+        """Device of collective buffers: NCCL needs GPU tensors, gloo CPU ones."""
+        return torch.device("cuda", torch.cuda.current_device()) if self.setup.device == "cuda" else torch.device("cpu")
 
     def _weights(self) -> list[tuple[str, torch.Tensor]]:
         return [(n, p.detach()) for n, p in self.module.named_parameters()]
@@ -246,9 +270,18 @@ class Worker:
             raise WorkerError(f"rank 0 holds version {self.version}, sync asks to send {version}")
         t0 = time.perf_counter()
         sink = self.rollout.load_weights if self.rollout is not None else None
-        got, moved = broadcast_weights(self._weights(), 0, self.groups.sync_group(n_train),
-                                       self.setup.rollout_cfg.sync_bucket_mb << 20, self.version, sink=sink)
+        dev = self._dev
+        if self.rollout is self.vllm and self.vllm is not None:
+            # vLLM holds the live weights; the HF module of this rank is refreshed when it becomes a trainer
+            named = self.vllm.named_weights()
+        else:
+            named = self._weights()
+        got, moved = broadcast_weights(named, 0, self.groups.sync_group(n_train),
+                                       self.setup.rollout_cfg.sync_bucket_mb << 20, self.version, sink=sink, device=dev)
         self.version = got
+        if self.rollout is self.vllm and self.vllm is not None:
+            self.vllm.finish_weight_update(got)
+            self._module_stale = True
         if self.rollout is not None:
             self.rollout.version = got
         return {"version": got, "bytes": moved, "seconds": time.perf_counter() - t0}
@@ -291,13 +324,15 @@ class Worker:
         self._op(switch_id, SwitchOp.COMM_SELECT, t0, pc())
         # weight_sync for new trainers with stale weights (rank 0's version is authoritative)
         t0 = pc()
-        v = torch.tensor([self.version], dtype=torch.int64)
+        dev = self._dev
+        v = torch.tensor([self.version], dtype=torch.int64, device=dev)
         dist.broadcast(v, src=0, group=union)
-        stale = torch.tensor([int(will and int(v) != self.version)], dtype=torch.int64)
+        stale = torch.tensor([int(will and (int(v) != self.version or getattr(self, "_module_stale", False)))], dtype=torch.int64, device=dev)
         dist.all_reduce(stale, op=dist.ReduceOp.MAX, group=union)
         if int(stale):
-            _, moved = broadcast_weights(self._weights(), 0, union, self.setup.rollout_cfg.sync_bucket_mb << 20, int(v))
+            _, moved = broadcast_weights(self._weights(), 0, union, self.setup.rollout_cfg.sync_bucket_mb << 20, int(v), device=dev)
             self.version = int(v)
+            self._module_stale = False
             self._op(switch_id, SwitchOp.WEIGHT_SYNC, t0, pc(), bytes=moved)
         # engine teardown and build
         t0 = pc()
@@ -319,9 +354,9 @@ class Worker:
         t0 = pc()
         layouts = self.trainer.layouts() if will else None
         n_groups = len(layouts) if layouts else (len(old) if old else 0)
-        n_groups_t = torch.tensor([n_groups], dtype=torch.int64)
+        n_groups_t = torch.tensor([n_groups], dtype=torch.int64, device=dev)
         dist.all_reduce(n_groups_t, op=dist.ReduceOp.MAX, group=union)
-        new, sent = R.exchange(old, layouts, from_train, to_train, union, int(n_groups_t))
+        new, sent = R.exchange(old, layouts, from_train, to_train, union, int(n_groups_t), device=dev)
         del old
         self._op(switch_id, SwitchOp.OPTIMIZER_RESHARD, t0, pc(), bytes=sent)
         if will:
@@ -399,7 +434,7 @@ class Worker:
             h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         out: dict[str, Any] = {"weights": h.hexdigest(), "version": self.version, "role": self.role.value}
         if self.trainer is not None:
-            out["optimizer"] = R.state_digest(self.trainer.export_partitions(), self.groups.trainer_group(self.n_train))
+            out["optimizer"] = R.state_digest(self.trainer.export_partitions(), self.groups.trainer_group(self.n_train), self._dev)
         return out
 
     def _cmd_comm_stats(self) -> dict[str, Any]:

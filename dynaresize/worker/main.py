@@ -135,6 +135,7 @@ def main(args: argparse.Namespace) -> int:
         model_factory=model_factory, eos_ids=eos, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
         events=events, data=RedisDataPlane(client, args.job_id), checkpoint_dir=run_dir / "checkpoints",
+        model_dir=str(model_dir),
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))
