@@ -10,7 +10,12 @@ What it does, in order:
 5. applies its durable command stream (``dynaresize.control.commands.CommandReceiver``), acking each command
    with :meth:`Worker.handle`'s result, until ``shutdown``. A role change never restarts this process.
 
+Two entries, one body (:func:`serve`): :func:`main` for ranks the local launcher starts::
+
     python -m dynaresize.worker.main --run-dir RUN --rank R --world N --master-addr H --master-port P --job-id J
+
+and :func:`run_worker` for ranks ``srun`` starts (``dynaresize.slurm.entry worker``): rank and world from Slurm,
+Redis from the rendezvous file, the world group's port from ``launch.json`` and rank 0's host through Redis.
 """
 
 from __future__ import annotations
@@ -37,30 +42,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-id", required=True, help="job id (Redis namespace)")
 
 
-class RedisDataPlane:
-    """Work items and training batches in the run's Redis (the coordinator's ``RolloutQueue`` and batch keys)."""
-
-    def __init__(self, client, job_id: str):
-        from dynaresize.job.workqueue import RolloutQueue
-
-        self.r = client
-        self.q = RolloutQueue(client, job_id)
-
-    def claim(self, step: int, rank: int, n: int):
-        return self.q.claim(step, rank, n)
-
-    def complete(self, step: int, rank: int, results) -> int:
-        return self.q.complete(step, rank, results)
-
-    def batch(self, key: str):
-        from dynaresize.job.batching import TrainBatch
-
-        raw = self.r.get(key)
-        if raw is None:
-            raise KeyError(f"training batch {key!r} is not in Redis (expired or never written)")
-        return TrainBatch.from_json(raw)
-
-
 def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
     from dynaresize.job.protocol import PAYLOADS, parse_payload
 
@@ -68,10 +49,69 @@ def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Entry of a locally launched rank (``dynaresize.job.launcher``): everything comes on the command line."""
+    run_dir = Path(args.run_dir)
+    return serve(run_dir, args.rank, args.world, args.job_id, run_dir / "redis" / "redis.json",
+                 args.master_addr, args.master_port)
+
+
+def run_worker(ctx) -> int:
+    """Entry of a rank started by ``srun`` (``dynaresize.slurm.entry``): rank and world from Slurm, the Redis
+    endpoint from the rendezvous file, the world group's rendezvous (host of rank 0, port) from the launch file
+    and Redis."""
+    import time
+
+    from dynaresize.slurm import rendezvous
+
+    ident = ctx.identity
+    if ident is None:
+        raise RuntimeError("run_worker needs a Slurm identity (run it under srun, or use `dynaresize worker`)")
+    rv = rendezvous.wait(ctx.run_dir, ident.job_id, ident.restart_count, timeout_s=600)
+    launch_path = Path(ctx.run_dir) / "launch.json"
+    deadline = time.monotonic() + 600
+    while True:  # the coordinator writes launch.json after publishing the endpoint: wait for this incarnation's
+        try:
+            if launch_path.stat().st_mtime >= rv.written_at - 1.0:
+                launch = json.loads(launch_path.read_text())
+                break
+        except (OSError, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{launch_path}: not written by the coordinator of restart {ident.restart_count} within 600 s")
+        time.sleep(0.2)
+    os.environ.setdefault("LOCAL_RANK", str(ident.localid))
+    if ident.gpus:
+        os.environ.setdefault("DYNARESIZE_CUDA_DEVICE", str(ident.cuda_device))
+    return serve(Path(ctx.run_dir), ident.procid, ident.ntasks, str(launch["job_id"]), rv.endpoint_file,
+                 None, int(launch["master_port"]), local_rank=ident.localid)
+
+
+def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: float = 600.0) -> str:
+    """Rank 0 publishes its host in Redis; the others wait for it (the world group's TCP rendezvous)."""
+    import time
+
+    from dynaresize.control.keys import Keys
+
+    key = f"{Keys(job_id).ns}:world_master:{incarnation}"
+    if rank == 0:
+        host = socket.gethostbyname(socket.gethostname())
+        client.set(key, host, ex=7 * 24 * 3600)
+        return host
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        v = client.get(key)
+        if v:
+            return v.decode()
+        time.sleep(0.2)
+    raise TimeoutError(f"rank 0 did not publish its host ({key}) within {timeout_s:.0f} s")
+
+
+def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,
+          local_rank: int | None = None) -> int:
+    """Run one worker rank until ``shutdown``: see the module docstring for the order of things."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s")
-    run_dir = Path(args.run_dir)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
     from dynaresize.config.loader import ConfigError, load_config
 
     cfg = load_config(run_dir / "config.yaml")
@@ -90,20 +130,21 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.control.wire import RankState, Registration
     from dynaresize.engines.trainer_deepspeed import preload
     from dynaresize.events import EventLog, Role
+    from dynaresize.job.dataplane import RedisDataPlane
     from dynaresize.models import load_model, load_tokenizer
     from dynaresize.staging import default_dir
     from dynaresize.worker.core import Worker, WorkerSetup
 
     events = EventLog(run_dir / "events.jsonl")
-    client = connect(run_dir / "redis" / "redis.json", role=f"rank{args.rank}", cfg=cfg.redis)
-    staging_dir = Path(cfg.staging.dir) if cfg.staging.dir else default_dir(args.job_id)
+    client = connect(endpoint_file, role=f"rank{rank}", cfg=cfg.redis)
+    staging_dir = Path(cfg.staging.dir) if cfg.staging.dir else default_dir(job_id)
     reg = Registration(
-        job_id=args.job_id, rank=args.rank, host=socket.gethostname(), device=cfg.cluster.device,
+        job_id=job_id, rank=rank, host=socket.gethostname(), device=cfg.cluster.device,
         staging_dir=str(staging_dir), pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         node=os.environ.get("SLURMD_NODENAME"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_id=int(os.environ["SLURM_LOCALID"]) if os.environ.get("SLURM_LOCALID", "").isdigit() else None,
     )
-    hb = Heartbeater(Registry(client, args.job_id, cfg.redis), reg, events=events)
+    hb = Heartbeater(Registry(client, job_id, cfg.redis), reg, events=events)
     hb.start()
 
     # model loading overlaps communicator creation
@@ -119,7 +160,11 @@ def main(args: argparse.Namespace) -> int:
     loader = threading.Thread(target=_load, name="model-load", daemon=True)
     loader.start()
     preload()
-    G.init_world(args.rank, args.world, args.master_addr, args.master_port, device=cfg.cluster.device)
+    if master_addr is None:
+        master_addr = _master_addr(client, job_id, rank, launch.get("incarnation", 0))
+    if cfg.cluster.device == "cuda" and os.environ.get("DYNARESIZE_CUDA_DEVICE"):
+        local_rank = int(os.environ["DYNARESIZE_CUDA_DEVICE"])
+    G.init_world(rank, world, master_addr, master_port, device=cfg.cluster.device, local_rank=local_rank)
 
     def model_factory():
         loader.join()
@@ -130,11 +175,11 @@ def main(args: argparse.Namespace) -> int:
     tok = load_tokenizer(model_dir)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     setup = WorkerSetup(
-        rank=args.rank, world=args.world, n_train=int(launch["n_train"]), unit=G.unit_from_cluster(cfg.cluster),
+        rank=rank, world=world, n_train=int(launch["n_train"]), unit=G.unit_from_cluster(cfg.cluster),
         train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging, staging_dir=staging_dir,
         model_factory=model_factory, eos_ids=eos, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
-        events=events, data=RedisDataPlane(client, args.job_id), checkpoint_dir=run_dir / "checkpoints",
+        events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
         model_dir=str(model_dir),
     )
     worker = Worker.start(setup)
@@ -155,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
             hb.update(state=RankState.STOPPING if worker.stopped else RankState.IDLE,
                       role=worker.role if not worker.stopped else Role.IDLE)
 
-    receiver = CommandReceiver(client, args.job_id, args.rank, cfg.redis,
+    receiver = CommandReceiver(client, job_id, rank, cfg.redis,
                                incarnation=lambda: hb.registration.incarnation, events=events)
     try:
         receiver.run(handler, stop=lambda: worker.stopped or hb.superseded, idle_s=1.0)

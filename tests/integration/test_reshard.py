@@ -38,3 +38,21 @@ def test_zero2_reshard_is_bit_exact(tmp_path):
         c.call("switch_role", {"switch_id": "down", "step": 3, "from_train": 4, "to_train": 2})
         assert c.call("state_digest", ranks=[0, 1])[0]["optimizer"] == d4b
         assert all(s["created_after_startup"] == 0 for s in c.call("comm_stats").values())
+
+
+def test_candidate_sets_are_nested_prefixes_and_unions_are_candidates():
+    from dynaresize.comm.groups import CommError, candidate_trainer_counts, moved_ranks, sync_ranks, trainer_ranks
+
+    assert candidate_trainer_counts(4) == [1, 2, 3]
+    assert candidate_trainer_counts(8, unit=4) == [4]
+    assert candidate_trainer_counts(12, unit=4) == [4, 8]
+    with pytest.raises(CommError, match="unit 3 must be >= 1 and divide world_size=4"):
+        candidate_trainer_counts(4, unit=3)
+    with pytest.raises(CommError, match="at least 2 ranks"):
+        candidate_trainer_counts(1)
+    counts = candidate_trainer_counts(6)
+    for a in counts:
+        for b in counts:
+            assert set(trainer_ranks(a)) | set(trainer_ranks(b)) == set(trainer_ranks(max(a, b)))
+            assert len(moved_ranks(a, b)) == abs(a - b)
+    assert sync_ranks(2, 4) == (0, 2, 3)
