@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="target directory (default: system temp dir)")
     ap.add_argument("--fsync", action="store_true", help="fsync on both sides")
     ap.add_argument("--checksum", default="auto", choices=["auto", "xxh3", "crc32", "blake2b"])
+    ap.add_argument("--copy", action="store_true",
+                    help="pass host tensors through the chunk pool too (what device tensors do); default: zero-copy")
     args = ap.parse_args()
 
     import torch
@@ -81,7 +83,7 @@ def main() -> int:
     blob = [t.view(torch.uint8).numpy() for t in state.values()]
     nbytes = sum(b.nbytes for b in blob)
     st = Stager(work, buffer_mb=args.buffer_mb, chunk_mb=args.chunk_mb, writer_threads=args.threads,
-                checksum=args.checksum, fsync=args.fsync)
+                checksum=args.checksum, fsync=args.fsync, zero_copy_host=not args.copy)
     plain_s, stage_s, peaks = [], [], []
     try:
         def run_plain() -> None:
@@ -126,7 +128,8 @@ def main() -> int:
           f"peak extra RSS {peak:.1f} MiB (target <= {args.buffer_mb + 64})")
     print(json.dumps({"ratio": round(ratio, 3), "peak_rss_mb": round(peak, 1), "buffer_mb": args.buffer_mb,
                       "plain_gbps": round(gb / best_plain, 3), "staging_gbps": round(gb / best_stage, 3), "mb": args.mb,
-                      "fsync": args.fsync, "checksum": st.algo}))
+                      "fsync": args.fsync, "checksum": st.algo,
+                      "pool_copy": args.copy}))
     return 0
 
 
