@@ -16,6 +16,7 @@ from dynaresize.tasks.config import TaskConfig
 BUILTIN_TASKS = {
     "reverse_digits": "dynaresize.tasks.reverse:ReverseDigits",
     "sort_letters": "dynaresize.tasks.sort:SortLetters",
+    "span_letters": "dynaresize.tasks.span:SpanLetters",
 }
 
 

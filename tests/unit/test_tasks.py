@@ -127,3 +127,34 @@ def test_curriculum_config_rejects_max_below_min(tmp_path):
     path.write_text("task:\n  curriculum: {min_len: 5, max_len_start: 3}\n")
     with pytest.raises(ConfigError, match="max_len_start=3 is below min_len=5"):
         load_config(path)
+
+
+def test_span_letters_answers_rewards_and_fixed_prompt_shape():
+    from dynaresize.tasks.span import SpanLetters
+
+    t = SpanLetters()
+    assert t.answer("a:dk=") == "defghijk"
+    assert t.answer("a:cc=") == "c"
+    assert t.reward("a:dk=", "defghijk") == 1.0
+    assert t.reward("a:dk=", "defgxijk") == pytest.approx(7 / 8)
+    assert t.reward("a:dk=", "") == 0.0
+    with pytest.raises(ValueError, match="malformed"):
+        t.answer("a:kd=")
+    for step in (0, 50):
+        for i in range(50):
+            p = t.prompt(3, step, i)
+            assert len(p) == 5 and p.startswith("a:") and set(p) <= set(t.alphabet)
+
+
+def test_span_letters_responses_get_longer_but_prompts_do_not():
+    """The quickstart's drift: answer lengths follow the curriculum (capped at 26) while prompts keep one shape."""
+    from dynaresize.tasks.span import SpanLetters
+
+    cur = Curriculum(min_len=2, max_len_start=5, max_len_end=24, alpha_start=1.5, alpha_end=0.5, ramp_steps=60)
+    t = SpanLetters(curriculum=cur)
+    early = [len(t.answer(t.prompt(0, 0, i))) for i in range(400)]
+    late = [len(t.answer(t.prompt(0, 60, i))) for i in range(400)]
+    assert max(early) <= 5 and min(early) >= 2
+    assert sum(late) / len(late) > 2 * sum(early) / len(early)
+    assert max(late) >= 20
+    assert load_task(TaskConfig(name="span_letters")).__class__ is SpanLetters
