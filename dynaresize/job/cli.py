@@ -33,6 +33,8 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.job.coordinator import Coordinator, JobError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.resume and args.config and "=" in args.config:  # `--resume DIR k=v ...`: argparse took k=v as CONFIG
+        args.overrides, args.config = [args.config, *args.overrides], None
     if args.resume:
         run_dir = Path(args.resume)
         if not (run_dir / "config.yaml").is_file():
@@ -90,8 +92,8 @@ def _print_summary(s: dict) -> None:
     def f(x):
         return "-" if x is None else f"{x:.3f}"
 
-    print(f"\n{s['status']}: {s['steps']} steps, {s['samples']} samples in {s['elapsed_s']:.1f} s "
-          f"({s['samples_per_s']:.2f} samples/s), split now {s['final_split']} ({s['policy']})")
+    print(f"\n{s['status']}: {s['steps']} steps, {s['samples']} samples in {s['loop_s']:.1f} s of RL steps "
+          f"({s['samples_per_s']:.2f} samples/s; {s['elapsed_s']:.1f} s with start-up), split now {s['final_split']} ({s['policy']})")
     print(f"mean reward: first step {f(s['reward_first'])}, last step {f(s['reward_last'])} "
           f"(first 3 {f(s['reward_first3'])}, last 3 {f(s['reward_last3'])})")
     if s["switches"]:

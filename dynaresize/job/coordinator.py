@@ -119,6 +119,7 @@ class Coordinator:
             self.events.emit("topology", step=0, train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()))
         else:
             self.events.emit("control", what="resume", reason=f"incarnation {self.state.incarnation} from step {self.state.step}")
+            self._rewind_batches()
         status = "failed"
         self.launcher = None
         try:
@@ -150,6 +151,26 @@ class Coordinator:
             self.events.close()
         return self.summary(status)
 
+    def _rewind_batches(self) -> None:
+        """Steps trained after the last checkpoint were lost with the processes that trained them (a hard stop):
+        they are trained again from the checkpoint, so their old records go, and the log says so."""
+        path = self.run_dir / "batches.jsonl"
+        if not path.exists():
+            return
+        keep, dropped = [], []
+        for line in path.read_text().splitlines():
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut by the stop
+            (keep if step < self.state.step else dropped).append(line if step < self.state.step else step)
+        if dropped:
+            self.events.emit("control", what="rewind", reason=f"steps {min(dropped)}..{max(dropped)} ran after the last "
+                             f"checkpoint (step {self.state.step}) and are trained again")
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(l + "\n" for l in keep))
+        tmp.replace(path)
+
     def _write_launch_file(self) -> None:
         """What every rank reads at start (local or Slurm): model, split, and where to restore state from."""
         from dynaresize.job.launcher import free_port
@@ -179,6 +200,8 @@ class Coordinator:
             time.sleep(0.2)
         cmd, res = self.bus.request("ping", range(self.world), {}, timeout=120)
         self._require(res, "ping", range(self.world))
+        ranks = {r: reg.model_dump(mode="json") for r, reg in sorted(self.registry.live().items())}
+        (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=1))  # who runs where (Slurm identity)
         log.info("%d ranks up", self.world)
 
     def _check_ranks_alive(self) -> None:
@@ -209,6 +232,7 @@ class Coordinator:
         for j in range(k, min(k + self.bound, steps)):
             self.generate(j, wait=True)
         while k < steps and not self.stop_requested.is_set():
+            t_step = time.monotonic()
             self.events.emit("step_start", step=k)
             decision = self.decide(k)
             if decision is not None and decision.resize:
@@ -222,6 +246,7 @@ class Coordinator:
             self.finish(k, gen, train, batch)
             self.sync_weights(k + 1)
             k = self.state.step = k + 1
+            self.state.loop_s += time.monotonic() - t_step
             self.state.elapsed_s = self._elapsed()
             self.report(k - 1, batch)
             every = self.cfg.run.checkpoint_every
@@ -424,7 +449,7 @@ class Coordinator:
     def summary(self, status: str) -> dict[str, Any]:
         rewards = self.state.rewards
         steps_done = sorted(int(s) for s in rewards)
-        span = max(1e-9, self.state.elapsed_s or self._elapsed())
+        span = max(1e-9, self.state.loop_s)  # the RL loop only: model build, start-up and checkpoints excluded
         out = {
             "status": status,
             "run_dir": str(self.run_dir),
@@ -432,7 +457,8 @@ class Coordinator:
             "samples": self.state.samples,
             "samples_per_s": round(self.state.samples / span, 4),
             "tokens_per_s": round(self.state.tokens / span, 2),
-            "elapsed_s": round(span, 2),
+            "loop_s": round(span, 2),
+            "elapsed_s": round(self.state.elapsed_s or self._elapsed(), 2),
             "reward_first": rewards[str(steps_done[0])] if steps_done else None,
             "reward_last": rewards[str(steps_done[-1])] if steps_done else None,
             "reward_first3": _mean([rewards[str(s)] for s in steps_done[:3]]),

@@ -30,7 +30,8 @@ class JobState:
     rewards: dict[str, float] = field(default_factory=dict)  # step -> mean reward of its batch
     switches: list[dict[str, Any]] = field(default_factory=list)
     policy: dict[str, Any] | None = None  # serialised PolicyState
-    elapsed_s: float = 0.0  # run time of earlier incarnations (summary throughput spans all of them)
+    elapsed_s: float = 0.0  # wall time of all incarnations so far, start-up included
+    loop_s: float = 0.0  # time spent in the RL loop (steps), all incarnations: what throughput is measured over
     incarnation: int = 0  # how many times the run was started (1 on the first start)
 
     def to_json(self) -> str:

@@ -143,6 +143,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         staging_dir=str(staging_dir), pid=os.getpid(), slurm_job_id=os.environ.get("SLURM_JOB_ID"),
         node=os.environ.get("SLURMD_NODENAME"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_id=int(os.environ["SLURM_LOCALID"]) if os.environ.get("SLURM_LOCALID", "").isdigit() else None,
+        het_group=int(os.environ["DYNARESIZE_HET_GROUP"]) if os.environ.get("DYNARESIZE_HET_GROUP", "").isdigit() else None,
     )
     hb = Heartbeater(Registry(client, job_id, cfg.redis), reg, events=events)
     hb.start()

@@ -1,0 +1,76 @@
+"""The main job (tiny GRPO with resizing) as one het job on the real single-host Slurm cluster.
+
+Component 0 runs the coordinator and Redis, component 1 the four worker ranks; the run directory has the same
+artifacts as a local run; scancel stops everything and leaves a run directory that resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from test_hetjob import in_squeue, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
+
+pytestmark = pytest.mark.slurm
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_tokens=16", "model.tiny.warmstart_steps=20"]
+
+
+def submit(tmp_path: Path, *overrides: str, wait: bool) -> tuple[subprocess.CompletedProcess, Path]:
+    argv = [sys.executable, "-m", "dynaresize.cli", "submit", str(ROOT / "configs" / "slurm-local.yaml"),
+            f"run.output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'models'}", *SMALL, *overrides]
+    if wait:
+        argv.append("--wait")
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    dirs = [d for d in (tmp_path / "runs").iterdir() if d.is_dir()]
+    assert len(dirs) == 1, (dirs, p.stdout[-3000:], p.stderr[-3000:])
+    return p, dirs[0]
+
+
+def job_id_of(run_dir: Path) -> str:
+    from dynaresize.slurm.rundir import JOB_ID_FILE
+    from dynaresize.slurm.spec import SLURM_SUBDIR
+
+    return (run_dir / SLURM_SUBDIR / JOB_ID_FILE).read_text().strip()
+
+
+def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path):
+    p, rd = submit(tmp_path, "run.steps=6", "policy.forced_splits={2: 1, 4: 3}", wait=True)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    for name in ("config.yaml", "events.jsonl", "batches.jsonl", "summary.json", "ranks.json", "checkpoints/coordinator.json"):
+        assert (rd / name).exists(), name
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6
+    assert [(s["from"], s["to"]) for s in summary["switches"]] == [("2:2", "1:3"), ("1:3", "3:1")]
+    ranks = json.loads((rd / "ranks.json").read_text())
+    job = job_id_of(rd)
+    assert sorted(int(r) for r in ranks) == [0, 1, 2, 3]
+    for reg in ranks.values():  # registered with their Slurm identity, on the GPU nodes of component 1
+        assert reg["slurm_job_id"] == job and reg["het_group"] == 1 and reg["node"] in ("gpu1", "gpu2")
+    assert {reg["node"] for reg in ranks.values()} == {"gpu1", "gpu2"}
+    assert not in_squeue(job)
+
+
+def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path):
+    p, rd = submit(tmp_path, "run.steps=200", "run.checkpoint_every=2", wait=False)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    job = job_id_of(rd)
+    state = rd / "checkpoints" / "coordinator.json"
+    wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
+    subprocess.run(["scancel", job], check=True)
+    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    step = json.loads(state.read_text())["step"]
+    assert step >= 2
+    # resumable: continue it here (same run directory, same step counter) for two more steps
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    r = subprocess.run([sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(rd), f"run.steps={step + 2}", "--quiet"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
+    assert got == list(range(step + 2))  # nothing after the checkpoint counted twice, nothing missing
