@@ -259,30 +259,18 @@ class Stager:
             raise StagingError(f"{path}: data file missing (manifest lists {len(man['chunks'])} chunks)") from None
         if size < man["total_bytes"]:
             raise StagingError(f"{path}: truncated: {size} bytes, manifest says {man['total_bytes']}")
-        buf = torch.empty(self.chunk, dtype=torch.uint8)  # one chunk: reads are bounded too
-        with open(path, "rb", buffering=0) as f:
-            for ci, c in enumerate(man["chunks"]):
-                off, n = int(c["offset"]), int(c["length"])
-                if n > buf.numel():
-                    buf = torch.empty(n, dtype=torch.uint8)
-                mv = memoryview(buf.numpy())[:n]
-                f.seek(off)
-                got = f.readinto(mv)
-                if got != n:
-                    raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: read {got} of {n} bytes")
-                if _checksum(man["checksum"], mv) != c["checksum"]:
-                    raise StagingError(f"{path}: chunk {ci} (offset {off}, {n} bytes) fails its {man['checksum']} checksum: corrupted")
-                for a, b, v in views:  # copy the verified chunk's bytes into every tensor it overlaps
-                    lo, hi = max(a, off), min(b, off + n)
-                    if lo < hi:
-                        v[lo - a:hi - a].copy_(buf[lo - off:hi - off])
+        for off, n, buf in _verified_chunks(path, man, self.chunk):
+            for a, b, v in views:  # copy the verified chunk's bytes into every tensor it overlaps
+                lo, hi = max(a, off), min(b, off + n)
+                if lo < hi:
+                    v[lo - a:hi - a].copy_(buf[lo - off:hi - off])
         return out, man["meta"]
 
 
-def _verify(stager: "Stager", snap: Path) -> None:
-    man = read_manifest(snap)
-    path = snap / DATA
-    buf = torch.empty(stager.chunk, dtype=torch.uint8)
+def _verified_chunks(path: Path, man: dict[str, Any], chunk: int):
+    """Read the data file chunk by chunk through one reused buffer; yield (offset, length, buffer) only for chunks
+    whose checksum matches the manifest (a bad or short chunk raises StagingError naming it, before any use)."""
+    buf = torch.empty(chunk, dtype=torch.uint8)  # one chunk: reads are bounded too
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
@@ -299,6 +287,12 @@ def _verify(stager: "Stager", snap: Path) -> None:
                 raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: read {got} of {n} bytes")
             if _checksum(man["checksum"], mv) != c["checksum"]:
                 raise StagingError(f"{path}: chunk {ci} (offset {off}, {n} bytes) fails its {man['checksum']} checksum: corrupted")
+            yield off, n, buf
+
+
+def _verify(stager: "Stager", snap: Path) -> None:
+    for _ in _verified_chunks(snap / DATA, read_manifest(snap), stager.chunk):
+        pass
 
 
 def read_manifest(snap: str | Path) -> dict[str, Any]:
