@@ -446,7 +446,21 @@ class Coordinator:
             r, err = next(iter(sorted(bad.items())))
             raise JobError(f"{what} failed on rank {r}: {err}")
 
+    def _hidden_by_switch(self) -> dict[str, float]:
+        """Seconds of background switch ops per switch, from the event log (the deferred optimizer stage-in is
+        logged by the trainers at their first step after the switch, after the switch command was acked)."""
+        from dynaresize.events import EventType, ReadStats, read_events
+
+        hidden: dict[str, float] = {}
+        for ev in read_events(self.run_dir, ReadStats(), types={EventType.SWITCH_OP}):
+            if not ev["critical"]:
+                hidden[ev["switch_id"]] = hidden.get(ev["switch_id"], 0.0) + ev["end"] - ev["start"]
+        return hidden
+
     def summary(self, status: str) -> dict[str, Any]:
+        hidden = self._hidden_by_switch()
+        for sw in self.state.switches:
+            sw["hidden_s"] = round(hidden.get(sw["switch_id"], sw.get("hidden_s", 0.0)), 4)
         rewards = self.state.rewards
         steps_done = sorted(int(s) for s in rewards)
         span = max(1e-9, self.state.loop_s)  # the RL loop only: model build, start-up and checkpoints excluded
