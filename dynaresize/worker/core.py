@@ -34,7 +34,7 @@ from dynaresize.comm.weights import broadcast_weights
 from dynaresize.engines import reshard as R
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
-from dynaresize.events import EventLog, EventType, Role, SwitchOp, format_ranks
+from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager
 
 
@@ -197,7 +197,9 @@ class Worker:
             self.setup.data.complete(step, self.rank, results)
             samples += len(results)
             tokens += sum(len(g.token_ids) for g in gens)
-        return {"samples": samples, "tokens": tokens, "busy_s": time.perf_counter() - t0, "version": self.version}
+        t1 = time.perf_counter()
+        self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
+        return {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
 
     def generate_direct(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):
         """Batch-in/batch-out generation without a work queue (tests, benchmarks)."""
@@ -215,7 +217,10 @@ class Worker:
     def _cmd_train(self, step: int, batch_key: str, n_train: int, version_after: int) -> dict[str, Any]:
         if self.setup.data is None:
             raise WorkerError("no data plane: train needs the batch store")
-        return self.train_batch(self._tensors_of(self.setup.data.batch(batch_key)), n_train, version_after)
+        t0 = time.perf_counter()
+        out = self.train_batch(self._tensors_of(self.setup.data.batch(batch_key)), n_train, version_after)
+        self._stage(Stage.TRAIN, step, t0, time.perf_counter(), tokens=out["tokens"], version=out["version"])
+        return out
 
     def _cmd_train_direct(self, input_ids: list[list[int]], n_train: int, version_after: int, **_: Any) -> dict[str, Any]:
         """Train on an inline batch of token ids with the token-NLL loss (tests, benchmarks)."""
@@ -284,9 +289,18 @@ class Worker:
             self._module_stale = True
         if self.rollout is not None:
             self.rollout.version = got
-        return {"version": got, "bytes": moved, "seconds": time.perf_counter() - t0}
+        t1 = time.perf_counter()
+        self._stage(Stage.WEIGHT_SYNC, max(0, got - 1), t0, t1, version=got, bytes=moved)
+        return {"version": got, "bytes": moved, "seconds": t1 - t0}
 
     # -- role switch ----------------------------------------------------------------------------------------
+
+    def _stage(self, stage: Stage, step: int, start: float, end: float, **extra: Any) -> None:
+        """One busy interval of this rank in the event log (what the analysis tools turn into utilisation)."""
+        ev = self.setup.events
+        if ev is not None:
+            off = ev.now() - time.perf_counter()  # perf_counter -> run clock
+            ev.emit(EventType.STAGE, step=step, stage=stage, ranks=str(self.rank), start=start + off, end=end + off, **extra)
 
     def _op(self, switch_id: str | None, op: SwitchOp, start: float, end: float, critical: bool = True, bytes: int = 0) -> None:
         rec = {"switch_id": switch_id or "", "op": op.value, "rank": self.rank, "start": start, "end": end,

@@ -82,6 +82,11 @@ def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
     ops = [json.loads(l) for l in (dyn_dir / "events.jsonl").read_text().splitlines() if '"switch_op"' in l]
     assert {"comm_select", "engine_build", "optimizer_reshard"} <= {o["op"] for o in ops}
     assert any(not o["critical"] for o in ops)  # the deferred optimizer stage-in is hidden behind training
+    assert all(s["hidden_s"] > 0 for s in summary["switches"])
+    stages = [json.loads(l) for l in (dyn_dir / "events.jsonl").read_text().splitlines() if '"type":"stage"' in l]
+    seen = {(e["stage"], e["ranks"]) for e in stages}
+    # every rank logged busy intervals in both roles it held: rank 1 trained, then rolled out (step 2), then trained
+    assert {("train", "1"), ("rollout", "1"), ("rollout", "3"), ("weight_sync", "3")} <= seen
 
 
 def test_sigterm_then_resume_loses_and_duplicates_nothing(tmp_path, model_cache):
