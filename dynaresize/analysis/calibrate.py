@@ -7,15 +7,17 @@ and written as comments at the top of the YAML file, so the file itself holds on
     dynaresize calibrate runs/quickstart-20261130-101500 -o costs.yaml
     dynaresize calibrate runs/real --json           # the full fit as JSON on stdout
 
-Format: ``sim: {costs: ..., train: ...}``: the simulator's ``sim.costs`` (``SwitchCostConfig``, which
-``dynaresize simulate --costs`` merges) and ``sim.train`` sections; :func:`to_costs_section` is the one place that
-maps the fit onto them.
+Format: ``sim: {costs, train, rollout, workload, schedule, step_gap_s}``, simulator config that
+``dynaresize simulate --costs`` merges whole; :func:`to_costs_section` is the one place that maps the fit onto it.
+A replay of the logged run also needs its step count and split schedule on the command line; the comments at
+the top of the file give them (``sim.steps=N policy.enabled=false 'policy.forced_splits={k: trainers}'``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -34,16 +36,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def to_costs_section(fit: dict) -> dict:
     """The fit as simulator config sections (only fitted values; the rest keeps the simulator's defaults).
 
-    Written as ``sim: {costs: ..., train: ...}``, the shape of an experiment config, so the file is both a
-    ``dynaresize simulate --costs`` file (which reads ``sim.costs``) and a config overlay.
+    Written as ``sim: {...}``, the shape of an experiment config, so the file is both a
+    ``dynaresize simulate --costs`` file and a config overlay.
 
     - ``costs``: :class:`dynaresize.policy.config.SwitchCostConfig` (the simulator's ``sim.costs``): measured
       per-op medians as ``override_s``; the median weight_sync stage as the ``weight_sync`` override when no
       weight_sync op was logged.
     - ``train``: the simulator's ``sim.train`` (tokens_per_gpu_s, step_overhead_s; the fit assumes perfect
-      data-parallel scaling over the rank counts seen).
-    The rollout fit (overhead + tokens per GPU-second) is reported in the comments only: the simulator models
-    decode from physics (weight reads, KV reads, long tail), which a stage-time fit does not determine.
+      data-parallel scaling over the rank counts seen, so scaling_per_doubling = 1, attention term 0).
+    - ``rollout``: ``model: empirical`` with the fitted overhead and tokens/s per rank (the simulator's decode
+      physics is for GPUs; a stage-time fit does not determine its parameters, so it is not used).
+    - ``workload``: the log's mean response length of every step (``response_tokens_by_step``), B x G, the
+      length cap, and what a trained token counts; the length *shape* is not in the log (the default is kept).
+    - ``schedule`` and ``step_gap_s``: lockstep with the coordinator's measured per-step gap for a runtime log.
+    ``rollout``, ``workload`` and ``schedule`` are written for real (non-simulated) logs only.
     """
     costs: dict = {}
     override = {k: round(v, 6) for k, v in fit["override_s"].items()}
@@ -57,11 +63,35 @@ def to_costs_section(fit: dict) -> dict:
         train["tokens_per_gpu_s"] = round(f["tokens_per_s_per_gpu"], 6)
     if f["overhead_s"] is not None:
         train["step_overhead_s"] = round(max(f["overhead_s"], 0.0), 6)
-    sim = {}
+    if train:
+        train.update(scaling_per_doubling=1.0, attention_per_context_token=0.0)
+    sim: dict = {}
     if costs:
         sim["costs"] = costs
     if train:
         sim["train"] = train
+    if fit["source"].get("kind") == "sim":
+        # a simulated log's rollout and workload come from the physics and workload in its own config: a line
+        # fitted to them would replace an exact model by an approximation, so only costs and train are written
+        return {"sim": sim}
+    r = fit["rollout"]
+    if r["tokens_per_s_per_gpu"] is not None:
+        sim["rollout"] = {"model": "empirical", "empirical_overhead_s": round(max(r["overhead_s"], 0.0), 6),
+                          "empirical_tokens_per_gpu_s": round(r["tokens_per_s_per_gpu"], 6)}
+    w = fit.get("workload") or {}
+    if w.get("steps"):
+        by = [round(x, 3) for x in w["response_tokens_by_step"]]
+        wl = {"prompts_per_step": w["prompts_per_step"], "responses_per_prompt": w["responses_per_prompt"]}
+        if w["max_response_tokens"] is not None:
+            wl["max_response_tokens"] = max(w["max_response_tokens"], int(math.ceil(max(by))))
+        wl.update(response_tokens_start=by[0], response_tokens_end=by[-1], response_tokens_by_step=by,
+                  trained_tokens=w["trained_tokens"])
+        sim["workload"] = wl
+    sc = fit.get("schedule") or {}
+    if sc.get("schedule") == "lockstep":
+        sim["schedule"] = "lockstep"
+        if sc.get("step_gap_s") is not None:
+            sim["step_gap_s"] = round(sc["step_gap_s"], 6)
     return {"sim": sim}
 
 
@@ -73,6 +103,15 @@ def _comments(fit: dict) -> str:
         f = fit[stage]
         lines.append(f"{stage}: {f['n']} points, overhead_s={f['overhead_s']}, tokens_per_s_per_gpu={f['tokens_per_s_per_gpu']}, "
                      f"r2={f['r2']}, rmse_s={f['rmse_s']}")
+    w, sc = fit.get("workload") or {}, fit.get("schedule") or {}
+    if w.get("steps"):
+        lines.append(f"workload from the log: {w['steps']} steps of mean response length {min(w['response_tokens_by_step']):.1f}.."
+                     f"{max(w['response_tokens_by_step']):.1f} tokens, {w['prompts_per_step']}x{w['responses_per_prompt']} samples, "
+                     f"trained tokens = {w['trained_tokens']}; length shape (response_sigma) assumed, not in the log")
+    if sc.get("schedule") == "lockstep":
+        lines.append(f"schedule: lockstep (runtime coordinator), step_gap_s from {sc['n']} steps")
+    lines.append(f"replay: dynaresize simulate CONFIG --costs THIS_FILE sim.steps={s['steps']} policy.enabled=false "
+                 f"'policy.forced_splits={fit.get('forced_splits') or {}}'")
     for op, o in fit["ops"].items():
         lines.append(f"{op}: n={o['n']} median={o['median_s']:.4g}s min={o['min_s']:.4g}s max={o['max_s']:.4g}s "
                      f"critical_share={o['critical_share']:.2f}")

@@ -5,10 +5,23 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
 - stage time = overhead_s + tokens / (ranks x tokens_per_s_per_gpu), for rollout and for train, by ordinary
   least squares of the stage's wall time against ``x = tokens / ranks`` over the steps (slope = 1 / per-GPU
   throughput, intercept = fixed overhead). ``tokens`` is the stage event's ``tokens`` (else the step's
-  ``tokens_generated``/``tokens_trained``); ``ranks`` is the size of the stage's rank set. Steps whose stage has
+  ``tokens_generated``/``tokens_trained``; for train the step's ``tokens_trained`` comes first, because every
+  data-parallel rank of the runtime logs the whole batch's count); ``ranks`` is the size of the stage's rank set. Steps whose stage has
   no token count are left out; with fewer than 3 points, or when every point has the same x, only the mean
-  time is kept (overhead = mean, throughput unknown).
+  time is kept (overhead = mean, throughput unknown). One pass of outlier rejection: points whose residual is
+  more than 3.5 robust standard deviations (1.4826 x MAD) off the first fit are dropped and the line refitted (a
+  real run's first rollout carries warm-up, and a shared CPU stalls single stages); ``rejected`` counts them.
+  The rollout line is what the simulator's ``sim.rollout.model: empirical`` replays; the log records no
+  per-response lengths, so no separate long-tail term (longest response) is fitted: the overhead is the part
+  that does not shrink with more ranks.
 - weight_sync_s: the median weight_sync stage time.
+- workload (taken from the log): each step's mean response length (rollout stage tokens / samples) and samples
+  per step; whether ``tokens_trained`` counts the response only (the CPU runtime: train tokens of step k equal
+  the rollout tokens of step k) or prompt + response. B x G and the length cap come from the run's
+  ``config.yaml`` when present (else B = samples, G = 1, no cap known).
+- schedule: a runtime log (``run_start.source == "runtime"``) is the coordinator's lock-step loop; step_gap_s =
+  median over steps of (step_end_k - step_end_{k-1} - max(rollout span of k+1, train span of k)) - weight_sync_s,
+  the coordinator's own per-step time (batch assembly, command round trips), clipped at 0.
 - switch ops: the median duration per op name (robust to one slow outlier), with n, min, max and the share of
   critical occurrences; written as ``override_s`` (op -> seconds), the measured-duration override of the
   simulator's switch cost model (``dynaresize.policy.config.SwitchCostConfig.override_s``), except for ops seen
@@ -22,7 +35,10 @@ from __future__ import annotations
 import math
 import statistics
 
+from pathlib import Path
+
 import numpy as np
+import yaml
 
 from dynaresize.analysis.reader import RunData
 
@@ -37,11 +53,21 @@ def fit_stage(xs: list[float], ys: list[float]) -> dict:
                 "rmse_s": float(np.sqrt(((y - y.mean()) ** 2).mean()))}
     A = np.stack([np.ones(n), x], axis=1)
     (c0, c1), *_ = np.linalg.lstsq(A, y, rcond=None)
+    res = y - (c0 + c1 * x)
+    mad = float(np.median(np.abs(res - np.median(res))))
+    keep = np.abs(res - np.median(res)) <= max(3.5 * 1.4826 * mad, 1e-9 * max(1.0, float(np.abs(y).max())))
+    rejected = int(n - keep.sum())
+    if rejected and keep.sum() >= 3 and np.ptp(x[keep]) > 0:
+        x, y, n = x[keep], y[keep], int(keep.sum())
+        A = np.stack([np.ones(n), x], axis=1)
+        (c0, c1), *_ = np.linalg.lstsq(A, y, rcond=None)
+    else:
+        rejected = 0
     pred = c0 + c1 * x
     ss_res = float(((y - pred) ** 2).sum())
     ss_tot = float(((y - y.mean()) ** 2).sum())
     return {"n": n, "overhead_s": float(c0), "tokens_per_s_per_gpu": float(1.0 / c1) if c1 > 0 else None,
-            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else None, "rmse_s": math.sqrt(ss_res / n)}
+            "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else None, "rmse_s": math.sqrt(ss_res / n), "rejected": rejected}
 
 
 def fit_costs(rd: RunData) -> dict:
@@ -56,6 +82,9 @@ def fit_costs(rd: RunData) -> dict:
         if stage not in pts or sp.ranks <= 0:
             continue
         tokens = sp.tokens
+        st = rd.steps.get(step)
+        if stage == "train" and st is not None and st.tokens_trained:
+            tokens = st.tokens_trained  # each data-parallel rank logs the whole batch's count: summing them overcounts
         if not tokens:
             st = rd.steps.get(step)
             if st is not None:
@@ -72,14 +101,74 @@ def fit_costs(rd: RunData) -> dict:
         d = [x for x, _ in lst]
         op_stats[name] = {"n": len(d), "median_s": statistics.median(d), "min_s": min(d), "max_s": max(d),
                           "critical_share": sum(1 for _, c in lst if c) / len(lst)}
+    ws_med = statistics.median(ws) if ws else None
     return {
-        "source": {"run": rd.name, "path": str(rd.path), "world_size": rd.world_size, "steps": len(rd.steps),
+        "source": {"run": rd.name, "kind": rd.source, "path": str(rd.path), "world_size": rd.world_size, "steps": len(rd.steps),
                    "switches": len(rd.switches), "bad_lines": rd.stats.bad},
         "rollout": fit_stage(*pts["rollout"]),
         "train": fit_stage(*pts["train"]),
-        "weight_sync_s": statistics.median(ws) if ws else None,
+        "weight_sync_s": ws_med,
+        "workload": fit_workload(rd),
+        "schedule": fit_schedule(rd, ws_med or 0.0),
         "ops": op_stats,
+        # the logged split schedule, as policy.forced_splits: {step whose training ran first on the new split: trainers}
+        # (a runtime switch_start names that step; a simulated one the step after which it was decided)
+        "forced_splits": {sw.step + (rd.source == "sim"): sw.to_split[0] for sw in rd.switches.values()
+                          if sw.step is not None and sw.to_split is not None},
         # an op seen both on the critical path and in the background has two costs (e.g. the device->host part
         # of optimizer_stage_out vs its NVMe write): one override would flatten them, so it keeps the formula
         "override_s": {k: v["median_s"] for k, v in op_stats.items() if v["critical_share"] in (0.0, 1.0)},
     }
+
+
+def _run_config(rd: RunData) -> dict:
+    p = Path(rd.path)
+    f = (p.parent if p.name == "events.jsonl" else p) / "config.yaml"
+    try:
+        data = yaml.safe_load(f.read_text()) if f.is_file() else None
+    except (OSError, yaml.YAMLError):
+        data = None
+    return data if isinstance(data, dict) else {}
+
+
+def fit_workload(rd: RunData) -> dict:
+    """What the log says about the workload: per-step mean response length, samples, trained-token convention."""
+    means, samples, same = [], [], []
+    for k in sorted(rd.steps):
+        sp = rd.stage_spans.get((k, "rollout"))
+        if sp is None or sp.samples <= 0 or sp.tokens <= 0:
+            continue
+        while len(means) < k:  # a step without a rollout record keeps the previous mean
+            means.append(means[-1] if means else sp.tokens / sp.samples)
+        means.append(sp.tokens / sp.samples)
+        samples.append(sp.samples)
+        tr = rd.stage_spans.get((k, "train"))
+        trained = rd.steps[k].tokens_trained or (tr.tokens if tr is not None else 0)
+        if trained:
+            same.append(abs(trained - sp.tokens) <= 0.01 * sp.tokens)
+    if not means:
+        return {"steps": 0}
+    ro = _run_config(rd).get("rollout") or {}
+    b, g = ro.get("prompts_per_step"), ro.get("group_size")
+    n = int(statistics.median(samples))
+    if not (isinstance(b, int) and isinstance(g, int) and b * g == n):
+        b, g = n, 1
+    cap = ro.get("max_tokens") if isinstance(ro.get("max_tokens"), int) else None
+    return {"steps": len(means), "response_tokens_by_step": means, "prompts_per_step": b, "responses_per_prompt": g,
+            "max_response_tokens": cap, "trained_tokens": "response" if same and sum(same) > len(same) / 2 else "sequence"}
+
+
+def fit_schedule(rd: RunData, sync_s: float) -> dict:
+    """Lock-step (the runtime coordinator) or pipelined (a simulated log), and the coordinator's per-step gap."""
+    if rd.source != "runtime":
+        return {"schedule": "pipelined", "step_gap_s": None, "n": 0}
+    ends = {k: s.end for k, s in rd.steps.items() if s.end == s.end}
+    gaps = []
+    for k in sorted(ends):
+        if k - 1 not in ends:
+            continue
+        busy = [sp.end - sp.start for sp in (rd.stage_spans.get((k + 1, "rollout")), rd.stage_spans.get((k, "train"))) if sp]
+        if busy:
+            gaps.append(ends[k] - ends[k - 1] - max(busy))
+    gap = max(0.0, statistics.median(gaps) - sync_s) if gaps else None
+    return {"schedule": "lockstep", "step_gap_s": gap, "n": len(gaps)}

@@ -3,8 +3,11 @@
 Without ``--compare``: one simulated DynaResize run (or the static initial split with ``policy.enabled=false``)
 written as a run directory (``config.yaml``, ``events.jsonl``, ``summary.json``) that ``dynaresize analyze`` reads.
 With ``--compare``: every static split, DynaResize optimised and naive, greedy and the oracle bound as a table;
-``--json`` adds one JSON object as the last line. ``--costs FILE.yaml`` merges a cost file (the keys of
-``sim.costs``, at top level or under ``sim: costs:``; what ``dynaresize calibrate`` writes) into ``sim.costs``.
+``--json`` adds one JSON object as the last line. ``--costs FILE.yaml`` merges a calibration file: either the keys
+of ``sim.costs`` at top level, or any ``sim`` keys under ``sim:`` (what ``dynaresize calibrate`` writes: ``costs``,
+``train``, ``rollout``, ``workload``, ``schedule``, ``step_gap_s``); dotted overrides on the command line are
+applied after it, so they win. ``policy.forced_splits`` ({step: trainers}) scripts switches as in a real run
+(with ``policy.enabled=false``: only those).
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from dynaresize.config.loader import ConfigError, load_config, write_resolved
+from dynaresize.config.loader import ConfigError, load_config, parse_override, write_resolved
 from dynaresize.events import EventLog, EventType, make_event
 from dynaresize.policy.config import SwitchCostConfig
+from dynaresize.sim.config import SimConfig
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,7 +43,10 @@ def _deep(dst: dict, src: dict) -> dict:
 
 
 def merge_costs(cfg, path: str):
-    """Return ``cfg`` with the cost file at ``path`` merged into ``sim.costs`` (ConfigError naming file and key)."""
+    """Return ``cfg`` with the calibration file at ``path`` merged in (ConfigError naming file and key).
+
+    A file with a top-level ``sim:`` mapping is merged into ``sim`` (every section: costs, train, rollout, workload,
+    schedule, ...); any other mapping is the keys of ``sim.costs``."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as e:
@@ -47,7 +54,7 @@ def merge_costs(cfg, path: str):
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if isinstance(data, dict) and "sim" in data:
-        data = (data["sim"] or {}).get("costs", {}) if isinstance(data["sim"], dict) else None
+        return _merge_sim(cfg, path, data)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sim.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
     try:
@@ -59,12 +66,57 @@ def merge_costs(cfg, path: str):
     return cfg.model_copy(update={"sim": sim})
 
 
+def _merge_sim(cfg, path: str, data: dict):
+    other = sorted(k for k in data if k != "sim")
+    if other:
+        raise ConfigError(f"{path}: unknown top-level key {other[0]!r} (a calibration file holds only 'sim')")
+    if not isinstance(data["sim"], dict):
+        raise ConfigError(f"{path}: sim: expected a mapping of simulator sections (costs, train, rollout, workload, ...)")
+    try:
+        sim = SimConfig.model_validate(_deep(cfg.sim.model_dump(), data["sim"]))
+    except ValidationError as e:
+        msgs = "; ".join(f"sim.{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in e.errors())
+        raise ConfigError(f"{path}: {msgs}") from None
+    return cfg.model_copy(update={"sim": sim})
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Dotted overrides applied to a loaded config (after a --costs file, so the command line wins)."""
+    if not overrides:
+        return cfg
+    from dynaresize.config.schema import Config
+
+    data = cfg.model_dump()
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {part} is not a section")
+        node[parts[-1]] = _deep(dict(node[parts[-1]]), value) if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict) else value
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError("; ".join(f"{'.'.join(str(x) for x in er['loc'])}: {er['msg']} (after --costs and overrides)"
+                                    for er in e.errors())) from None
+
+
+def _forced(cfg) -> dict[int, int]:
+    forced = dict(cfg.policy.forced_splits)
+    for step, n in forced.items():
+        if not 1 <= n <= cfg.cluster.gpus - 1 or not 1 <= step < cfg.sim.steps:
+            raise ConfigError(f"policy.forced_splits: {step}: {n} needs 1 <= step < sim.steps ({cfg.sim.steps}) and "
+                              f"1 <= trainers <= cluster.gpus - 1 ({cfg.cluster.gpus - 1})")
+    return forced
+
+
 def main(args: argparse.Namespace) -> int:
     from dynaresize.sim.compare import compare, format_table, run_dynamic, run_static, setup
 
     cfg = load_config(args.config, args.overrides)
     if args.costs:
-        cfg = merge_costs(cfg, args.costs)
+        cfg = apply_overrides(merge_costs(load_config(args.config), args.costs), args.overrides)
     s = setup(cfg)
     if args.compare:
         out = compare(s)
@@ -82,7 +134,8 @@ def main(args: argparse.Namespace) -> int:
     write_resolved(cfg, run_dir)
     log = cfg.sim.write_events
     t0 = time.perf_counter()
-    res = run_dynamic(s, log) if cfg.policy.enabled else run_static(s, s.initial, log)
+    forced = _forced(cfg)
+    res = run_dynamic(s, log, forced=forced) if cfg.policy.enabled else run_static(s, s.initial, log, forced=forced)
     wall = time.perf_counter() - t0
     if log:
         head = make_event(EventType.RUN_START, 0.0, run_id=f"{cfg.run.name}-seed{cfg.run.seed}", source="sim", world_size=cfg.cluster.gpus,

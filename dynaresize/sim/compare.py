@@ -36,19 +36,24 @@ def setup(cfg: Config) -> Setup:
     )
 
 
-def _pipe(s: Setup, name: str, ctl, costs: SwitchCostModel, initial: Topology, log: bool) -> Pipeline:
-    return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, s.cfg.sim.costs.deferred_overlap_fraction)
+def _pipe(s: Setup, name: str, ctl, costs: SwitchCostModel, initial: Topology, log: bool, forced: dict | None = None) -> Pipeline:
+    sim = s.cfg.sim
+    return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, sim.costs.deferred_overlap_fraction,
+                    lockstep=sim.schedule == "lockstep", step_gap_s=sim.step_gap_s, forced=forced)
 
 
-def run_dynamic(s: Setup, log: bool, naive: bool = False, greedy: bool = False, name: str = "dynaresize") -> RunResult:
+def run_dynamic(s: Setup, log: bool, naive: bool = False, greedy: bool = False, name: str = "dynaresize",
+                forced: dict[int, int] | None = None) -> RunResult:
     pcfg = greedy_config(s.cfg.policy) if greedy else s.cfg.policy
     costs = s.naive_costs if naive else s.costs
     ctl = ResizePolicy(pcfg, costs, s.candidates)
-    return _pipe(s, name, ctl, costs, s.initial, log).run()
+    return _pipe(s, name, ctl, costs, s.initial, log, forced).run()
 
 
-def run_static(s: Setup, topo: Topology, log: bool = False) -> RunResult:
-    return _pipe(s, f"static {topo}", StaticController(), s.costs, topo, log).run()
+def run_static(s: Setup, topo: Topology, log: bool = False, forced: dict[int, int] | None = None) -> RunResult:
+    """A static split; with ``forced`` ({step: trainers}, ``policy.forced_splits``) only those scripted switches."""
+    name = f"static {topo}" + (" + forced splits" if forced else "")
+    return _pipe(s, name, StaticController(), s.costs, topo, log, forced).run()
 
 
 def oracle_total(s: Setup) -> float:

@@ -26,10 +26,28 @@ class WorkloadConfig(Section):
     drift: Literal["linear", "exponential"] = Field("linear", description="How the mean response length moves from start to end")
     response_sigma: float = Field(1.0, ge=0, description="Lognormal shape of response lengths (1.0: a long tail)")
     max_response_tokens: int = Field(16384, ge=1, description="Response length cap (max_tokens)")
+    response_tokens_by_step: list[float] = Field(
+        default_factory=list, description="Observed mean response length of each step (replaces the drift; later steps keep "
+        "the last value; each step's lengths are rescaled to this mean; dynaresize calibrate writes it from a log)"
+    )
+    trained_tokens: Literal["sequence", "response"] = Field(
+        "sequence", description="What a trained token counts: prompt + response (sequence) or the response only, as the "
+        "CPU runtime logs tokens_trained (a calibrated rate is per logged token)"
+    )
 
 
 class RolloutPhysicsConfig(Section):
-    """Decode is memory-bound: one decode iteration on a GPU costs iteration_fixed_s + active x (compute + KV read)."""
+    """Decode is memory-bound: one decode iteration on a GPU costs iteration_fixed_s + active x (compute + KV read).
+
+    ``model: empirical`` replaces that physics by a stage-time fit of a real run (``dynaresize calibrate``):
+    rollout_s(n) = empirical_overhead_s + tokens_generated / (n x empirical_tokens_per_gpu_s).
+    """
+
+    model: Literal["physics", "empirical"] = Field(
+        "physics", description="physics: decode from GPU figures below; empirical: overhead + tokens / (GPUs x rate), fitted by dynaresize calibrate"
+    )
+    empirical_overhead_s: float = Field(0.0, ge=0, description="model=empirical: fixed seconds per rollout stage (does not shrink with GPUs)")
+    empirical_tokens_per_gpu_s: float = Field(1000.0, gt=0, description="model=empirical: generated tokens/s per rollout GPU")
 
     iteration_fixed_s: float = Field(
         0.0075, gt=0, description="Per decode iteration: weights read (16.4 GB at 4 TB/s: 4.1 ms) + scheduling, sampling (ASSUMPTION: ~7.5 ms ITL)"
@@ -61,6 +79,14 @@ class SimConfig(Section):
     train: TrainPhysicsConfig = Field(default_factory=TrainPhysicsConfig, description="Training physics of a trainer GPU")
     costs: SwitchCostConfig = Field(default_factory=SwitchCostConfig, description="Switch cost model inputs (dynaresize calibrate writes these)")
     optimizations: OptimizationsConfig = Field(default_factory=OptimizationsConfig, description="Switch optimisations in the DynaResize run")
+    schedule: Literal["pipelined", "lockstep"] = Field(
+        "pipelined", description="pipelined: each stage starts when its inputs exist; lockstep: the runtime coordinator's "
+        "loop (both pools start a step together after the previous step's stages, the blocking weight sync and step_gap_s)"
+    )
+    step_gap_s: float = Field(
+        0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
+        "command round trips; dynaresize calibrate measures it)"
+    )
     write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
     compare_static_max: int = Field(
         64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
@@ -71,4 +97,7 @@ class SimConfig(Section):
         w = self.workload
         if w.response_tokens_start > w.max_response_tokens or w.response_tokens_end > w.max_response_tokens:
             raise ValueError(f"mean response length above max_response_tokens ({w.max_response_tokens})")
+        bad = [x for x in w.response_tokens_by_step if not 1 <= x <= w.max_response_tokens]
+        if bad:
+            raise ValueError(f"workload.response_tokens_by_step: {bad[0]} outside [1, max_response_tokens={w.max_response_tokens}]")
         return self

@@ -29,6 +29,12 @@ decision:
 
 A switch's ``critical_path_s`` is how much later its gated stage ends than with a free, instant switch to the
 same split; ``hidden_s`` = the sum of its ops' costs minus that.
+
+``lockstep`` (``sim.schedule``) models the runtime coordinator's loop instead (``dynaresize run``): step k starts
+both R_{k+1} and T_k once T_{k-1} and R_k are done, the weight sync (blocking, on both pools) and ``step_gap_s``
+(batch assembly, command round trips) have passed; the policy decides at that moment and the switch's critical
+ops run before the step's stages. ``forced`` (``policy.forced_splits``, {step: trainers}) switches so that T_step
+and R_{step+1} run on that split, as the coordinator's scripted resizes do, bypassing the controller there.
 """
 
 from __future__ import annotations
@@ -100,13 +106,15 @@ class Pipeline:
     """One simulated run. ``run()`` returns a :class:`RunResult` (with events when ``log`` is true)."""
 
     def __init__(self, name: str, table: StageTable, initial: Topology, controller: Controller, costs: SwitchCostModel,
-                 staleness: int = 1, log: bool = False, overlap_fraction: float = 0.9):
+                 staleness: int = 1, log: bool = False, overlap_fraction: float = 0.9, lockstep: bool = False,
+                 step_gap_s: float = 0.0, forced: dict[int, int] | None = None):
         self.name, self.tab, self.ctl, self.costs = name, table, controller, costs
         self.N, self.K, self.s = initial.total, table.steps, staleness
         self.topo = initial
         self.log = log
         self.overlap = overlap_fraction
         self.sync_s = costs.weight_sync_s()
+        self.lockstep, self.gap, self.forced = lockstep, step_gap_s, dict(forced or {})
         self.ev: list[Event] = []
         self.r_start: list[float] = []  # first busy moment of R_j (sync or head start)
         self.r_gen: list[float] = []  # generation start of the old/whole pool
@@ -132,6 +140,8 @@ class Pipeline:
 
     def _rollout_start(self, j: int) -> float:
         prev = self.r_end[j - 1] if j > 0 else 0.0
+        if self.lockstep and j >= 1:
+            return max(max(prev, self._dep(j)) + self.gap, self.gate_r)
         return max(prev, self._dep(j), self.gate_r)
 
     def _run_rollout(self, j: int) -> None:
@@ -181,13 +191,16 @@ class Pipeline:
     def _run_train(self, k: int) -> None:
         n = self.topo.n_train
         prev = self.t_end[k - 1] if k > 0 else 0.0
-        start = max(prev, self.r_end[k], self.gate_t)
+        ready = max(prev, self.r_end[k])
+        if self.lockstep:  # the coordinator's blocking weight sync and its own per-step time come first
+            ready += self.gap + (self.sync_s if k >= 1 else 0.0)
+        start = max(ready, self.gate_t)
         dur = self.tab.train_s(k, n)
         spill = 0.0
         sw = self.pending
         if sw is not None and sw.delay_t is None:
             spill = max(0.0, sw.bg_train - self.overlap * dur)
-            free_start = max(prev, self.r_end[k], sw.gate_t_free)
+            free_start = max(ready, sw.gate_t_free)
             sw.delay_t = start + spill - free_start
             self._maybe_close(sw)
         end = start + dur + spill
@@ -209,6 +222,14 @@ class Pipeline:
         self.emit(sw.t_end, EventType.SWITCH_END, switch_id=sw.sid, critical_path_s=round(crit, 6),
                   hidden_s=round(max(0.0, sw.overhead - crit), 6))
         self.pending = None
+
+    def _close_pending(self) -> None:
+        sw = self.pending
+        if sw is not None:
+            sw.head = None
+            sw.delay_r = sw.delay_r if sw.delay_r is not None else 0.0
+            sw.delay_t = sw.delay_t if sw.delay_t is not None else 0.0
+            self._maybe_close(sw)
 
     def _switch(self, k: int, t_d: float, dec: Decision) -> None:
         src, dst = self.topo, dec.target
@@ -289,9 +310,20 @@ class Pipeline:
             if self.s >= 1:
                 while len(self.r_end) <= k + 1:
                     self._run_rollout(len(self.r_end))
-                t_d = min(t_d, self.r_end[k + 1])
+                t_d = max(t_d, self.r_end[k + 1]) if self.lockstep else min(t_d, self.r_end[k + 1])
             while len(self.r_end) < self.K and len(self.r_end) - self.s - 1 <= k and self._rollout_start(len(self.r_end)) < t_d:
                 self._run_rollout(len(self.r_end))
+            # lockstep: the switch starts after the blocking sync and the coordinator's gap, before the next stages
+            t_sw = t_d + (self.gap + (self.sync_s if k + 2 - self.s >= 1 else 0.0) if self.lockstep else 0.0)
+            target = self.forced.get(k + 1)
+            if target is not None:
+                if target != self.topo.n_train:
+                    dec = Decision(Action.RESIZE, Topology(target, self.N - target), "forced by policy.forced_splits")
+                    self.emit(t_d, EventType.DECISION, step=k + 1, action=dec.action.value, reason=dec.reason,
+                              target_train=target, target_rollout=self.N - target)
+                    self._close_pending()
+                    self._switch(k, t_sw, dec)
+                continue
             j = k  # newest finished step (with s = 1, T_{k-1} ended before R_{k+1} began)
             while j > fed and self.t_end[j] > t_d:
                 j -= 1
@@ -314,13 +346,8 @@ class Pipeline:
                 self.emit(t_d, EventType.DECISION, step=j, action=dec.action.value, reason=dec.reason,
                           imbalance=round(dec.imbalance, 6), **extra)
             if dec.resize and dec.target != self.topo:
-                if self.pending is not None:  # only without cooldown (greedy): close the earlier switch as it stands
-                    sw = self.pending
-                    sw.head = None
-                    sw.delay_r = sw.delay_r if sw.delay_r is not None else 0.0
-                    sw.delay_t = sw.delay_t if sw.delay_t is not None else 0.0
-                    self._maybe_close(sw)
-                self._switch(k, t_d, dec)
+                self._close_pending()  # only without cooldown (greedy): close the earlier switch as it stands
+                self._switch(k, t_sw, dec)
         r = self.result
         r.total_s = self.t_end[-1]
         r.samples = sum(self.tab.batches[k][0] for k in range(self.K))

@@ -17,6 +17,8 @@ sequence's start and end in decode iterations (``_capped``).
 
 Assumptions (also in docs/simulator.md): context per sequence is the step's token-weighted mean (prompt +
 E[L^2] / 2E[L]); prefill happens once per prompt (prefix caching) at ``prefill_tokens_per_s``; no preemption.
+``sim.rollout.model = empirical`` (a calibrated CPU run): rollout_s(n) = overhead + tokens_generated / (n x rate),
+no decode physics, prefill or KV cap; the tail is the overhead.
 Training: tokens x (1 + attention_per_context_token x context) / (tokens_per_gpu_s x n x eff(n)) + step_overhead_s,
 eff(n) = scaling_per_doubling ** log2 n (context: the token-weighted mean position in a sample, ``train_context``).
 """
@@ -64,6 +66,9 @@ class StepPhysics:
         self._cum_hi = np.cumsum(dL * active)  # sum_{j<=i} dL_j * a_j
         self._L = L
         self.tail_s = self.lmax * (self.w + self.u)
+        self._empirical = (r.empirical_overhead_s, batch.tokens_generated / r.empirical_tokens_per_gpu_s) if r.model == "empirical" else None
+        if self._empirical is not None:
+            self.tail_s = r.empirical_overhead_s  # the part more GPUs do not shorten
         t = sim.train
         self.train_tokens_eff = batch.tokens_trained * (1.0 + t.attention_per_context_token * train_context(batch))
         self._train = (self.train_tokens_eff / t.tokens_per_gpu_s, t.scaling_per_doubling, t.step_overhead_s)
@@ -73,6 +78,9 @@ class StepPhysics:
 
     def rollout_many(self, ns: np.ndarray) -> np.ndarray:
         ns = np.asarray(ns, dtype=np.int64)
+        if self._empirical is not None:
+            overhead, work = self._empirical
+            return overhead + work / ns
         out = np.empty(len(ns), dtype=np.float64)
         capped = self.N > ns * self.cap
         if (~capped).any():

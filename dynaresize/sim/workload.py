@@ -15,6 +15,8 @@ from dynaresize.sim.config import WorkloadConfig
 
 
 def mean_response(w: WorkloadConfig, step: int, steps: int) -> float:
+    if w.response_tokens_by_step:
+        return w.response_tokens_by_step[min(step, len(w.response_tokens_by_step) - 1)]
     x = step / max(1, steps - 1)
     if w.drift == "exponential":
         return w.response_tokens_start * (w.response_tokens_end / w.response_tokens_start) ** x
@@ -36,6 +38,8 @@ def make_batch(w: WorkloadConfig, seed: int, step: int, steps: int) -> Batch:
     mean = mean_response(w, step, steps)
     s = w.response_sigma
     lengths = np.minimum(np.maximum(np.rint(rng.lognormal(math.log(mean) - s * s / 2, s, w.prompts_per_step * w.responses_per_prompt)), 1), w.max_response_tokens)
+    if w.response_tokens_by_step:  # an observed mean: rescale the draw so the step generates that many tokens
+        lengths = np.minimum(np.maximum(np.rint(lengths * (mean * len(lengths) / lengths.sum())), 1), w.max_response_tokens)
     ps = w.prompt_tokens_sigma
     prompts = np.maximum(np.rint(rng.lognormal(math.log(w.prompt_tokens_mean) - ps * ps / 2, ps, w.prompts_per_step)), 1)
     gen = int(lengths.sum())
@@ -44,6 +48,6 @@ def make_batch(w: WorkloadConfig, seed: int, step: int, steps: int) -> Batch:
         prompt_tokens=int(prompts.sum()),
         prompt_mean=float(prompts.mean()),
         tokens_generated=gen,
-        tokens_trained=gen + int(prompts.sum()) * w.responses_per_prompt,
+        tokens_trained=gen + (int(prompts.sum()) * w.responses_per_prompt if w.trained_tokens == "sequence" else 0),
         samples=len(lengths),
     )
