@@ -60,10 +60,13 @@ def oracle_total(s: Setup) -> float:
     t, sync = s.table, s.costs.weight_sync_s()
     by_r = sorted(s.candidates, key=lambda c: c.n_rollout)
 
+    lock, gap = s.cfg.sim.schedule == "lockstep", s.cfg.sim.step_gap_s  # lockstep: the sync and gap gate both pools
+
     def period(k: int, c: Topology) -> tuple[float, float, float]:
-        r = t.rollout_s(k, c.n_rollout) + (sync if k >= 1 else 0.0)
+        sk = sync if k >= 1 else 0.0
+        r = t.rollout_s(k, c.n_rollout) + (0.0 if lock else sk)
         tr = t.train_s(k, c.n_train)
-        return max(r, tr), r, tr
+        return max(r, tr) + (sk + gap if lock else 0.0), r, tr
 
     total = 0.0
     for k in range(t.steps):

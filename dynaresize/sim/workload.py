@@ -39,7 +39,9 @@ def make_batch(w: WorkloadConfig, seed: int, step: int, steps: int) -> Batch:
     s = w.response_sigma
     lengths = np.minimum(np.maximum(np.rint(rng.lognormal(math.log(mean) - s * s / 2, s, w.prompts_per_step * w.responses_per_prompt)), 1), w.max_response_tokens)
     if w.response_tokens_by_step:  # an observed mean: rescale the draw so the step generates that many tokens
-        lengths = np.minimum(np.maximum(np.rint(lengths * (mean * len(lengths) / lengths.sum())), 1), w.max_response_tokens)
+        target = mean * len(lengths)
+        for _ in range(6):  # a few passes: lengths at the cap cannot take their share of an upward rescale
+            lengths = np.minimum(np.maximum(np.rint(lengths * (target / lengths.sum())), 1), w.max_response_tokens)
     ps = w.prompt_tokens_sigma
     prompts = np.maximum(np.rint(rng.lognormal(math.log(w.prompt_tokens_mean) - ps * ps / 2, ps, w.prompts_per_step)), 1)
     gen = int(lengths.sum())

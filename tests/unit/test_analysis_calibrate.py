@@ -128,9 +128,9 @@ def test_calibrated_simulator_reproduces_real_cpu_run_step_times(tmp_path):
     Tolerances, and why: on 2 shared cores the real run's step periods have a coefficient of variation of ~23%
     (asserted below, so a noisier fixture fails here instead of passing by luck); the replay has no jitter and can
     only match the mean. The median of n = 29 periods then has a standard error of ~1.25 x 0.23 / sqrt(29) = 5%,
-    the total (mean) ~4%: median within 15% and total within 10% are ~3 and ~2.4 standard errors (measured: 0.7%
-    and 0.2%). The split's effect must show too: steps on 3:1 (one rollout rank) over the median 2:2 step, real
-    1.44 vs replay 1.43; a 2-step mean at 23% CV has ~16% error, so within 25%. Single steps are not compared.
+    the total (mean) ~4%: median within 15% and total within 10% are ~3 and ~2.4 standard errors (measured: 1.0%
+    and 0.03%). The split's effect must show too: steps on 3:1 (one rollout rank) over the median 2:2 step, real
+    1.46 vs replay 1.45; a 2-step mean at 23% CV has ~16% error, so within 25%. Single steps are not compared.
     """
     from dynaresize.cli import main as dynaresize
 
@@ -188,3 +188,49 @@ def test_simulator_round_trip_with_known_switch_costs(tmp_path):
     a, b = _step_times(tmp_path / "a"), _step_times(tmp_path / "b")
     assert len(a) == len(b) == 80
     assert b == pytest.approx(a, rel=1e-6)
+
+
+def test_costs_file_merges_every_sim_section_and_rejects_unknown_keys(tmp_path):
+    """--costs merges sim.costs, sim.train, sim.rollout, sim.workload and the schedule; an unknown key anywhere is a
+    ConfigError naming the file and the key; dotted overrides on the command line win over the file."""
+    from dynaresize.config.loader import ConfigError, load_config
+    from dynaresize.sim.cli import apply_overrides, merge_costs
+
+    config = Path(__file__).parents[2] / "configs" / "sim" / "cpu_quickstart.yaml"
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"sim": {"costs": {"override_s": {"drain": 0.25}}, "train": {"tokens_per_gpu_s": 77.0},
+                                         "rollout": {"model": "empirical", "empirical_tokens_per_gpu_s": 55.0},
+                                         "workload": {"response_tokens_by_step": [3.0, 4.0]}, "schedule": "lockstep", "step_gap_s": 0.5}}))
+    cfg = merge_costs(load_config(config), str(f))
+    assert cfg.sim.costs.override_s["drain"] == 0.25 and cfg.sim.train.tokens_per_gpu_s == 77.0
+    assert cfg.sim.rollout.empirical_tokens_per_gpu_s == 55.0 and cfg.sim.workload.response_tokens_by_step == [3.0, 4.0]
+    assert cfg.sim.step_gap_s == 0.5 and cfg.sim.workload.prompts_per_step == 16  # untouched keys keep the config's
+    assert apply_overrides(cfg, ["sim.train.tokens_per_gpu_s=99"]).sim.train.tokens_per_gpu_s == 99.0
+    for bad, key in (({"rollout": {"bogus": 1}}, "sim.rollout.bogus"), ({"bogus": 1}, "sim.bogus"),
+                     ({"workload": {"response_tokens_by_step": [99.0]}}, "response_tokens_by_step")):
+        f.write_text(yaml.safe_dump({"sim": bad}))
+        with pytest.raises(ConfigError, match=key) as e:
+            merge_costs(load_config(config), str(f))
+        assert str(f) in str(e.value)
+    f.write_text(yaml.safe_dump({"sim": {}, "policy": {"enabled": False}}))
+    with pytest.raises(ConfigError, match="policy"):
+        merge_costs(load_config(config), str(f))
+
+
+def test_empirical_rollout_and_observed_lengths_in_the_simulator():
+    """model=empirical: rollout_s(n) = overhead + tokens / (n x rate); response_tokens_by_step fixes each step's
+    generated tokens to the observed mean x samples (up to rounding of single lengths)."""
+    from dynaresize.sim.config import SimConfig
+    from dynaresize.sim.stages import StepPhysics
+    from dynaresize.sim.workload import make_batch
+
+    sim = SimConfig(rollout={"model": "empirical", "empirical_overhead_s": 0.2, "empirical_tokens_per_gpu_s": 1000.0},
+                    workload={"prompts_per_step": 16, "responses_per_prompt": 8, "max_response_tokens": 28,
+                              "response_tokens_start": 5, "response_tokens_end": 5, "response_tokens_by_step": [5.0, 12.0],
+                              "trained_tokens": "response"})
+    for step, mean in ((0, 5.0), (1, 12.0), (7, 12.0)):
+        b = make_batch(sim.workload, 0, step, 10)
+        assert b.tokens_generated == pytest.approx(mean * 128, rel=0.03) and b.tokens_trained == b.tokens_generated
+        ph = StepPhysics(sim, b)
+        assert ph.rollout_s(2) == pytest.approx(0.2 + b.tokens_generated / 2000.0)
+        assert ph.tail_s == 0.2
