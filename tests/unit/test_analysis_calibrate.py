@@ -1,7 +1,8 @@
 """Calibration round-trip: a run simulated with KNOWN costs -> fitted costs -> re-simulated step times.
 
-Until real-run fixtures exist, the known-cost run is written by dynaresize.analysis.synth (the simulator's schema
-and cost shape: stage time = overhead + tokens / (ranks x per-GPU throughput), one duration per switch op).
+Known-cost runs are written by dynaresize.analysis.synth (the simulator's schema and cost shape: stage time =
+overhead + tokens / (ranks x per-GPU throughput), one duration per switch op) and by the simulator itself; the
+real-run check calibrates tests/fixtures/real_cpu_run (a 30-step CPU quickstart run) and replays it.
 """
 
 from __future__ import annotations
