@@ -53,6 +53,9 @@ class ClusterConfig(Section):
 
 class PipelineConfig(Section):
     staleness_bound: int = Field(1, ge=0, description="Batch k is trained only on samples from policy versions >= k - bound (0: synchronous)")
+    mixed_switch: bool = Field(
+        True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
+    )
 
 
 class Config(Section):

@@ -15,10 +15,13 @@ Invariants (tested): batch ``k`` only holds samples of versions ``>= k - s``; ev
 prompt, index), so which rank generates it never changes it; a resize in the middle of a rollout neither drops nor
 duplicates a sample (the work queue is keyed by sample).
 
-Switches run at step boundaries, when no stage is in flight: moving a rank is then never racing a rollout, and
-the fine-grained operations inside the switch (optimizer-state transfer deferred to the first optimizer step,
-weight hand-over) are what the event log records. What it deliberately leaves out: the in-step "mixed" switch
-that the simulator models (a trainer joining a rollout already under way); see the README.
+Where a switch happens: trainers -> rollout runs *inside* the step (the mixed step, ``pipeline.mixed_switch``):
+the leaving trainers take part in training batch k, then switch and pull what is left of the rollout of batch
+k+s, with the weights that batch is generated from (kept before the update), so every sample keeps the version a
+static run gives it. Rollout -> trainers runs at the step boundary (the new trainers are needed from the first
+forward pass of the next training step). Each switch is a short list of fine-grained operations, each in the
+event log with its rank, start, end, bytes and whether it was on the critical path (the optimizer state's
+stage-in is deferred to the first optimizer step on the new topology, hidden behind forward and backward).
 
 Stop and resume: SIGINT/SIGTERM ask for a stop; the step in flight finishes, the ranks stage their state under
 ``checkpoints/``, the coordinator writes ``checkpoints/coordinator.json``, and ``dynaresize run --resume RUN_DIR``
@@ -235,15 +238,19 @@ class Coordinator:
             t_step = time.monotonic()
             self.events.emit("step_start", step=k)
             decision = self.decide(k)
-            if decision is not None and decision.resize:
+            mixed = decision is not None and decision.resize and self._mixed_ok(decision)
+            if decision is not None and decision.resize and not mixed:
                 self.switch(k, decision)
             ahead = k + self.bound
             gen = self.generate(ahead, wait=False) if ahead < steps and self.bound > 0 else None
             if self.bound == 0:
                 self.generate(k, wait=True)
             batch = self.make_batch(k)
-            train = self.train(k, batch)
-            self.finish(k, gen, train, batch)
+            train = self.train(k, batch, snapshot=mixed)
+            if mixed:
+                self.mixed_step(k, decision, gen, train, batch)
+            else:
+                self.finish(k, gen, train, batch)
             self.sync_weights(k + 1)
             k = self.state.step = k + 1
             self.state.loop_s += time.monotonic() - t_step
@@ -291,18 +298,28 @@ class Coordinator:
         )
         return d
 
-    def switch(self, k: int, decision) -> None:
-        """Move ranks between roles in place: every rank gets the command and does its part of the plan."""
+    def _mixed_ok(self, decision) -> bool:
+        """A move from training to rollout can happen inside the step (the mixed step) when a rollout runs beside
+        training: the leaving trainers train batch k, then join the rollout of batch k+s, with the weights that
+        batch is generated from (kept before the update), so the sample-to-version map is the static run's."""
+        return self.cfg.pipeline.mixed_switch and self.bound > 0 and decision.target.n_train < self.state.n_train
+
+    def switch(self, k: int, decision, ranks=None, rollout_version: int | None = None, mode: str = "optimized") -> str:
+        """Move ranks between roles in place. ``ranks`` get the command now (default: all; ranks outside the old
+        and new trainer sets only take note of the new split, so they may get it later)."""
         old, new = self.state.n_train, decision.target.n_train
         sid = f"sw{len(self.state.switches)}-s{k}"
+        ranks = list(range(self.world) if ranks is None else ranks)
         self.events.emit(
             "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=self.world - old, to_train=new,
-            to_rollout=self.world - new, planned_critical_s=round(decision.critical_cost_s, 4), mode="optimized",
+            to_rollout=self.world - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
         )
         t0 = time.monotonic()
         payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
-        cmd, res = self.bus.request("switch_role", range(self.world), payload, timeout=600)
-        self._require(res, "switch_role", range(self.world))
+        if rollout_version is not None:
+            payload["rollout_version"] = rollout_version
+        cmd, res = self.bus.request("switch_role", ranks, payload, timeout=600)
+        self._require(res, "switch_role", ranks)
         critical = time.monotonic() - t0
         moved = range(min(old, new), max(old, new))
         frm, to = (Role.TRAIN, Role.ROLLOUT) if new < old else (Role.ROLLOUT, Role.TRAIN)
@@ -313,9 +330,28 @@ class Coordinator:
         # sums the switch's background ops from the log, and so does summary()
         self.events.emit("switch_end", switch_id=sid, critical_path_s=round(critical, 6))
         self.state.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{self.world - old}", "to": f"{new}:{self.world - new}",
-                                    "critical_path_s": round(critical, 4), "hidden_s": 0.0})
+                                    "mode": mode, "critical_path_s": round(critical, 4), "hidden_s": 0.0})
         self._switched_last = True
         log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
+        return sid
+
+    def mixed_step(self, k: int, decision, gen, train, batch: TrainBatch) -> None:
+        """The mixed step: batch k trains on the old trainer set while the rollout of batch k+s runs; then the
+        leaving trainers switch and pull what is left of that rollout. Two rollouts (the old pool's and the
+        newcomers') and one training pass; the old rollout ranks learn the new split when their rollout is done."""
+        old, new = self.state.n_train, decision.target.n_train
+        self._await_train(train, batch)
+        self.switch(k, decision, ranks=range(old), rollout_version=self.state.version, mode="mixed")
+        late = []
+        if gen is not None:
+            cmd, t0, j, _ = gen
+            joined = self.bus.send("generate", range(new, old), cmd.payload)
+            late = [(joined, t0, j, list(range(new, old)))]
+        self.last.rollout_s = max([self._await_generate(g) for g in [gen, *late] if g is not None], default=0.0)
+        cmd, res = self.bus.request("switch_role", range(old, self.world),
+                                    {"switch_id": self.state.switches[-1]["switch_id"], "step": k, "from_train": old, "to_train": new},
+                                    timeout=600)
+        self._require(res, "switch_role", range(old, self.world))
 
     def generate(self, j: int, wait: bool):
         """Queue batch ``j`` and let the rollout ranks pull it. Returns (command, send time) or waits for it."""
@@ -328,19 +364,23 @@ class Coordinator:
         ro = self.cfg.rollout
         payload = {"step": j, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
                    "temperature": ro.temperature, "top_p": ro.top_p}
-        sent = (self.bus.send("generate", self._rollouts(), payload), time.monotonic(), j)
+        sent = (self.bus.send("generate", self._rollouts(), payload), time.monotonic(), j, self._rollouts())
         if wait:
             self._await_generate(sent)
             return None
         return sent
 
     def _await_generate(self, sent) -> float:
-        cmd, t0, j = sent
-        res = self._await(cmd, self._rollouts(), "generate")
+        """Wait for a generate command; returns the rollout's wall time from when batch j was first sent."""
+        cmd, t0, j, ranks = sent
+        res = self._await(cmd, ranks, "generate")
         if self.queue.done(j) < self.queue.total(j):
             raise JobError(f"generate {j}: {self.queue.total(j) - self.queue.done(j)} samples missing after every rollout rank acked")
-        self.last.tokens_generated = sum(int((a.result or {}).get("tokens", 0)) for a in res.acks.values())
+        self.last.tokens_generated = self.queue_tokens(j)
         return max(a.acked_at for a in res.acks.values()) - (time.time() - (time.monotonic() - t0))
+
+    def queue_tokens(self, j: int) -> int:
+        return sum(len(s.response_ids) for s in self.queue.results(j))
 
     def make_batch(self, k: int) -> TrainBatch:
         items, texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, k, self.cfg.rollout.prompts_per_step, self.group)
@@ -353,19 +393,23 @@ class Coordinator:
 
         return f"{Keys(self.job_id).ns}:batch:{k}"
 
-    def train(self, k: int, batch: TrainBatch):
-        payload = {"step": k, "batch_key": self._batch_key(k), "n_train": self.state.n_train, "version_after": k + 1}
-        return self.bus.send("train", self._trainers(), payload), time.monotonic()
+    def train(self, k: int, batch: TrainBatch, snapshot: bool = False):
+        payload = {"step": k, "batch_key": self._batch_key(k), "n_train": self.state.n_train, "version_after": k + 1,
+                   "snapshot": snapshot}
+        return self.bus.send("train", self._trainers(), payload), time.monotonic(), self._trainers()
 
-    def finish(self, k: int, gen, train, batch: TrainBatch) -> None:
-        """Wait for the step's training and the overlapping rollout; record what they took."""
-        cmd, t0 = train
-        res = self._await(cmd, self._trainers(), "train")
+    def _await_train(self, train, batch: TrainBatch) -> None:
+        cmd, t0, ranks = train
+        res = self._await(cmd, ranks, "train")
         wall0 = time.time() - (time.monotonic() - t0)
         self.last.train_s = max(a.acked_at for a in res.acks.values()) - wall0
         self.last.tokens_trained = batch.tokens
         losses = [float((a.result or {}).get("loss", 0.0)) for a in res.acks.values()]
         self._loss = sum(losses)  # per-rank shares of the global loss add up to it
+
+    def finish(self, k: int, gen, train, batch: TrainBatch) -> None:
+        """Wait for the step's training and the overlapping rollout; record what they took."""
+        self._await_train(train, batch)
         self.last.rollout_s = self._await_generate(gen) if gen is not None else 0.0
 
     def sync_weights(self, version: int) -> None:
