@@ -74,3 +74,23 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
     assert got == list(range(step + 2))  # nothing after the checkpoint counted twice, nothing missing
+
+
+def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_cluster, tmp_path):
+    steps = 10
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", wait=False)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    job = job_id_of(rd)
+    state = rd / "checkpoints" / "coordinator.json"
+    wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
+    subprocess.run(["scontrol", "requeue", job], check=True)
+    summary = rd / "summary.json"
+    wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 600,
+               "the requeued job to complete")
+    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    s = json.loads(summary.read_text())
+    assert s["steps"] == steps
+    got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
+    assert got == list(range(steps))  # same counter across the requeue; nothing lost, nothing trained twice
+    events = (rd / "events.jsonl").read_text()
+    assert '"what":"resume"' in events
