@@ -94,3 +94,24 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     assert got == list(range(steps))  # same counter across the requeue; nothing lost, nothing trained twice
     events = (rd / "events.jsonl").read_text()
     assert '"what":"resume"' in events
+
+
+def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_cluster, tmp_path):
+    # --time=1 min, USR2 58 s before: the warning comes 2-32 s after each start (slurmctld checks limits every 30 s).
+    # Incarnation 1: USR2 -> checkpoint at the next step boundary -> `scontrol requeue <leader>`. Incarnation 2
+    # (restart count 1 = slurm.max_requeues): USR2 -> checkpoint -> clean stop. The step counter never goes back.
+    p, rd = submit(tmp_path, "run.steps=5000", "slurm.time=00:01:00", "slurm.signal_before_s=58", "slurm.max_requeues=1",
+                   wait=False)
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    job = job_id_of(rd)
+    summary = rd / "summary.json"
+    wait_until(lambda: summary.exists() and '"what":"resume"' in (rd / "events.jsonl").read_text()
+               and json.loads(summary.read_text()).get("status") == "interrupted", 240,
+               "the requeued job to stop at its second warning")
+    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
+    assert state["incarnation"] == 2
+    got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
+    assert got == list(range(state["step"])) and state["step"] >= 2  # progressed across the requeue, no step twice
+    logs = "".join(f.read_text(errors="replace") for f in (rd / "slurm").glob(f"{job}.r*-coordinator.log"))
+    assert "requeue 1 of at most 1" in logs and "already requeued 1 times" in logs
