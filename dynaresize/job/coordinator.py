@@ -85,7 +85,7 @@ class Coordinator:
         self.job_id = self.run_dir.name
         st = load_state(self.run_dir) if self.resume else None
         self.state = st or JobState(n_train=self.cfg.cluster.initial_train)
-        self.state.incarnation += 1
+        self.state.incarnation = _next_incarnation(self.run_dir)  # counts starts, checkpointed or not
         self.group = self.cfg.rollout.group_size
         self.per_step = self.cfg.rollout.prompts_per_step * self.group
         self.last = StepTimes()
@@ -114,7 +114,7 @@ class Coordinator:
 
         write_resolved(self.cfg, self.run_dir)
         self.events = EventLog(self.run_dir / "events.jsonl")
-        if self.state.incarnation == 1:
+        if not self.resume:
             self.events.emit(
                 "run_start", run_id=self.job_id, source="runtime", world_size=self.world, wall_time=self.events.t0,
                 train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()),
@@ -141,14 +141,18 @@ class Coordinator:
                 self._write_launch_file()
                 if self.preemption is not None:
                     self.preemption.on_checkpoint(self.checkpoint)
-                self.start_ranks()
                 try:
+                    self.start_ranks()
                     self.loop()
                     status = "interrupted" if self.state.step < self.cfg.run.steps else "completed"
-                except KeyboardInterrupt:
-                    status = "interrupted"
+                    checkpoint = True
+                except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
+                    status, checkpoint = "interrupted", False
+                except BaseException:  # a rank died or a command failed: the last checkpoint stays the resume point
+                    checkpoint = False
+                    raise
                 finally:
-                    self.stop_ranks(checkpoint=status != "failed" or self.state.step > 0)
+                    self.stop_ranks(checkpoint=checkpoint)
         finally:
             self.events.emit("run_end", status=status, steps=self.state.step)
             self.events.close()
@@ -528,6 +532,19 @@ class Coordinator:
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(self.run_dir / "summary.json")
         return out
+
+
+def _next_incarnation(run_dir: Path) -> int:
+    """1 on a run directory's first start, then 2, 3, ... (kept in ``checkpoints/incarnation``): names this start's
+    keys in Redis (e.g. the world group's rendezvous), which outlive a crash in the append-only file."""
+    path = run_dir / "checkpoints" / "incarnation"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        n = int(path.read_text().strip()) + 1
+    except (OSError, ValueError):
+        n = 1
+    path.write_text(f"{n}\n")
+    return n
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -37,7 +37,7 @@ def model_cache(tmp_path_factory) -> str:
 def run(tmp: Path, cache: str, *overrides: str, resume: Path | None = None, wait: bool = True):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     if resume is not None:
-        argv = [sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(resume), "--quiet"]
+        argv = [sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(resume), *overrides, "--quiet"]
     else:
         argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", *BASE,
                 f"run.output_dir={tmp}", f"model.cache_dir={cache}", *overrides, "--quiet"]
@@ -125,3 +125,27 @@ def test_sigterm_then_resume_loses_and_duplicates_nothing(tmp_path, model_cache)
     assert summary["status"] == "completed" and summary["steps"] == steps
     events = (rd / "events.jsonl").read_text()
     assert '"what":"resume"' in events
+
+
+def test_a_dead_rank_fails_the_job_clearly_and_the_run_resumes(tmp_path, model_cache):
+    p = run(tmp_path, model_cache, "run.steps=60", "run.checkpoint_every=2", "run.seed=5", wait=False)
+    deadline = time.monotonic() + 400
+    state = None
+    while time.monotonic() < deadline:
+        dirs = [d for d in tmp_path.iterdir() if d.is_dir()] if tmp_path.exists() else []
+        state = dirs[0] / "checkpoints" / "coordinator.json" if dirs else None
+        if state is not None and state.exists() and json.loads(state.read_text())["step"] >= 2:
+            break
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(0.2)
+    rd = state.parent.parent
+    victim = json.loads((rd / "ranks.json").read_text())["3"]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = p.communicate(timeout=120)  # noticed within seconds, not after a command timeout
+    assert p.returncode == 1, out[-4000:]
+    assert "rank 3 exited" in out or "rank(s) 3 stopped heartbeating" in out, out[-2000:]
+    assert f"dynaresize run --resume {rd}" in out
+    ck = json.loads(state.read_text())["step"]
+    run(tmp_path, model_cache, f"run.steps={ck + 2}", resume=rd)
+    got = [b["step"] for b in batches(rd)]
+    assert got == list(range(ck + 2))  # the steps after the last checkpoint are trained again, once
