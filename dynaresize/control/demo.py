@@ -21,10 +21,10 @@ import os
 import socket
 import threading
 import time
-from datetime import datetime
 from pathlib import Path
 
 from dynaresize.config.loader import load_config, write_resolved
+from dynaresize.rundir import create_run_dir
 from dynaresize.events import EventLog, Role, format_ranks
 
 log = logging.getLogger("dynaresize.control.demo")
@@ -34,16 +34,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="experiment YAML (default: built-in defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. redis.heartbeat_s=0.5")
     p.add_argument("--ranks", type=int, default=None, help="simulated ranks (default: cluster.gpus)")
-
-
-def make_run_dir(output_dir: str, name: str) -> Path:
-    """``<output_dir>/<name>-<YYYYmmdd-HHMMSS>/`` (a suffix when that exists already)."""
-    base = Path(output_dir) / f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    path, i = base, 1
-    while path.exists():
-        path, i = Path(f"{base}-{i}"), i + 1
-    path.mkdir(parents=True)
-    return path
 
 
 class SimRank:
@@ -107,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     if n < 2:
         print("dynaresize demo: --ranks must be at least 2")
         return 2
-    run_dir = make_run_dir(cfg.run.output_dir, cfg.run.name)
+    run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     write_resolved(cfg, run_dir)
     job_id = run_dir.name
     rcfg = cfg.redis

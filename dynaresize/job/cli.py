@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config.loader import load_config
-    from dynaresize.control.demo import make_run_dir
+    from dynaresize.rundir import create_run_dir
     from dynaresize.job.coordinator import Coordinator, JobError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
             print("dynaresize run: CONFIG is required (e.g. configs/quickstart.yaml), or --resume RUN_DIR", file=sys.stderr)
             return 2
         cfg = load_config(args.config, args.overrides)
-        run_dir = make_run_dir(cfg.run.output_dir, cfg.run.name)
+        run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
     coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
     coord.install_signal_handlers()

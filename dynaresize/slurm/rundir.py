@@ -8,7 +8,6 @@ that was submitted). ``slurm/dynaresize.sbatch`` creates it inside the job inste
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from dynaresize.config.loader import ConfigError, load_config, write_resolved
@@ -25,21 +24,13 @@ def parent_dir(cfg: Config) -> Path:
 
 def new_run_dir(cfg: Config, now: float | None = None) -> Path:
     """Create a fresh run directory with the resolved config; a name collision gets a numeric suffix."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    from dynaresize.rundir import create_run_dir
+
     parent = parent_dir(cfg)
     try:
-        parent.mkdir(parents=True, exist_ok=True)
+        run_dir = create_run_dir(parent, cfg.run.name, now)
     except OSError as e:
         raise ConfigError(f"run.output_dir / slurm.shared_dir = {str(parent)!r}: cannot create: {e.strerror or e}") from None
-    base = parent / f"{cfg.run.name}-{stamp}"
-    run_dir, n = base, 1
-    while True:
-        try:
-            run_dir.mkdir()
-            break
-        except FileExistsError:
-            n += 1
-            run_dir = base.with_name(f"{base.name}.{n}")
     (run_dir / SLURM_SUBDIR).mkdir()
     write_resolved(cfg, run_dir)
     return run_dir
