@@ -90,6 +90,8 @@ class Coordinator:
         self.per_step = self.cfg.rollout.prompts_per_step * self.group
         self.last = StepTimes()
         self.t_start = time.monotonic()
+        self._items: dict[int, tuple] = {}  # step -> (work items, prompt texts) until its batch is built
+        self._results: dict[int, list] = {}  # step -> generated samples, from the end of its rollout to its batch
 
     def install_signal_handlers(self) -> None:
         """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: stop now."""
@@ -205,8 +207,7 @@ class Coordinator:
             if self.stop_requested.is_set():
                 raise KeyboardInterrupt
             time.sleep(0.2)
-        cmd, res = self.bus.request("ping", range(self.world), {}, timeout=120)
-        self._require(res, "ping", range(self.world))
+        self._call("ping", range(self.world), {})
         ranks = {r: reg.model_dump(mode="json") for r, reg in sorted(self.registry.live().items())}
         (self.run_dir / "ranks.json").write_text(json.dumps(ranks, indent=1))  # who runs where (Slurm identity)
         log.info("%d ranks up", self.world)
@@ -322,8 +323,7 @@ class Coordinator:
         payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
         if rollout_version is not None:
             payload["rollout_version"] = rollout_version
-        cmd, res = self.bus.request("switch_role", ranks, payload, timeout=600)
-        self._require(res, "switch_role", ranks)
+        self._call("switch_role", ranks, payload)
         critical = time.monotonic() - t0
         moved = range(min(old, new), max(old, new))
         frm, to = (Role.TRAIN, Role.ROLLOUT) if new < old else (Role.ROLLOUT, Role.TRAIN)
@@ -345,21 +345,18 @@ class Coordinator:
         newcomers') and one training pass; the old rollout ranks learn the new split when their rollout is done."""
         old, new = self.state.n_train, decision.target.n_train
         self._await_train(train, batch)
-        self.switch(k, decision, ranks=range(old), rollout_version=self.state.version, mode="mixed")
+        sid = self.switch(k, decision, ranks=range(old), rollout_version=self.state.version, mode="mixed")
         late = []
         if gen is not None:
             cmd, t0, j, _ = gen
             joined = self.bus.send("generate", range(new, old), cmd.payload)
             late = [(joined, t0, j, list(range(new, old)))]
-        self.last.rollout_s = max([self._await_generate(g) for g in [gen, *late] if g is not None], default=0.0)
-        cmd, res = self.bus.request("switch_role", range(old, self.world),
-                                    {"switch_id": self.state.switches[-1]["switch_id"], "step": k, "from_train": old, "to_train": new},
-                                    timeout=600)
-        self._require(res, "switch_role", range(old, self.world))
+        self.last.rollout_s = self._await_generate(gen, *late) if gen is not None else 0.0
+        self._call("switch_role", range(old, self.world), {"switch_id": sid, "step": k, "from_train": old, "to_train": new})
 
     def generate(self, j: int, wait: bool):
         """Queue batch ``j`` and let the rollout ranks pull it. Returns (command, send time) or waits for it."""
-        items, _ = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step, self.group)
+        items, _ = self._work(j)
         self.queue.publish(j, items)
         for r in range(self.world):  # nothing is in flight for j yet, except claims of an earlier incarnation
             self.queue.release(j, r)
@@ -374,21 +371,29 @@ class Coordinator:
             return None
         return sent
 
-    def _await_generate(self, sent) -> float:
-        """Wait for a generate command; returns the rollout's wall time from when batch j was first sent."""
-        cmd, t0, j, ranks = sent
-        res = self._await(cmd, ranks, "generate")
+    def _await_generate(self, *sent) -> float:
+        """Wait for the generate command(s) of one batch (two in a mixed step: the old pool's and the newcomers');
+        only when all have acked must every sample be there. Returns the rollout's wall time from the first send."""
+        j, t0, acked = sent[0][2], min(x[1] for x in sent), []
+        for cmd, _, _, ranks in sent:
+            acked += self._await(cmd, ranks, "generate").acks.values()
         if self.queue.done(j) < self.queue.total(j):
             raise JobError(f"generate {j}: {self.queue.total(j) - self.queue.done(j)} samples missing after every rollout rank acked")
-        self.last.tokens_generated = self.queue_tokens(j)
-        return max(a.acked_at for a in res.acks.values()) - (time.time() - (time.monotonic() - t0))
+        self._results[j] = self.queue.results(j)  # read once: the tokens now, the training batch next step
+        self.last.tokens_generated = sum(len(r.response_ids) for r in self._results[j])
+        return max(a.acked_at for a in acked) - (time.time() - (time.monotonic() - t0))
 
-    def queue_tokens(self, j: int) -> int:
-        return sum(len(s.response_ids) for s in self.queue.results(j))
+    def _work(self, j: int):
+        """Batch j's work items and prompt texts, built (prompts sampled, tokenised) once per step."""
+        if j not in self._items:
+            self._items[j] = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step, self.group)
+        return self._items[j]
 
     def make_batch(self, k: int) -> TrainBatch:
-        items, texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, k, self.cfg.rollout.prompts_per_step, self.group)
-        batch = build_batch(k, items, self.queue.results(k), texts, self.task, self.tokenizer, self.group, self.bound)
+        items, texts = self._work(k)
+        results = self._results.pop(k, None) or self.queue.results(k)  # not cached after a resume
+        batch = build_batch(k, items, results, texts, self.task, self.tokenizer, self.group, self.bound)
+        self._items.pop(k, None)
         self.redis.set(self._batch_key(k), batch.to_json(), ex=24 * 3600)
         return batch
 
@@ -419,8 +424,7 @@ class Coordinator:
     def sync_weights(self, version: int) -> None:
         t0 = time.monotonic()
         ranks = [0] + self._rollouts()
-        cmd, res = self.bus.request("sync_weights", ranks, {"version": version, "n_train": self.state.n_train}, timeout=600)
-        self._require(res, "sync_weights", ranks)
+        self._call("sync_weights", ranks, {"version": version, "n_train": self.state.n_train})
         self.last.sync_s = time.monotonic() - t0
         self.state.version = version
 
@@ -429,8 +433,7 @@ class Coordinator:
         if self.state.checkpoint == f"checkpoints/{tag}" and (self.run_dir / "checkpoints" / "coordinator.json").exists():
             return  # this step is checkpointed already
         t0 = time.monotonic()
-        cmd, res = self.bus.request("stage_state", range(self.world), {"tag": tag}, timeout=600)
-        self._require(res, "stage_state", range(self.world))
+        self._call("stage_state", range(self.world), {"tag": tag})
         self.state.checkpoint = f"checkpoints/{tag}"
         self.state.elapsed_s = self._elapsed()
         save_state(self.run_dir, self.state)
@@ -469,6 +472,11 @@ class Coordinator:
         if prev is None:
             prev = self._elapsed_before = self.state.elapsed_s
         return prev + time.monotonic() - self.t_start
+
+    def _call(self, kind: str, ranks, payload: dict):
+        """Send a command and wait for every rank's ack, watching the ranks' liveness while waiting."""
+        ranks = list(ranks)
+        return self._await(self.bus.send(kind, ranks, payload), ranks, kind)
 
     def _await(self, cmd, ranks, what: str):
         """Wait for acks, checking that no rank process died meanwhile."""
