@@ -103,7 +103,8 @@ def main() -> int:
 
     import torch
 
-    from dynaresize.worker.local import LocalCluster, free_port
+    from dynaresize.net import free_port
+    from dynaresize.worker.local import LocalCluster
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-switch-"))
     spec = model_spec(args.hidden, args.layers, args.vocab)

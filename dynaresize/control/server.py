@@ -41,6 +41,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from dynaresize.control.config import LOOPBACK, RedisConfig
+from dynaresize.net import free_port
 
 log = logging.getLogger("dynaresize.control.server")
 
@@ -122,13 +123,6 @@ def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
         os.close(fd)
     os.chmod(tmp, mode)
     os.replace(tmp, path)
-
-
-def _free_port(host: str) -> int:
-    fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(fam, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _child_setup() -> None:  # pragma: no cover - runs in the child
@@ -231,7 +225,7 @@ class RedisServer:
         password = self._password()
         last = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding: retry on a new one
-            port = self.port or _free_port(self.cfg.bind)
+            port = self.port or free_port(self.cfg.bind)
             conf = self.dir / CONF_FILE
             _write_private(conf, self._conf_text(port, password))
             logf = open(self.dir / "redis.log", "ab")

@@ -182,7 +182,7 @@ class Coordinator:
 
     def _write_launch_file(self) -> None:
         """What every rank reads at start (local or Slurm): model, split, and where to restore state from."""
-        from dynaresize.job.launcher import free_port
+        from dynaresize.net import free_port
 
         launch = {
             "job_id": self.job_id, "model_dir": str(self.model_dir), "world": self.world, "n_train": self.state.n_train,

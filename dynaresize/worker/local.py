@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Iterable
+
+from dynaresize.net import free_port
 
 TINY_MODEL = {"vocab_size": 48, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 128,
@@ -26,12 +27,6 @@ TINY_MODEL = {"vocab_size": 48, "hidden_size": 64, "intermediate_size": 128, "nu
 
 class LocalWorkerError(RuntimeError):
     """A local worker answered a command with an error (the message carries its rank and traceback tail)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tiny_qwen2(spec: dict[str, Any], seed: int = 0):
