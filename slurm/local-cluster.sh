@@ -9,13 +9,18 @@
 # Layout (all on this host, NodeAddr=127.0.0.1, one slurmd per node on its own port):
 #   partition cpu : node cpu1 (4 CPUs)                       -> het component 0 (coordinator + Redis)
 #   partition gpu : nodes gpu[1-2] (8 CPUs, 4 fake GPUs each) -> het component 1 (one worker rank per GPU)
+#   partition urgent: every node, PriorityTier 10 -> preempts jobs of cpu/gpu (PriorityTier 1): Slurm requeues them
+#                     (PreemptType=preempt/partition_prio, PreemptMode=REQUEUE) after SIGTERM and a GraceTime of
+#                     DYNARESIZE_SLURM_GRACE_S seconds (default 60) to finish the step and checkpoint
 # Fake GPUs are character devices (mknod c 1 3, i.e. /dev/null) listed in gres.conf with AutoDetect=off.
 # Every step is idempotent: install skips what is installed, start skips daemons that already run.
-# Environment knobs: DYNARESIZE_SLURM_GPUS_PER_NODE (default 4), DYNARESIZE_SLURM_CTLD_PORT (default 16817).
+# Environment knobs: DYNARESIZE_SLURM_GPUS_PER_NODE (default 4), DYNARESIZE_SLURM_CTLD_PORT (default 16817),
+# DYNARESIZE_SLURM_GRACE_S (default 60: preemption grace time of the cpu and gpu partitions).
 set -euo pipefail
 
 GPUS_PER_NODE="${DYNARESIZE_SLURM_GPUS_PER_NODE:-4}"
 CTLD_PORT="${DYNARESIZE_SLURM_CTLD_PORT:-16817}"
+GRACE_S="${DYNARESIZE_SLURM_GRACE_S:-60}"
 GPU_NODES=(gpu1 gpu2)
 CPU_NODES=(cpu1)
 ALL_NODES=("${CPU_NODES[@]}" "${GPU_NODES[@]}")
@@ -98,6 +103,13 @@ MessageTimeout=10
 BatchStartTimeout=10
 UnkillableStepTimeout=10
 OverTimeLimit=0
+# Preemption: a job of a partition with a higher PriorityTier (urgent) takes the nodes of lower ones (cpu, gpu);
+# the preempted job gets SIGTERM, GraceTime seconds, then SIGKILL, and Slurm requeues it (same job id).
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+# As many sites do: a task that fails takes its whole step down, unless srun says --kill-on-bad-exit=0 (the
+# worker step does: the coordinator decides what a dead rank means)
+KillOnBadExit=1
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
@@ -111,8 +123,9 @@ EOF
   done
   local gpu_list; gpu_list="$(IFS=,; echo "${GPU_NODES[*]}")"
   cat >>"$tmp" <<EOF
-PartitionName=cpu Nodes=${CPU_NODES[0]} Default=YES MaxTime=INFINITE State=UP
-PartitionName=gpu Nodes=$gpu_list MaxTime=INFINITE State=UP
+PartitionName=cpu Nodes=${CPU_NODES[0]} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$GRACE_S
+PartitionName=gpu Nodes=$gpu_list MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=$GRACE_S
+PartitionName=urgent Nodes=${CPU_NODES[0]},$gpu_list MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
   install -m 644 "$tmp" "$ETC/slurm.conf"
   {

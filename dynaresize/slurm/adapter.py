@@ -26,7 +26,7 @@ from submitit.slurm.slurm import SlurmExecutor, SlurmJob
 
 from dynaresize.slurm.sbatch import render_sbatch
 from dynaresize.slurm.spec import HetJobSpec
-from dynaresize.slurm.state import SQUEUE_FORMAT, HetJobStatus, JobState, leader_of, parse_sacct, parse_scontrol, parse_squeue
+from dynaresize.slurm.state import SQUEUE_FORMAT, HetJobStatus, JobState, leader_of, parse_preempt_time, parse_sacct, parse_scontrol, parse_squeue
 
 CMD_TIMEOUT_S = 30
 
@@ -91,6 +91,16 @@ def requeue(leader: str) -> None:
     it may start again.
     """
     _run(["scontrol", "requeue", leader_of(leader)])
+
+
+def preempt_time(leader: str) -> str | None:
+    """When Slurm selected the job for preemption (its ``PreemptTime``), or None: not preempted, or not known.
+
+    This is how a SIGTERM is told apart: with ``PreemptMode=REQUEUE`` and a ``GraceTime``, every process of every
+    step gets SIGTERM at once while the job stays RUNNING with ``PreemptTime`` set; after ``scancel`` or at the
+    time limit the field stays ``None``."""
+    p = _run(["scontrol", "show", "job", "-o", leader_of(leader)], check=False)
+    return parse_preempt_time(p.stdout) if p.returncode == 0 else None
 
 
 class SqueueWatcher(core.InfoWatcher):

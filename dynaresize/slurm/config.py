@@ -35,6 +35,10 @@ class SlurmConfig(Section):
     python: str | None = Field(None, description="Python command on the compute nodes (default: the interpreter running submit)")
     setup: list[str] = Field(default_factory=list, description="Shell lines run in the batch script before srun (module load, venv)")
     worker_exit_grace_s: int = Field(60, ge=0, description="Seconds worker ranks get to exit after the coordinator ends, then they are stopped")
+    worker_term_timeout_s: int = Field(
+        300, ge=0, description="Seconds a worker rank keeps serving after SIGTERM (Slurm's preemption notice) so the "
+        "coordinator can checkpoint it; it exits at the coordinator's shutdown, when the coordinator's Redis is gone, or then",
+    )
     entry: Literal["job", "probe"] = Field(
         "job", description="What the components run: the main job, or the built-in probe that tests the Slurm plumbing"
     )

@@ -17,6 +17,15 @@ its checkpoint with ``ctx.preemption.on_checkpoint(fn)`` and calls ``ctx.preempt
 (see :mod:`dynaresize.slurm.preempt`). With ``slurm.entry=probe`` the built-in :mod:`dynaresize.slurm.probe` runs
 instead (it tests the Slurm plumbing without the main job).
 
+Signals and faults (checked on Slurm 22.05, see docs/slurm.md): the coordinator watches USR2 (time limit) and
+SIGTERM on a thread with both blocked, so its embedded Redis survives them; a SIGTERM of Slurm's preemption becomes
+checkpoint + self-requeue (:mod:`dynaresize.slurm.preempt`), any other goes to the coordinator's own handler. A
+worker rank defers SIGTERM (:class:`~dynaresize.slurm.preempt.TermDeferral`) until the coordinator has checkpointed
+it and sent ``shutdown``. When ``run_coordinator`` answers :data:`EXIT_RELAUNCH` (ranks were lost in a way the job
+cannot absorb: a trainer, rank 0), every rank must start again from the last checkpoint; srun cannot relaunch the
+tasks of a running step, so this entry requeues the whole job (``scontrol requeue``), at most
+``faults.max_restarts`` times per run directory (counted in ``<run_dir>/slurm/relaunches.json``).
+
 ``python -m dynaresize.slurm.entry prepare CONFIG [overrides] --job-id N`` prints the run directory for
 ``slurm/dynaresize.sbatch`` (created on the job's first start, reused after a requeue), and ``check --run-dir``
 refuses an allocation whose shape does not match the config.
@@ -26,9 +35,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
+import socket
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -37,8 +49,13 @@ from dynaresize.config.loader import ConfigError
 from dynaresize.config.schema import Config
 from dynaresize.slurm import identity as identity_mod
 from dynaresize.slurm.identity import SlurmIdentity
-from dynaresize.slurm.preempt import Preemption
+from dynaresize.slurm.preempt import Action, Decision, Preemption, TermDeferral
 from dynaresize.slurm.rundir import load_run_config, prepare_in_job
+
+log = logging.getLogger("dynaresize.slurm.entry")
+
+EXIT_RELAUNCH = 75  # run_coordinator's answer: every rank must start again from the last checkpoint (EX_TEMPFAIL)
+RELAUNCH_FILE = "relaunches.json"  # <run_dir>/slurm/: the requeues this entry made after lost ranks
 
 JOB_ENTRY_POINTS = {
     "coordinator": ("dynaresize.job.coordinator", "run_coordinator"),
@@ -63,6 +80,12 @@ def _requeue(leader: str) -> None:
     requeue(leader)
 
 
+def _preempt_time(leader: str) -> str | None:
+    from dynaresize.slurm.adapter import preempt_time
+
+    return preempt_time(leader)
+
+
 def make_context(role: str, run_dir: str | Path, env: dict[str, str] | None = None) -> SlurmContext:
     run_dir = Path(run_dir).absolute()
     cfg = load_run_config(run_dir)
@@ -72,6 +95,7 @@ def make_context(role: str, run_dir: str | Path, env: dict[str, str] | None = No
         pre = Preemption(
             ident.job_id if ident else None, ident.restart_count if ident else 0,
             cfg.slurm.requeue, cfg.slurm.max_requeues, _requeue,
+            is_preempted=(lambda: _preempt_time(ident.job_id)) if ident else None,
         )
     resume = bool(ident and ident.restart_count > 0) or (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
     return SlurmContext(cfg, run_dir, ident, pre, resume)
@@ -138,9 +162,12 @@ def main(argv: list[str] | None = None) -> int:
             return 2 if problems else 0
         ctx = make_context(args.role, args.run_dir)
         if ctx.preemption is not None:
-            ctx.preemption.install()
+            ctx.preemption.install(watch_term=ctx.identity is not None)
+        elif ctx.identity is not None:
+            TermDeferral(ctx.cfg.slurm.worker_term_timeout_s, coordinator_gone(ctx.run_dir, ctx.identity.job_id,
+                                                                              ctx.identity.restart_count)).install()
         who = ctx.identity.to_json() if ctx.identity else "outside Slurm"
-        logging.getLogger("dynaresize.slurm.entry").info("%s starting in %s as %s", args.role, ctx.run_dir, who)
+        log.info("%s starting in %s as %s", args.role, ctx.run_dir, who)
         if args.role == "coordinator":
             return _run_coordinator(ctx)
         return int(resolve(args.role, ctx.cfg)(ctx) or 0)
@@ -157,7 +184,8 @@ def _run_coordinator(ctx: SlurmContext) -> int:
     restart = ctx.identity.restart_count if ctx.identity else 0
     error = "the coordinator ended before publishing its Redis endpoint"
     try:
-        return int(resolve("coordinator", ctx.cfg)(ctx) or 0)
+        rc = int(resolve("coordinator", ctx.cfg)(ctx) or 0)
+        return relaunch(ctx) if rc == EXIT_RELAUNCH else rc
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
         raise
@@ -165,6 +193,82 @@ def _run_coordinator(ctx: SlurmContext) -> int:
         cur = rendezvous.read(ctx.run_dir)
         if cur is None or (cur.job_id, cur.restart_count) != (job, restart):
             rendezvous.publish(ctx.run_dir, job, restart, None, error=error)
+
+
+def coordinator_gone(run_dir: Path, job_id: str, restart_count: int):
+    """For a worker's :class:`TermDeferral`: True when this incarnation's coordinator is known to be gone (it
+    published a failure, or its Redis refuses connections); False while it is not up yet or answers."""
+    from dynaresize.control.server import Endpoint
+    from dynaresize.slurm import rendezvous
+
+    def gone() -> bool:
+        rv = rendezvous.read(run_dir)
+        if rv is None or (rv.job_id, rv.restart_count) != (job_id, restart_count):
+            return False
+        if rv.error or not rv.endpoint_file:
+            return True
+        ep = Endpoint.load(rv.endpoint_file)
+        try:
+            socket.create_connection((ep.host, ep.port), timeout=2.0).close()
+            return False
+        except OSError:
+            return True
+
+    return gone
+
+
+def max_relaunches(cfg: Config) -> int:
+    """How many times lost ranks may requeue the job: ``faults.max_restarts`` (the local launcher's bound)."""
+    faults = getattr(cfg, "faults", None)
+    return int(faults.max_restarts) if faults is not None else 2
+
+
+def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> Decision:
+    """Pure: ranks were lost and every rank must start again from the checkpoint; requeue the job or give up."""
+    if not requeue_enabled:
+        return Decision(Action.STOP, "ranks lost; slurm.requeue is off (or not under Slurm): the job fails, resubmit to resume")
+    if done >= limit:
+        return Decision(Action.STOP, f"ranks lost; the job was already requeued {done} times for lost ranks (faults.max_restarts={limit}): the job fails")
+    return Decision(Action.REQUEUED, f"ranks lost; requeue {done + 1} of at most {limit} for lost ranks: every rank starts again from the last checkpoint")
+
+
+def _relaunches(run_dir: Path) -> list[dict]:
+    p = Path(run_dir) / "slurm" / RELAUNCH_FILE
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"{p}: unreadable relaunch record ({e}); delete it to reset the count of relaunches") from None
+    if not isinstance(data, dict) or not isinstance(data.get("relaunches"), list):
+        raise RuntimeError(f"{p}: want {{\"relaunches\": [...]}}, got {str(data)[:200]!r}; delete it to reset the count")
+    return data["relaunches"]
+
+
+def relaunch(ctx: SlurmContext) -> int:
+    """The coordinator lost ranks it cannot do without: requeue the whole job (bounded), else fail (exit 1)."""
+    from dynaresize.events import EventLog
+
+    ident = ctx.identity
+    history = _relaunches(ctx.run_dir)
+    d = decide_relaunch(len(history), max_relaunches(ctx.cfg), bool(ctx.cfg.slurm.requeue and ident is not None))
+    log.error("%s", d.reason)
+    if d.action is not Action.REQUEUED:
+        return 1
+    assert ident is not None
+    p = Path(ctx.run_dir) / "slurm" / RELAUNCH_FILE
+    history.append({"job_id": ident.job_id, "restart_count": ident.restart_count, "t": time.time()})
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"relaunches": history}, indent=1))
+    tmp.replace(p)  # counted before the requeue: Slurm kills this process right after it
+    with EventLog(Path(ctx.run_dir) / "events.jsonl") as events:
+        events.emit("control", what="restart", reason=f"Slurm job {ident.job_id}: {d.reason}")
+    try:
+        _requeue(ident.job_id)
+    except Exception as e:  # noqa: BLE001 - the run directory stays resumable by hand
+        log.error("requeue of job %s failed: %s; resubmit the run directory to resume", ident.job_id, e)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

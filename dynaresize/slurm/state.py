@@ -142,3 +142,18 @@ def parse_scontrol(text: str) -> dict[str, HetJobStatus]:
         jid = f"{kv['HetJobId']}+{kv.get('HetJobOffset', '0')}" if kv.get("HetJobId") else kv["JobId"]
         rows.append(f"{jid}|{kv['JobState']}|{kv.get('Reason', '')}|{kv.get('NodeList', '')}")
     return parse_squeue("\n".join(rows))
+
+
+def parse_preempt_time(text: str) -> str | None:
+    """``PreemptTime`` of a job from ``scontrol show job -o N`` text, or None when Slurm has not preempted it.
+
+    Slurm 22.05 sets it on every component of a het job the moment a higher-priority job selects it for preemption
+    (the job stays RUNNING for the partition's ``GraceTime``); a job that is cancelled or timed out keeps
+    ``PreemptTime=None``. A requeue clears the field."""
+    for line in text.splitlines():
+        for tok in line.split():
+            if tok.startswith("PreemptTime="):
+                value = tok.split("=", 1)[1]
+                if value and value not in ("None", "Unknown", "(null)", "N/A"):
+                    return value
+    return None

@@ -40,8 +40,9 @@ echo "dynaresize: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $(hostn
 DYNARESIZE_HET_GROUP=0 srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \
   "${PY[@]}" -m dynaresize.slurm.entry coordinator --run-dir "$RUN_DIR" &
 COORD=$!
-DYNARESIZE_HET_GROUP=1 srun --het-group=1 --unbuffered "${WORKER_SRUN[@]}" --output="$LOG_DIR/$TAG-worker-%t.log" \
-  "${PY[@]}" -m dynaresize.slurm.entry worker --run-dir "$RUN_DIR" &
+# one dead rank must not take its step down (sites may set KillOnBadExit=1 or a WaitTime): the coordinator decides
+DYNARESIZE_HET_GROUP=1 srun --het-group=1 --unbuffered --kill-on-bad-exit=0 --wait=0 "${WORKER_SRUN[@]}" \
+  --output="$LOG_DIR/$TAG-worker-%t.log" "${PY[@]}" -m dynaresize.slurm.entry worker --run-dir "$RUN_DIR" &
 WORKERS=$!
 # Slurm's time-out/preemption warning (--signal=B:USR2@s) reaches this shell: forward it to the coordinator.
 trap 'echo "dynaresize: USR2 received, forwarded to the coordinator"; kill -USR2 "$COORD" 2>/dev/null' USR2
