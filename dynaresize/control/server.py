@@ -143,6 +143,21 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
         pass
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child of another, perhaps stopped, process)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(int(pid), 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
 class SafeRetry(Retry):
     """Retry connection errors with backoff, but never an authentication error (redis-py makes it a
     ConnectionError subclass; retrying a wrong password only delays the clear failure)."""
@@ -206,6 +221,7 @@ class RedisServer:
         self.port: int = cfg.port
         self.endpoint: Endpoint | None = None
         self.binary: str | None = None
+        self.adopted_pid: int | None = None  # a server of this run dir left running by a killed coordinator
 
     @property
     def external(self) -> bool:
@@ -223,6 +239,9 @@ class RedisServer:
             raise RedisServerError(f"refusing to bind redis-server to {self.cfg.bind!r} without a password")
         self.binary = find_redis_server(self.cfg.server_binary)
         password = self._password()
+        adopted = self._adopt_running(password)
+        if adopted is not None:
+            return adopted
         last = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding: retry on a new one
             port = self.port or free_port(self.cfg.bind)
@@ -254,6 +273,9 @@ class RedisServer:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SHUTDOWN (AOF flushed), wait, then SIGTERM/SIGKILL. Idempotent."""
+        if self.proc is None and self.adopted_pid is not None:
+            self._stop_adopted(timeout)
+            return
         if self.proc is None:
             return
         if self.proc.poll() is None and self.endpoint is not None:
@@ -269,6 +291,61 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self._kill()
         self.proc = None
+
+    def detach(self) -> None:
+        """Leave the server running (this process was fenced off: a newer coordinator owns the run and its Redis)."""
+        self.proc = None
+        self.adopted_pid = None
+
+    def _adopt_running(self, password: str | None) -> Endpoint | None:
+        """The run's own server still answering on its endpoint (the coordinator that started it was killed, its
+        ranks and Redis live on): use it instead of starting a second one on the same append-only file. It is
+        ours if it knows the run's password and its working directory is the run's ``redis/`` directory."""
+        if not self.endpoint_file.exists():
+            return None
+        try:
+            ep = Endpoint.load(self.endpoint_file)
+        except (OSError, ValueError, KeyError, RedisServerError):
+            return None
+        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 2.0, "connect_timeout_s": 1.0, "block_ms": 100})
+        try:
+            c = client_for(ep, quick, "probe", password=password)
+            try:
+                conf = c.config_get("dir")
+                pid = int(c.info("server")["process_id"])
+            finally:
+                c.close()
+        except (redis.RedisError, OSError, ValueError, KeyError):
+            return None
+        d = conf.get("dir", conf.get(b"dir"))
+        d = d.decode() if isinstance(d, bytes) else d
+        if not d or Path(d).resolve() != self.dir.resolve():
+            return None
+        self.adopted_pid, self.port, self.endpoint = pid, ep.port, ep
+        log.warning("redis-server of this run still running (pid %d, port %d): adopted", pid, ep.port)
+        return ep
+
+    def _stop_adopted(self, timeout: float) -> None:
+        pid, self.adopted_pid = self.adopted_pid, None
+        try:
+            c = client_for(self.endpoint, self.cfg.model_copy(update={"retries": 0}), "shutdown")
+            c.shutdown()
+            c.close()
+        except redis.RedisError as e:
+            log.warning("redis SHUTDOWN of the adopted server failed (%s); sending SIGTERM", e)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                return
+            time.sleep(0.05)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def kill(self) -> None:
         """SIGKILL the server (a crash, for tests): only what the AOF fsync policy wrote survives."""

@@ -18,6 +18,10 @@ Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
                  ^                |
                  +---release(r)---+      (rank r leaves the rollout role, or is declared dead)
 
+A rank the coordinator declared lost (``Registry.fence``) is refused: its claims get nothing and its results
+raise :class:`FencedRankError`, so a process that was only hung (SIGSTOP) and comes back cannot write into a
+step that its released samples were already given to others for.
+
 A sample is seeded by (seed, step, prompt, index), so whichever rank generates it, the tokens are the same; a
 late duplicate from a released-but-alive rank is therefore identical and is dropped by HSETNX.
 """
@@ -31,8 +35,10 @@ from typing import Any, Iterable
 import redis
 
 from dynaresize.control.keys import Keys
+from dynaresize.control.registry import FencedRankError
 
 _CLAIM = """
+if redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then return false end
 local out = {}
 local n = tonumber(ARGV[1])
 while #out < n do
@@ -47,8 +53,9 @@ end
 return out
 """
 _COMPLETE = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[#ARGV]) == 1 then return -1 end
 local new = 0
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV - 1, 2 do
   new = new + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
   redis.call('HDEL', KEYS[1], ARGV[i])
 end
@@ -127,6 +134,7 @@ class RolloutQueue:
     def __init__(self, client: redis.Redis, job_id: str):
         self.r = client
         self.ns = Keys(job_id).ns
+        self.fenced_key = Keys(job_id).fenced  # ranks declared lost: claims and results refused
         self._claim = client.register_script(_CLAIM)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
@@ -145,8 +153,9 @@ class RolloutQueue:
 
     def claim(self, step: int, rank: int, n: int) -> list[WorkItem]:
         """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim)."""
-        raw = self._claim(keys=[self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results")], args=[n])
-        return [WorkItem.from_json(x) for x in raw]
+        raw = self._claim(keys=[self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"),
+                                self.fenced_key], args=[n, int(rank)])
+        return [WorkItem.from_json(x) for x in raw or []]  # a fenced rank gets nothing
 
     def complete(self, step: int, rank: int, results: Iterable[SampleResult]) -> int:
         """Record results; returns how many were new (a duplicate of a finished sample is dropped)."""
@@ -155,7 +164,11 @@ class RolloutQueue:
             args += [res.key, res.to_json()]
         if not args:
             return 0
-        return int(self._complete(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "results")], args=args))
+        new = int(self._complete(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "results"), self.fenced_key],
+                                 args=args + [int(rank)]))
+        if new < 0:
+            raise FencedRankError(f"rank {rank} was declared lost: its {len(args) // 2} result(s) of step {step} are refused")
+        return new
 
     def release(self, step: int, rank: int) -> int:
         """Put back what ``rank`` claimed but did not finish (it left the rollout role or died)."""
