@@ -21,10 +21,12 @@ Signals and faults (checked on Slurm 22.05, see docs/slurm.md): the coordinator 
 SIGTERM on a thread with both blocked, so its embedded Redis survives them; a SIGTERM of Slurm's preemption becomes
 checkpoint + self-requeue (:mod:`dynaresize.slurm.preempt`), any other goes to the coordinator's own handler. A
 worker rank defers SIGTERM (:class:`~dynaresize.slurm.preempt.TermDeferral`) until the coordinator has checkpointed
-it and sent ``shutdown``. When ``run_coordinator`` answers :data:`EXIT_RELAUNCH` (ranks were lost in a way the job
-cannot absorb: a trainer, rank 0), every rank must start again from the last checkpoint; srun cannot relaunch the
-tasks of a running step, so this entry requeues the whole job (``scontrol requeue``), at most
-``faults.max_restarts`` times per run directory (counted in ``<run_dir>/slurm/relaunches.json``).
+it and sent ``shutdown``. A lost rollout rank is the coordinator's business (it shrinks the job; the worker srun
+runs with ``--kill-on-bad-exit=0`` so the other tasks live on). When ``run_coordinator`` raises
+``dynaresize.job.coordinator.RanksLost`` (a loss the job cannot absorb: a trainer, rank 0, a rank inside a
+collective), every rank must start again from the last checkpoint; srun cannot relaunch the tasks of a running step,
+so this entry requeues the whole job (``scontrol requeue``), at most ``faults.max_restarts`` times per run directory
+(counted in ``<run_dir>/slurm/relaunches.json``), with a ``control`` event ``restart``.
 
 ``python -m dynaresize.slurm.entry prepare CONFIG [overrides] --job-id N`` prints the run directory for
 ``slurm/dynaresize.sbatch`` (created on the job's first start, reused after a requeue), and ``check --run-dir``
@@ -54,7 +56,6 @@ from dynaresize.slurm.rundir import load_run_config, prepare_in_job
 
 log = logging.getLogger("dynaresize.slurm.entry")
 
-EXIT_RELAUNCH = 75  # run_coordinator's answer: every rank must start again from the last checkpoint (EX_TEMPFAIL)
 RELAUNCH_FILE = "relaunches.json"  # <run_dir>/slurm/: the requeues this entry made after lost ranks
 
 JOB_ENTRY_POINTS = {
@@ -184,9 +185,10 @@ def _run_coordinator(ctx: SlurmContext) -> int:
     restart = ctx.identity.restart_count if ctx.identity else 0
     error = "the coordinator ended before publishing its Redis endpoint"
     try:
-        rc = int(resolve("coordinator", ctx.cfg)(ctx) or 0)
-        return relaunch(ctx) if rc == EXIT_RELAUNCH else rc
+        return int(resolve("coordinator", ctx.cfg)(ctx) or 0)
     except Exception as e:
+        if _ranks_lost(e):
+            return relaunch(ctx, str(e).splitlines()[0])
         error = f"{type(e).__name__}: {e}"
         raise
     finally:
@@ -217,10 +219,13 @@ def coordinator_gone(run_dir: Path, job_id: str, restart_count: int):
     return gone
 
 
-def max_relaunches(cfg: Config) -> int:
-    """How many times lost ranks may requeue the job: ``faults.max_restarts`` (the local launcher's bound)."""
-    faults = getattr(cfg, "faults", None)
-    return int(faults.max_restarts) if faults is not None else 2
+def _ranks_lost(e: BaseException) -> bool:
+    """Whether the main job's coordinator gave up on lost ranks (it relaunches them itself only in local runs)."""
+    try:
+        from dynaresize.job.coordinator import RanksLost
+    except ImportError:
+        return False
+    return isinstance(e, RanksLost)
 
 
 def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> Decision:
@@ -245,24 +250,25 @@ def _relaunches(run_dir: Path) -> list[dict]:
     return data["relaunches"]
 
 
-def relaunch(ctx: SlurmContext) -> int:
-    """The coordinator lost ranks it cannot do without: requeue the whole job (bounded), else fail (exit 1)."""
+def relaunch(ctx: SlurmContext, why: str) -> int:
+    """The coordinator lost ranks it cannot do without (``why``): requeue the whole job so that every rank starts
+    again from the last checkpoint, at most ``faults.max_restarts`` times; else fail (exit 1)."""
     from dynaresize.events import EventLog
 
     ident = ctx.identity
     history = _relaunches(ctx.run_dir)
-    d = decide_relaunch(len(history), max_relaunches(ctx.cfg), bool(ctx.cfg.slurm.requeue and ident is not None))
-    log.error("%s", d.reason)
+    d = decide_relaunch(len(history), ctx.cfg.faults.max_restarts, bool(ctx.cfg.slurm.requeue and ident is not None))
+    log.error("%s: %s", why, d.reason)
     if d.action is not Action.REQUEUED:
         return 1
     assert ident is not None
     p = Path(ctx.run_dir) / "slurm" / RELAUNCH_FILE
-    history.append({"job_id": ident.job_id, "restart_count": ident.restart_count, "t": time.time()})
+    history.append({"job_id": ident.job_id, "restart_count": ident.restart_count, "t": time.time(), "why": why})
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"relaunches": history}, indent=1))
     tmp.replace(p)  # counted before the requeue: Slurm kills this process right after it
     with EventLog(Path(ctx.run_dir) / "events.jsonl") as events:
-        events.emit("control", what="restart", reason=f"Slurm job {ident.job_id}: {d.reason}")
+        events.emit("control", what="restart", reason=f"{why}; Slurm job {ident.job_id}: {d.reason}")
     try:
         _requeue(ident.job_id)
     except Exception as e:  # noqa: BLE001 - the run directory stays resumable by hand
