@@ -44,6 +44,13 @@ def slurm_cluster() -> None:
         pytest.skip(reason)
 
 
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> Path:
+    """One model cache (``model.cache_dir``) for every GRPO job of the session: the tiny model is built and
+    warm-started once (its directory is keyed by the config hash), not once per test."""
+    return tmp_path_factory.mktemp("models")
+
+
 @pytest.fixture()
 def submit_probe(slurm_cluster, tmp_path):
     """Submit the probe het job of configs/slurm-local.yaml (+ overrides) through the executor; cancel leftovers."""

@@ -25,12 +25,6 @@ from test_job_slurm import job_id_of, submit
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> str:
-    """One model cache for the module: the tiny model is built (and warm-started) once, not once per test."""
-    return f"model.cache_dir={tmp_path_factory.mktemp('models')}"
-
-
 def _events(rd: Path) -> list[dict]:
     out = []
     for line in (rd / "events.jsonl").read_text().splitlines():
@@ -57,11 +51,11 @@ def _wall(rd: Path, ev: dict) -> float:
     return t0 + ev["t"]
 
 
-def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, models):
+def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, model_cache):
     # no periodic checkpoint: resuming at the step where the job was preempted proves the preemption checkpoint
     steps = 6
-    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", "slurm.worker_term_timeout_s=120", models,
-                   wait=False)
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", "slurm.worker_term_timeout_s=120",
+                   wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     wait_until(lambda: _steps_done(rd) >= 2, 300, "2 GRPO steps")
@@ -107,9 +101,9 @@ def _kill_rank(rd: Path, rank: int) -> dict:
     return reg
 
 
-def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm_cluster, tmp_path, models):
+def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm_cluster, tmp_path, model_cache):
     steps, per_step = 8, 16  # SMALL: 4 prompts x 4 samples
-    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", models, wait=False)
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     wait_until(lambda: _steps_done(rd) >= 2, 300, "2 GRPO steps")
@@ -139,9 +133,9 @@ def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm
         assert "SIGTERM" not in w, (t, w[-1500:])
 
 
-def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(slurm_cluster, tmp_path, models):
+def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(slurm_cluster, tmp_path, model_cache):
     steps = 6
-    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", "faults.max_restarts=1", models, wait=False)
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", "faults.max_restarts=1", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     state = rd / "checkpoints" / "coordinator.json"

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_tokens=16", "model.tiny.warmstart_steps=20"]
 
 
-def submit(tmp_path: Path, *overrides: str, wait: bool) -> tuple[subprocess.CompletedProcess, Path]:
+def submit(tmp_path: Path, *overrides: str, wait: bool, models: Path | None = None) -> tuple[subprocess.CompletedProcess, Path]:
+    """``dynaresize submit`` of the small GRPO job; ``models``: a shared model cache (the ``model_cache`` fixture)."""
     argv = [sys.executable, "-m", "dynaresize.cli", "submit", str(ROOT / "configs" / "slurm-local.yaml"),
-            f"run.output_dir={tmp_path / 'runs'}", f"model.cache_dir={tmp_path / 'models'}", *SMALL, *overrides]
+            f"run.output_dir={tmp_path / 'runs'}", f"model.cache_dir={models or tmp_path / 'models'}", *SMALL, *overrides]
     if wait:
         argv.append("--wait")
     p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -40,8 +41,8 @@ def job_id_of(run_dir: Path) -> str:
     return (run_dir / SLURM_SUBDIR / JOB_ID_FILE).read_text().strip()
 
 
-def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path):
-    p, rd = submit(tmp_path, "run.steps=6", "policy.forced_splits={2: 1, 4: 3}", wait=True)
+def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cache):
+    p, rd = submit(tmp_path, "run.steps=6", "policy.forced_splits={2: 1, 4: 3}", wait=True, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     for name in ("config.yaml", "events.jsonl", "batches.jsonl", "summary.json", "ranks.json", "checkpoints/coordinator.json"):
         assert (rd / name).exists(), name
@@ -57,8 +58,8 @@ def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path):
     assert not in_squeue(job)
 
 
-def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path):
-    p, rd = submit(tmp_path, "run.steps=200", "run.checkpoint_every=2", wait=False)
+def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path, model_cache):
+    p, rd = submit(tmp_path, "run.steps=200", "run.checkpoint_every=2", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     state = rd / "checkpoints" / "coordinator.json"
@@ -76,9 +77,9 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     assert got == list(range(step + 2))  # nothing after the checkpoint counted twice, nothing missing
 
 
-def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_cluster, tmp_path):
+def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_cluster, tmp_path, model_cache):
     steps = 10
-    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", wait=False)
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     state = rd / "checkpoints" / "coordinator.json"
@@ -96,12 +97,12 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     assert '"what":"resume"' in events
 
 
-def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_cluster, tmp_path):
+def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_cluster, tmp_path, model_cache):
     # --time=1 min, USR2 58 s before: the warning comes 2-32 s after each start (slurmctld checks limits every 30 s).
     # Incarnation 1: USR2 -> checkpoint at the next step boundary -> `scontrol requeue <leader>`. Incarnation 2
     # (restart count 1 = slurm.max_requeues): USR2 -> checkpoint -> clean stop. The step counter never goes back.
     p, rd = submit(tmp_path, "run.steps=5000", "slurm.time=00:01:00", "slurm.signal_before_s=58", "slurm.max_requeues=1",
-                   wait=False)
+                   wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     summary = rd / "summary.json"
