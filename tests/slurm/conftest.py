@@ -52,6 +52,25 @@ def model_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture()
+def jobs():
+    """Job ids a test started: cancelled at its end (a failed test must not leave a job that holds the nodes or
+    the fake GPUs of the next test), and waited for until the controller lists them no more as active."""
+    ids: list[str] = []
+    yield ids
+
+    def active(j: str) -> bool:
+        p = subprocess.run(["squeue", "-h", "-j", j, "-o", "%i"], capture_output=True, text=True)
+        return p.returncode == 0 and bool(p.stdout.strip())
+
+    live = [j for j in ids if active(j)]
+    for j in live:
+        subprocess.run(["scancel", j], capture_output=True)
+    deadline = time.monotonic() + 60
+    while any(active(j) for j in live) and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+@pytest.fixture()
 def submit_probe(slurm_cluster, tmp_path):
     """Submit the probe het job of configs/slurm-local.yaml (+ overrides) through the executor; cancel leftovers."""
     from dynaresize.config.loader import load_config

@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -51,18 +52,20 @@ def _wall(rd: Path, ev: dict) -> float:
     return t0 + ev["t"]
 
 
-def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, model_cache):
+def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path, model_cache, jobs):
     # no periodic checkpoint: resuming at the step where the job was preempted proves the preemption checkpoint
-    steps = 6
+    steps = 30  # steps take ~0.2 s: enough left for the fault to land mid-run
     p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", "slurm.worker_term_timeout_s=120",
                    wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     wait_until(lambda: _steps_done(rd) >= 2, 300, "2 GRPO steps")
     urgent_out = tmp_path / "urgent.out"
     u = subprocess.run(["sbatch", "--parsable", "-p", "urgent", "-w", "gpu1", "--exclusive", f"--output={urgent_out}",
                         "--wrap", "date +%s.%N; sleep 2; date +%s.%N"], capture_output=True, text=True, check=True)
     urgent = u.stdout.strip().split(";")[0]
+    jobs.append(urgent)
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
                and '"what":"resume"' in (rd / "events.jsonl").read_text(), 300, "the preempted job to resume and complete")
@@ -87,10 +90,14 @@ def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_clus
     coord0 = (slurm_dir / f"{job}.r0-coordinator.log").read_text(errors="replace")
     assert "Slurm preempted the job at" in coord0 and "preempted by Slurm; requeue now" in coord0
     assert (slurm_dir / f"{job}.r1-coordinator.log").exists()  # Slurm started incarnation 1 of the same job id
-    # every rank got the preemption SIGTERM, kept serving, and was checkpointed by the coordinator before it ended
+    # every rank got the preemption SIGTERM before the checkpoint, kept serving, and staged its state for it
+    checkpoint_end = _wall(rd, next(e for e in checkpoints if e["step"] == preempted_at)) + 0.01  # log: ms
     for t in range(4):
         w = (slurm_dir / f"{job}.r0-worker-{t}.log").read_text(errors="replace")
-        assert "SIGTERM: this rank keeps serving until the coordinator's shutdown" in w, (t, w[-2000:])
+        line = next((l for l in w.splitlines() if "SIGTERM: this rank keeps serving until the coordinator's shutdown" in l), None)
+        assert line is not None, (t, w[-2000:])
+        got_term = datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        assert got_term < checkpoint_end, (t, line, checkpoint_end)
 
 
 def _kill_rank(rd: Path, rank: int) -> dict:
@@ -101,11 +108,12 @@ def _kill_rank(rd: Path, rank: int) -> dict:
     return reg
 
 
-def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm_cluster, tmp_path, model_cache):
-    steps, per_step = 8, 16  # SMALL: 4 prompts x 4 samples
+def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm_cluster, tmp_path, model_cache, jobs):
+    steps, per_step = 30, 16  # SMALL: 4 prompts x 4 samples
     p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     wait_until(lambda: _steps_done(rd) >= 2, 300, "2 GRPO steps")
     reg = _kill_rank(rd, 3)  # the highest rank: always a rollout rank (trainer sets are prefixes, one rollout stays)
     assert reg["node"] == "gpu2"
@@ -133,11 +141,12 @@ def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm
         assert "SIGTERM" not in w, (t, w[-1500:])
 
 
-def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(slurm_cluster, tmp_path, model_cache):
-    steps = 6
+def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(slurm_cluster, tmp_path, model_cache, jobs):
+    steps = 30  # steps take ~0.2 s: enough left for the fault to land mid-run
     p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", "faults.max_restarts=1", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     _kill_rank(rd, 1)  # a trainer: its ZeRO shard is gone, the job cannot go on without it

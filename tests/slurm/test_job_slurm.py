@@ -41,7 +41,7 @@ def job_id_of(run_dir: Path) -> str:
     return (run_dir / SLURM_SUBDIR / JOB_ID_FILE).read_text().strip()
 
 
-def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cache):
+def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cache, jobs):
     p, rd = submit(tmp_path, "run.steps=6", "policy.forced_splits={2: 1, 4: 3}", wait=True, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     for name in ("config.yaml", "events.jsonl", "batches.jsonl", "summary.json", "ranks.json", "checkpoints/coordinator.json"):
@@ -51,6 +51,7 @@ def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cac
     assert [(s["from"], s["to"]) for s in summary["switches"]] == [("2:2", "1:3"), ("1:3", "3:1")]
     ranks = json.loads((rd / "ranks.json").read_text())
     job = job_id_of(rd)
+    jobs.append(job)
     assert sorted(int(r) for r in ranks) == [0, 1, 2, 3]
     for reg in ranks.values():  # registered with their Slurm identity, on the GPU nodes of component 1
         assert reg["slurm_job_id"] == job and reg["het_group"] == 1 and reg["node"] in ("gpu1", "gpu2")
@@ -58,10 +59,11 @@ def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cac
     assert not in_squeue(job)
 
 
-def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path, model_cache):
+def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path, model_cache, jobs):
     p, rd = submit(tmp_path, "run.steps=200", "run.checkpoint_every=2", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     subprocess.run(["scancel", job], check=True)
@@ -77,11 +79,12 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     assert got == list(range(step + 2))  # nothing after the checkpoint counted twice, nothing missing
 
 
-def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_cluster, tmp_path, model_cache):
+def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_cluster, tmp_path, model_cache, jobs):
     steps = 10
     p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=2", wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     subprocess.run(["scontrol", "requeue", job], check=True)
@@ -97,7 +100,7 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     assert '"what":"resume"' in events
 
 
-def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_cluster, tmp_path, model_cache):
+def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_cluster, tmp_path, model_cache, jobs):
     # --time=1 min, USR2 58 s before: the warning comes 2-32 s after each start (slurmctld checks limits every 30 s).
     # Incarnation 1: USR2 -> checkpoint at the next step boundary -> `scontrol requeue <leader>`. Incarnation 2
     # (restart count 1 = slurm.max_requeues): USR2 -> checkpoint -> clean stop. The step counter never goes back.
@@ -105,6 +108,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_
                    wait=False, models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
+    jobs.append(job)
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and '"what":"resume"' in (rd / "events.jsonl").read_text()
                and json.loads(summary.read_text()).get("status") == "interrupted", 240,
