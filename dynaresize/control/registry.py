@@ -10,8 +10,13 @@ Protocol (keys in ``keys.py``):
   (server TIME, so host clocks never matter) and answer ``OK``; if the registration is gone (TTL expired while the
   rank or Redis was away) answer ``LOST`` (the rank re-registers); if a newer incarnation exists, ``SUPERSEDED``.
 - Dead-rank detection needs no keyspace notifications: the coordinator asks :meth:`Registry.liveness`, one script
-  that reads server TIME and splits the zset at ``now - heartbeat_s * dead_after_heartbeats``. A dead rank stays
-  in the zset (reported dead) until it heartbeats again, deregisters, or the coordinator calls :meth:`forget`.
+  that reads server TIME, splits the zset at ``now - heartbeat_s * dead_after_heartbeats`` and returns the live
+  ranks' registrations. A dead rank stays in the zset (reported dead) until it heartbeats again, deregisters, or
+  the coordinator calls :meth:`forget`.
+- A Redis restart is not a silence of the ranks: no heartbeat can arrive while the server is down, and a client
+  retries with a backoff of up to ``BACKOFF_CAP_S``. So a rank is only reported dead when it has also been silent
+  for ``dead_after_s`` since the server came back plus that backoff (server uptime from ``INFO server``, read only
+  when some rank looks dead). A rank that died during the outage is reported that much later.
 
 Every write here is idempotent under redis-py's retry-on-connection-error (a retried register only skips an
 incarnation number; a retried heartbeat refreshes twice).
@@ -29,6 +34,7 @@ import redis
 
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.keys import Keys
+from dynaresize.control.server import BACKOFF_CAP_S
 from dynaresize.control.wire import Registration, WireError, decode, encode
 from dynaresize.events import EventLog
 
@@ -68,8 +74,13 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local cut = now - tonumber(ARGV[1])
 local alive = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. cut, '+inf')
+local regs = {}
+for _, r in ipairs(alive) do
+  local v = redis.call('HMGET', ARGV[2] .. r, 'inc', 'm')
+  regs[#regs + 1] = {r, v[1], v[2]}
+end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cut, 'WITHSCORES')
-return {tostring(now), alive, dead}
+return {tostring(now), regs, dead}
 """
 
 
@@ -129,22 +140,33 @@ class Registry:
         self.r.zrem(self.keys.live, rank)
 
     def liveness(self) -> Liveness:
-        now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s])
+        """One script (one round trip, atomic, retried as a whole after a connection error)."""
+        rank_prefix = self.keys.rank(0)[: -len("0")]
+        now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s, rank_prefix])
         now = float(now_s)
-        pipe = self.r.pipeline(transaction=False)
-        ranks = [int(x) for x in alive]
-        for rank in ranks:
-            pipe.hmget(self.keys.rank(rank), "inc", "m")
         live: dict[int, Registration] = {}
-        for rank, (inc, raw) in zip(ranks, pipe.execute() if ranks else []):
-            if raw is None:
+        for entry in alive:
+            rank, inc, raw = int(entry[0]), entry[1], entry[2] if len(entry) > 2 else None
+            if raw is None or inc is None:
                 continue  # zset entry without a registration: seen at the next check as LOST/dead
             try:
                 live[rank] = decode(Registration, raw, self.cfg.max_message_bytes).model_copy(update={"incarnation": int(inc)})
             except WireError as e:
                 log.warning("job %s rank %d: unreadable registration skipped: %s", self.job_id, rank, e.reason)
         dead_ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        if dead_ages:
+            dead_ages = self._silent_since_restart(dead_ages)
         return Liveness(now, live, dead_ages)
+
+    def _silent_since_restart(self, dead: dict[int, float]) -> dict[int, float]:
+        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up and reachable (see the
+        module docstring); the others are neither live nor dead yet."""
+        try:
+            uptime = float(self.r.info("server")["uptime_in_seconds"])
+        except (redis.ResponseError, KeyError, TypeError, ValueError):
+            return dead  # INFO not allowed (an external server with ACLs): no allowance for restarts
+        reachable_for = uptime - BACKOFF_CAP_S
+        return {r: age for r, age in dead.items() if min(age, reachable_for) > self.cfg.dead_after_s}
 
     def live(self) -> dict[int, Registration]:
         return self.liveness().live
@@ -201,9 +223,18 @@ class Heartbeater:
     def beat_once(self) -> Beat:
         with self._lock:
             reg, pending, self._pending = self.registration, self._pending, None
-        beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending)
+        try:
+            beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending)
+        except redis.RedisError:
+            if pending is not None:
+                with self._lock:  # not written: keep it for the next beat (unless a newer update replaced it)
+                    self._pending = self._pending or pending
+            raise
         if beat is Beat.LOST:
-            self.registration = self.registry.register(self.registration)
+            # registration gone (TTL expired while the rank or Redis was away): register the latest fields again
+            new = self.registry.register(self.registration)
+            with self._lock:  # an update() meanwhile keeps its fields; it is written with the next beat
+                self.registration = self.registration.model_copy(update={"incarnation": new.incarnation})
             self._emit("rejoined")
             if self.on_reregister:
                 self.on_reregister(self.registration)

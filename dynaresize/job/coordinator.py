@@ -133,7 +133,7 @@ class Coordinator:
             self.tokenizer = load_tokenizer(self.model_dir)
             self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.sim.costs, self.cfg.sim.optimizations), from_cluster(self.cfg.cluster))
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
-            with RedisServer(self.cfg.redis, self.run_dir) as srv:
+            with RedisServer(self.cfg.redis, self.run_dir, supervise=True, on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
                 if self.on_redis_ready is not None:
                     self.on_redis_ready(srv)
