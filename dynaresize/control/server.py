@@ -145,22 +145,32 @@ def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
+try:  # loaded here, not between fork and exec: the watchdog forks while other threads of the process run
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+try:
+    import resource as _resource
+except ImportError:  # not on Linux
+    _resource = None  # type: ignore[assignment]
+
+
 def _child_setup() -> None:  # pragma: no cover - runs in the child
     """Die with the parent (no orphan servers), stay out of the parent's process group (a Ctrl-C, a SIGTERM to the
     group or Slurm's warning signal is for the coordinator, which must still reach Redis to checkpoint), and allow
-    many client connections."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    try:
-        import resource
+    many client connections.
 
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
+    The parent-death signal follows the thread that forked: a server restarted by the watchdog gets it when the
+    watchdog thread ends, which it only does once that server was stopped (or when the whole process ends)."""
+    os.setsid()
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _resource is not None:
+        try:
+            soft, hard = _resource.getrlimit(_resource.RLIMIT_NOFILE)
+            _resource.setrlimit(_resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 class SafeRetry(Retry):
@@ -370,11 +380,15 @@ class RedisServer:
 
     # -- supervision -----------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """The watchdog: wait for the server process to exit; unless stop() was called, start it again."""
-        while not self._stopping.is_set():
+        """The watchdog: wait for the server process to exit; unless stop() was called, start it again.
+
+        After stop() it still lives until the server is gone (the server it started dies with it)."""
+        while True:
             proc = self.proc
+            if self._stopping.is_set() and (proc is None or proc.poll() is not None):
+                return
             if proc is None:
-                self._stopping.wait(WATCH_POLL_S)
+                time.sleep(WATCH_POLL_S)
                 continue
             try:
                 code = proc.wait(timeout=WATCH_POLL_S)
@@ -494,7 +508,8 @@ class RedisServer:
 
     def _wait_ready(self, ep: Endpoint, password: str | None) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 2.0, "connect_timeout_s": 1.0, "block_ms": 100})
+        # short probes: a probe that reached another process holding the port must not wait long for an answer
+        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 0.5, "connect_timeout_s": 1.0, "block_ms": 100})
         err: Exception | None = None
         while time.monotonic() < deadline:
             assert self.proc is not None
