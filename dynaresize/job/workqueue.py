@@ -22,8 +22,8 @@ Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
 A sample is seeded by (seed, step, prompt, index), so whichever rank generates it, the tokens are the same; a
 late duplicate from a released-but-alive rank is therefore identical and is dropped by HSETNX.
 
-Redis restarts and retries: redis-py sends a command again after a connection error, and a Redis killed after
-it applied (and logged) a script but before its reply went out applies it once more on the retry. Every call here
+Redis restarts and retries: redis-py sends a command again after a connection error; when Redis was killed after
+it applied (and logged) a script but before the reply went out, the retry applies it a second time. Every call here
 is safe under that: ``publish`` is one script (meta and items together, at most once), ``complete`` and ``release``
 are idempotent, and ``claim`` carries a token (one per call, the same on redis-py's retries): a claim whose token
 is the rank's last claim returns that claim's unfinished items again instead of taking new ones, so items taken by
