@@ -58,6 +58,17 @@ class PipelineConfig(Section):
     )
 
 
+class FaultsConfig(Section):
+    shrink: bool = Field(
+        True, description="A lost rollout rank (dead, or silent past the heartbeat deadline) is fenced off and the job "
+        "goes on with fewer ranks; false: such a loss restarts the ranks from the last checkpoint like any other",
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="Automatic restarts of every rank from the last checkpoint after a loss the job cannot "
+        "absorb (a trainer, rank 0, or any rank in a collective); local runs only: under Slurm the job requeues itself",
+    )
+
+
 class Config(Section):
     """A whole experiment. Top-level keys are sections; ``extends`` (a path) is resolved by the loader."""
 
@@ -73,6 +84,7 @@ class Config(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")
 
     @model_validator(mode="after")
     def _forced_splits_fit_the_cluster(self) -> "Config":

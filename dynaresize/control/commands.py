@@ -10,7 +10,10 @@ Coordinator side, :class:`CommandBus`:
   One round trip and one short request for any number of ranks.
 - :meth:`CommandBus.await_acks` reads ``dr:<job>:ack:<command_id>`` with ``XREAD BLOCK`` (each block shorter than
   the socket timeout) until every wanted rank answered or the timeout passed, and returns the acks by rank and the
-  ranks that did not answer.
+  ranks that did not answer. Acks of an older epoch are ignored: a coordinator that took over resends the pending
+  commands of its predecessor under the same ids and its own epoch (:meth:`CommandBus.send` with ``command_id``); a rank that
+  already applied one answers the stored result re-stamped with the new epoch, one that had not yet read the old
+  copy rejects it (stale epoch) and applies the new one. Either way each command is applied once.
 
 Rank side, :class:`CommandReceiver`:
 
@@ -141,6 +144,13 @@ class CommandBus:
                                   f"coordinator epoch {cmd.epoch} cannot send")
             raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}")
 
+    def check_epoch(self) -> None:
+        """Raise :class:`FencedError` if a newer coordinator took over (call before writing files of the run)."""
+        cur = self.current_epoch()
+        if cur != self.epoch:
+            _emit(self.events, "fenced", f"epoch {self.epoch} superseded by {cur}", epoch=self.epoch)
+            raise FencedError(f"job {self.job_id}: coordinator epoch {self.epoch} was fenced out by epoch {cur}")
+
     def await_acks(self, command_id: str, ranks: Iterable[int], timeout: float) -> AckResult:
         """Collect acks of ``command_id`` from ``ranks`` until all answered or ``timeout`` seconds passed."""
         want = set(int(r) for r in ranks)
@@ -163,6 +173,10 @@ class CommandBus:
                         _emit(self.events, "bad_ack", e.reason, command_id=command_id)
                         continue
                     if ack.job_id != self.job_id or ack.command_id != command_id:
+                        continue
+                    if ack.epoch < self.epoch:
+                        # an ack of an earlier coordinator's copy of this command (same id, resent after a
+                        # coordinator restart): a stale-epoch rejection or an ack the new epoch will get replayed
                         continue
                     if ack.rank in want and ack.rank not in acks:
                         acks[ack.rank] = ack
@@ -353,7 +367,9 @@ class CommandReceiver:
             _emit(self.events, "interrupted", reason, rank=self.rank, command_id=cmd.command_id, epoch=cmd.epoch)
         else:
             try:
-                ack = decode(Ack, prev, self.cfg.max_message_bytes).model_copy(update={"replayed": True})
+                # under the epoch of the copy being answered: a command resent by a newer coordinator (same id)
+                # gets the stored result of the first application, never a second application
+                ack = decode(Ack, prev, self.cfg.max_message_bytes).model_copy(update={"replayed": True, "epoch": cmd.epoch})
             except WireError as e:
                 ack = self._ack(cmd, ok=False, error=f"already applied; stored ack unreadable: {e.reason}")
         log.info("rank %d: command %s already applied; re-sent its ack", self.rank, cmd.command_id)

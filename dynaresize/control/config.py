@@ -41,7 +41,8 @@ class RedisConfig(Section):
     )
     heartbeat_s: float = Field(1.0, gt=0, description="Seconds between rank heartbeats")
     dead_after_heartbeats: int = Field(
-        2, ge=1, description="A rank whose heartbeat is older than this many periods is reported dead"
+        5, ge=1, description="A rank whose heartbeat is older than this many periods is reported dead (then fenced off and "
+        "removed or the ranks restarted, see faults): too small a deadline turns a rank starved of CPU into a false loss",
     )
     socket_timeout_s: float = Field(10.0, gt=0, description="redis-py socket timeout; blocking reads use a shorter block time")
     connect_timeout_s: float = Field(5.0, gt=0, description="redis-py socket connect timeout")

@@ -41,6 +41,7 @@ from dynaresize.events import EventLog
 log = logging.getLogger("dynaresize.control.registry")
 
 _REGISTER = """
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return -1 end
 local inc = redis.call('INCR', KEYS[1])
 redis.call('HSET', KEYS[2], 'inc', inc, 'm', ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -50,6 +51,7 @@ return inc
 """
 
 _HEARTBEAT = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1 then return -1 end
 local cur = redis.call('HGET', KEYS[1], 'inc')
 if not cur then return 0 end
 if tonumber(cur) > tonumber(ARGV[2]) then return -1 end
@@ -59,6 +61,14 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 local t = redis.call('TIME')
 redis.call('ZADD', KEYS[2], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
 return 1
+"""
+
+_FENCE = """
+redis.call('SADD', KEYS[1], ARGV[1])
+local inc = redis.call('INCR', KEYS[2])
+redis.call('DEL', KEYS[3])
+redis.call('ZREM', KEYS[4], ARGV[1])
+return inc
 """
 
 _DEREGISTER = """
@@ -82,6 +92,10 @@ end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cut, 'WITHSCORES')
 return {tostring(now), regs, dead}
 """
+
+
+class FencedRankError(RuntimeError):
+    """This rank was declared lost by the coordinator and may not act as the rank any more."""
 
 
 class Beat(enum.IntEnum):
@@ -114,6 +128,7 @@ class Registry:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
         self._liveness = client.register_script(_LIVENESS)
+        self._fence = client.register_script(_FENCE)
 
     def register(self, reg: Registration) -> Registration:
         """Store ``reg`` and return it with its new incarnation."""
@@ -121,19 +136,37 @@ class Registry:
             raise ValueError(f"registration of job {reg.job_id!r} sent to the registry of job {self.job_id!r}")
         raw = encode(reg.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
-        inc = int(self._register(keys=[k.incarnation(reg.rank), k.rank(reg.rank), k.live], args=[reg.rank, raw, self.ttl_ms]))
+        inc = int(self._register(keys=[k.incarnation(reg.rank), k.rank(reg.rank), k.live, k.fenced], args=[reg.rank, raw, self.ttl_ms]))
+        if inc < 0:
+            raise FencedRankError(f"job {self.job_id}: rank {reg.rank} was declared lost by the coordinator (fenced); "
+                                  "it may not register again until the ranks are launched anew")
         return reg.model_copy(update={"incarnation": inc})
 
     def heartbeat(self, rank: int, incarnation: int, update: Registration | None = None) -> Beat:
         """Refresh the rank's liveness (and its registration, when ``update`` is given)."""
         raw = b"" if update is None else encode(update.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
-        return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live], args=[rank, incarnation, self.ttl_ms, raw])))
+        return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, incarnation, self.ttl_ms, raw])))
 
     def deregister(self, rank: int, incarnation: int) -> bool:
         """Leave the job (only the current incarnation can remove itself)."""
         k = self.keys
         return bool(self._deregister(keys=[k.rank(rank), k.live], args=[rank, incarnation]))
+
+    def fence(self, rank: int) -> int:
+        """Coordinator side: declare ``rank`` lost. Its registration goes, its incarnation moves on, and until
+        :meth:`unfence_all` its heartbeats answer SUPERSEDED (the process stops acting as the rank), it cannot
+        register again, and the work queue refuses its claims and results. Returns the new incarnation number:
+        acks stamped with an older one come from the fenced process."""
+        k = self.keys
+        return int(self._fence(keys=[k.fenced, k.incarnation(rank), k.rank(rank), k.live], args=[rank]))
+
+    def fenced(self) -> set[int]:
+        return {int(x) for x in self.r.smembers(self.keys.fenced)}
+
+    def unfence_all(self) -> None:
+        """A new launch of every rank (restart, resume): nobody is fenced any more."""
+        self.r.delete(self.keys.fenced)
 
     def forget(self, rank: int) -> None:
         """Coordinator side: stop reporting a dead rank."""
@@ -241,9 +274,10 @@ class Heartbeater:
         elif beat is Beat.SUPERSEDED:
             self.superseded = True
             self._stop.set()
-            log.error("rank %d incarnation %d superseded by a newer process", reg.rank, reg.incarnation)
+            log.error("rank %d incarnation %d superseded (declared lost by the coordinator, or a newer process "
+                      "registered): this process stops acting as the rank", reg.rank, reg.incarnation)
             if self.events:
-                self.events.emit("control", what="superseded", reason="a newer incarnation registered",
+                self.events.emit("control", what="superseded", reason="declared lost by the coordinator, or a newer incarnation registered",
                                  rank=reg.rank, incarnation=reg.incarnation)
         return beat
 

@@ -173,6 +173,21 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
             pass
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an exited child of another, perhaps stopped, process)."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        try:
+            os.kill(int(pid), 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+
 class SafeRetry(Retry):
     """Retry connection errors with backoff, but never an authentication error (redis-py makes it a
     ConnectionError subclass; retrying a wrong password only delays the clear failure)."""
@@ -241,12 +256,14 @@ class RedisServer:
         self.port: int = cfg.port
         self.endpoint: Endpoint | None = None
         self.binary: str | None = None
+        self.adopted_pid: int | None = None  # a server of this run dir left running by a killed coordinator
         self.supervise = supervise
         self.on_restart = on_restart
         self.restarts = 0  # restarts done by the watchdog
         self.failure: str | None = None  # why the watchdog gave up (None while it has not)
         self._lock = threading.RLock()  # start/stop/restart of the process: one at a time
-        self._stopping = threading.Event()  # set by stop(): the watchdog must not bring the server back
+        self._stopping = threading.Event()  # set by stop() and detach(): the watchdog must not bring the server back
+        self._detached = threading.Event()
         self._watchdog: threading.Thread | None = None
 
     @property
@@ -264,8 +281,9 @@ class RedisServer:
                 return self._adopt_url(self.cfg.url or "")
             if self.cfg.bind not in LOOPBACK and not self.cfg.require_password:
                 raise RedisServerError(f"refusing to bind redis-server to {self.cfg.bind!r} without a password")
-            ep = self._spawn()
+            ep = self._adopt_running(self._password()) or self._spawn()
             self._stopping.clear()
+            self._detached.clear()
             self.failure = None
             if self.supervise and (self._watchdog is None or not self._watchdog.is_alive()):
                 # the watchdog also spawns the restarted servers, so it lives as long as they do (the child's
@@ -321,9 +339,12 @@ class RedisServer:
         in progress is waited for (and then shut down)."""
         self._stopping.set()
         with self._lock:
-            self._stop_process(timeout)
+            if self.proc is None and self.adopted_pid is not None:
+                self._stop_adopted(timeout)
+            else:
+                self._stop_process(timeout)
         w = self._watchdog
-        if w is not None and w is not threading.current_thread():
+        if w is not None and w is not threading.current_thread() and not self._detached.is_set():
             w.join(timeout=timeout)
         self._watchdog = None
 
@@ -344,14 +365,80 @@ class RedisServer:
             self._kill()
         self.proc = None
 
+    def detach(self) -> None:
+        """Leave the server running (this process was fenced off: a newer coordinator owns the run and its Redis).
+
+        Supervision ends (the newer coordinator supervises the server it adopted); the watchdog thread stays, idle,
+        until this process exits, since a server it restarted would get its parent-death signal when it ends."""
+        self._detached.set()
+        self._stopping.set()
+        with self._lock:
+            self.proc = None
+            self.adopted_pid = None
+
+    def _adopt_running(self, password: str | None) -> Endpoint | None:
+        """The run's own server still answering on its endpoint (the coordinator that started it was killed, its
+        ranks and Redis live on): use it instead of starting a second one on the same append-only file. It is
+        ours if it knows the run's password and its working directory is the run's ``redis/`` directory."""
+        if not self.endpoint_file.exists():
+            return None
+        try:
+            ep = Endpoint.load(self.endpoint_file)
+        except (OSError, ValueError, KeyError, RedisServerError):
+            return None
+        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 2.0, "connect_timeout_s": 1.0, "block_ms": 100})
+        try:
+            c = client_for(ep, quick, "probe", password=password)
+            try:
+                conf = c.config_get("dir")
+                pid = int(c.info("server")["process_id"])
+            finally:
+                c.close()
+        except (redis.RedisError, OSError, ValueError, KeyError):
+            return None
+        d = conf.get("dir", conf.get(b"dir"))
+        d = d.decode() if isinstance(d, bytes) else d
+        if not d or Path(d).resolve() != self.dir.resolve():
+            return None
+        self.adopted_pid, self.port, self.endpoint = pid, ep.port, ep
+        log.warning("redis-server of this run still running (pid %d, port %d): adopted", pid, ep.port)
+        return ep
+
+    def _stop_adopted(self, timeout: float) -> None:
+        pid, self.adopted_pid = self.adopted_pid, None
+        try:
+            c = client_for(self.endpoint, self.cfg.model_copy(update={"retries": 0}), "shutdown")
+            c.shutdown()
+            c.close()
+        except redis.RedisError as e:
+            log.warning("redis SHUTDOWN of the adopted server failed (%s); sending SIGTERM", e)
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not pid_alive(pid):
+                return
+            time.sleep(0.05)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
     def kill(self) -> None:
         """SIGKILL the server (a crash, for tests): only what the AOF fsync policy wrote survives. Supervised, the
         watchdog restarts it as it would after any crash."""
         if self.supervise and self._watchdog is not None and self._watchdog.is_alive():
-            p = self.proc
+            p, adopted = self.proc, self.adopted_pid
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=10)
+            elif p is None and adopted is not None:
+                try:
+                    os.kill(adopted, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             return
         with self._lock:
             self._kill()
@@ -380,26 +467,40 @@ class RedisServer:
 
     # -- supervision -----------------------------------------------------------------------------------------
     def _watch(self) -> None:
-        """The watchdog: wait for the server process to exit; unless stop() was called, start it again.
+        """The watchdog: wait for the server process (ours, or the adopted one) to exit; unless stop() or detach()
+        was called, start it again.
 
-        After stop() it still lives until the server is gone (the server it started dies with it)."""
+        After stop() it still lives until the server is gone (the server it started dies with it); after detach()
+        until this process ends."""
         while True:
-            proc = self.proc
-            if self._stopping.is_set() and (proc is None or proc.poll() is not None):
-                return
-            if proc is None:
-                time.sleep(WATCH_POLL_S)
-                continue
-            try:
-                code = proc.wait(timeout=WATCH_POLL_S)
-            except subprocess.TimeoutExpired:
-                continue
-            with self._lock:
+            if self._detached.is_set():
+                threading.Event().wait()  # idle for good (a daemon thread: it ends with the process)
+            proc, adopted = self.proc, self.adopted_pid
+            if proc is None and adopted is not None:  # not our child: no exit status, poll the pid
+                if self._stopping.is_set() and not pid_alive(adopted):
+                    return
+                if pid_alive(adopted):
+                    time.sleep(WATCH_POLL_S)
+                    continue
+                code: int | None = None
+            elif proc is None:
                 if self._stopping.is_set():
                     return
-                if proc is not self.proc:
+                time.sleep(WATCH_POLL_S)
+                continue
+            else:
+                if self._stopping.is_set() and proc.poll() is not None:
+                    return
+                try:
+                    code = proc.wait(timeout=WATCH_POLL_S)
+                except subprocess.TimeoutExpired:
+                    continue
+            with self._lock:
+                if self._stopping.is_set():
+                    continue  # stopped or detached meanwhile: the checks above end the loop
+                if proc is not self.proc or adopted != self.adopted_pid:
                     continue  # replaced meanwhile
-                reason = self._revive(proc, code)
+                reason = self._revive(proc.pid if proc is not None else adopted, code, adopted=proc is None)
             if reason is None:
                 return  # gave up (logged, kept in self.failure) or stopped
             if self.on_restart is not None:
@@ -408,16 +509,21 @@ class RedisServer:
                 except Exception:  # noqa: BLE001 - a failing callback must not end supervision
                     log.exception("on_restart callback failed")
 
-    def _revive(self, proc: subprocess.Popen, code: int) -> str | None:
+    def _revive(self, pid: int, code: int | None, adopted: bool = False) -> str | None:
         """Start the dead server again on its port (bounded attempts, backoff). Returns the reason of the restart,
         or None when every attempt failed (then :attr:`failure` says why) or stop() was called meanwhile."""
-        try:
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-        cause = f"redis-server (pid {proc.pid}, port {self.port}) {how}"
+        if code is None:
+            how = "is gone"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        cause = f"redis-server (pid {pid}{', adopted' if adopted else ''}, port {self.port}) {how}"
         log.error("%s without a stop; restarting it on the same port (last log lines: %s)", cause, self._log_tail())
-        self.proc = None
+        self.proc, self.adopted_pid = None, None
         t0 = time.monotonic()
         attempts = self.cfg.restart_attempts
         err = ""

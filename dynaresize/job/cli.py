@@ -23,13 +23,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__
     p.add_argument("config", nargs="?", help="experiment YAML (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 cluster.gpus=4")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR: take over its ranks if they are still alive (coordinator killed), else restart them from its last good checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config.loader import load_config
     from dynaresize.rundir import create_run_dir
+    from dynaresize.control.commands import FencedError
     from dynaresize.job.coordinator import Coordinator, JobError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -60,6 +61,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"dynaresize run: {e}", file=sys.stderr)
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
+    except FencedError as e:
+        print(f"dynaresize run: {e}: another coordinator took this run over (dynaresize run --resume); this one "
+              "stops without touching its ranks or its Redis", file=sys.stderr)
+        return 3
     finally:
         if bar:
             bar.close()

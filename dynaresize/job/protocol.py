@@ -65,6 +65,9 @@ class TrainResult(_Msg):
 class SyncPayload(_Msg):
     version: int = Field(ge=0)
     n_train: int = Field(ge=1)
+    lost: list[int] = Field(
+        default_factory=list, description="ranks declared lost: a sync group holding one is replaced by point-to-point sends"
+    )
 
 
 class SyncResult(_Msg):

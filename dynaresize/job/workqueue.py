@@ -19,6 +19,10 @@ Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
                  ^                |
                  +---release(r)---+      (rank r leaves the rollout role, or is declared dead)
 
+A rank the coordinator declared lost (``Registry.fence``) is refused: its claims get nothing and its results
+raise :class:`FencedRankError`, so a process that was only hung (SIGSTOP) and comes back cannot write into a
+step that its released samples were already given to others for.
+
 A sample is seeded by (seed, step, prompt, index), so whichever rank generates it, the tokens are the same; a
 late duplicate from a released-but-alive rank is therefore identical and is dropped by HSETNX.
 
@@ -40,6 +44,7 @@ from typing import Any, Iterable
 import redis
 
 from dynaresize.control.keys import Keys
+from dynaresize.control.registry import FencedRankError
 
 _PUBLISH = """
 if redis.call('HSETNX', KEYS[1], 'total', ARGV[1]) == 0 then return 0 end
@@ -47,11 +52,12 @@ for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 return #ARGV - 1
 """
 _CLAIM = """
+if redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then return false end
 local out = {}
-local last = redis.call('GET', KEYS[4])
+local last = redis.call('GET', KEYS[5])
 if last then
   local tok, ks = string.match(last, '^([^|]*)|(.*)$')
-  if tok == ARGV[2] then  -- this very claim, applied before (its reply was lost): the same items again
+  if tok == ARGV[3] then  -- this very claim, applied before (its reply was lost): the same items again
     for k in string.gmatch(ks, '[^,]+') do
       local it = redis.call('HGET', KEYS[2], k)
       if it then out[#out + 1] = it end
@@ -71,12 +77,13 @@ while #out < n do
     keys[#keys + 1] = k
   end
 end
-redis.call('SET', KEYS[4], ARGV[2] .. '|' .. table.concat(keys, ','))
+redis.call('SET', KEYS[5], ARGV[3] .. '|' .. table.concat(keys, ','))
 return out
 """
 _COMPLETE = """
+if redis.call('SISMEMBER', KEYS[3], ARGV[#ARGV]) == 1 then return -1 end
 local new = 0
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV - 1, 2 do
   new = new + redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1])
   redis.call('HDEL', KEYS[1], ARGV[i])
 end
@@ -155,6 +162,7 @@ class RolloutQueue:
     def __init__(self, client: redis.Redis, job_id: str):
         self.r = client
         self.ns = Keys(job_id).ns
+        self.fenced_key = Keys(job_id).fenced  # ranks declared lost: claims and results refused
         self._publish = client.register_script(_PUBLISH)
         self._claim = client.register_script(_CLAIM)
         self._complete = client.register_script(_COMPLETE)
@@ -170,15 +178,15 @@ class RolloutQueue:
                                  args=[len(items), *[it.to_json() for it in items]]))
 
     def claim(self, step: int, rank: int, n: int, token: str | None = None) -> list[WorkItem]:
-        """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim).
+        """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim, or the rank is fenced).
 
         ``token`` names this claim (a fresh one by default); the same token again returns the same items (those
         not completed or released meanwhile), which makes a claim retried after a lost reply take nothing new."""
         token = token or uuid.uuid4().hex
-        keys = [self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"),
+        keys = [self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"), self.fenced_key,
                 self._k(step, f"lastclaim:{rank}")]
-        raw = self._claim(keys=keys, args=[n, token])
-        return [WorkItem.from_json(x) for x in raw]
+        raw = self._claim(keys=keys, args=[n, int(rank), token])
+        return [WorkItem.from_json(x) for x in raw or []]  # a fenced rank gets nothing
 
     def complete(self, step: int, rank: int, results: Iterable[SampleResult]) -> int:
         """Record results; returns how many were new (a duplicate of a finished sample is dropped)."""
@@ -187,7 +195,11 @@ class RolloutQueue:
             args += [res.key, res.to_json()]
         if not args:
             return 0
-        return int(self._complete(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "results")], args=args))
+        new = int(self._complete(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "results"), self.fenced_key],
+                                 args=args + [int(rank)]))
+        if new < 0:
+            raise FencedRankError(f"rank {rank} was declared lost: its {len(args) // 2} result(s) of step {step} are refused")
+        return new
 
     def release(self, step: int, rank: int) -> int:
         """Put back what ``rank`` claimed but did not finish (it left the rollout role or died)."""

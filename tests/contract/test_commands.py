@@ -124,6 +124,30 @@ def test_epoch_fencing_rejects_and_logs_the_old_coordinator(client, cfg, job_id,
     assert "stale epoch" in rejected[0]["reason"] and rejected[0]["epoch"] == old.epoch
 
 
+def test_a_new_coordinator_resends_pending_commands_under_the_same_ids_and_each_applies_once(client, cfg, job_id):
+    """Coordinator takeover: the new one sends its predecessor's pending commands again with the same ids. One
+    was applied already (its stored result is replayed under the new epoch); one was never read (the old copy is
+    rejected as stale, the new one applied). The new coordinator sees exactly one good ack per command."""
+    old = CommandBus(client("coord-old"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    h = Recorder()
+    applied = old.send(CommandKind.TRAIN, [0], {"step": 4})
+    drain(recv, h)
+    unread = old.send(CommandKind.SYNC_WEIGHTS, [0], {"version": 5})  # the old coordinator dies here
+    new = CommandBus(client("coord-new"), job_id, cfg)
+    again = new.send(CommandKind.TRAIN, [0], {"step": 4}, command_id=applied.command_id)
+    sync = new.send(CommandKind.SYNC_WEIGHTS, [0], {"version": 5}, command_id=unread.command_id)
+    drain(recv, h)
+    assert [cid for cid, _ in h.seen] == [applied.command_id, unread.command_id], "each command applied once"
+    a = new.await_acks(again.command_id, [0], 1).acks[0]
+    assert a.ok and a.replayed and a.epoch == new.epoch and a.result == {"n": 1}
+    b = new.await_acks(sync.command_id, [0], 1).acks[0]
+    assert b.ok and not b.replayed and b.epoch == new.epoch, "the stale copy's rejection must not count as its ack"
+    with pytest.raises(FencedError):
+        old.check_epoch()
+    new.check_epoch()
+
+
 def test_await_acks_reports_who_did_not_answer(client, cfg, job_id):
     bus = CommandBus(client("coord"), job_id, cfg)
     recvs = {r: CommandReceiver(client(f"rank{r}"), job_id, r, cfg) for r in range(4)}

@@ -290,3 +290,53 @@ def test_port_taken_while_down_gives_up_with_a_clear_error(tmp_path, redis_binar
     finally:
         squatter.close()
         srv.stop()
+
+
+def test_an_adopted_server_is_supervised_too(tmp_path, redis_binary):
+    # a coordinator that takes over a run (fault row 4) adopts the run's server, a child of the old coordinator:
+    # when it dies (the old coordinator exited: parent-death signal; or a crash), the new one restarts it
+    cfg = fast_cfg(redis_binary)
+    old = RedisServer(cfg, tmp_path)  # the old coordinator's server (unsupervised here)
+    old.start()
+    restarts: list[str] = []
+    new = RedisServer(cfg, tmp_path, supervise=True, on_restart=restarts.append)
+    try:
+        new.start()
+        assert new.adopted_pid == old.proc.pid and new.proc is None and new.port == old.port
+        c = connect(new.endpoint_file, "t", cfg)
+        c.set("dr:k", "v")
+        os.kill(old.proc.pid, signal.SIGKILL)
+        wait_for(lambda: restarts, 15, "the restart of the adopted server")
+        assert f"pid {old.proc.pid}, adopted" in restarts[0] and "is gone" in restarts[0], restarts
+        assert new.proc is not None and new.adopted_pid is None and new.port == old.port
+        assert c.get("dr:k") == b"v"
+        c.close()
+    finally:
+        new.stop()
+        old.stop()
+
+
+def test_detach_leaves_the_server_running_and_unsupervised(tmp_path, redis_binary):
+    # a fenced-off coordinator leaves the run's server to the newer one, also a server its watchdog restarted
+    restarts: list[str] = []
+    srv = RedisServer(fast_cfg(redis_binary), tmp_path, supervise=True, on_restart=restarts.append)
+    srv.start()
+    sigkill(srv)
+    wait_for(lambda: restarts, 15, "the restart")
+    child = srv.proc  # started by the watchdog thread
+    try:
+        srv.detach()
+        srv.stop()  # what the coordinator's with-block does after detach(): nothing
+        time.sleep(0.5)
+        assert child.poll() is None, "a detached server must keep running"
+        c = connect(srv.endpoint_file, "t", fast_cfg(redis_binary))
+        assert c.ping()
+        c.close()
+        child.kill()
+        child.wait(timeout=10)
+        time.sleep(0.5)
+        assert len(restarts) == 1, "nobody supervises a detached server"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
