@@ -1,7 +1,7 @@
 """Wire format of the control plane: small frozen pydantic models, JSON only, never pickle.
 
 Every message is one JSON object stored in field ``m`` of a Redis stream entry (or hash). Decoding is strict:
-unknown keys, unknown command kinds, a newer wire version, wrong types (no coercion: ``"1"`` or ``true`` is not an
+unknown keys, unknown command kinds, a newer wire version, a job id that is no job id (``keys.JOB_ID_RE``), wrong types (no coercion: ``"1"`` or ``true`` is not an
 epoch), integers outside 64 bits (Redis counters are int64), non-finite timestamps, text that is not UTF-8 and
 messages larger than ``redis.max_message_bytes`` raise :class:`WireError` with a one-line reason (at most
 ``MAX_REASON`` characters) naming the field. A rank logs the reason and skips the message; it never crashes on bad
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dynaresize.control.keys import JOB_ID_RE
 from dynaresize.events import Role
 
 WIRE_VERSION = 1
@@ -72,7 +73,7 @@ class _Wire(BaseModel):
 
 
 class Command(_Wire):
-    job_id: str = Field(description="job the command belongs to (a rank rejects another job's command)")
+    job_id: str = Field(pattern=JOB_ID_RE.pattern, description="job the command belongs to (a rank rejects another job's command)")
     epoch: int = Field(ge=1, le=INT64_MAX, description="coordinator epoch (fencing): a rank rejects epochs below the job's current one")
     command_id: str = Field(min_length=1, max_length=64, description="unique id; a retried command keeps its id and applies once")
     kind: CommandKind = Field(description="what to do")
@@ -82,7 +83,7 @@ class Command(_Wire):
 
 
 class Ack(_Wire):
-    job_id: str = Field(description="job of the command")
+    job_id: str = Field(pattern=JOB_ID_RE.pattern, description="job of the command")
     epoch: int = Field(ge=1, le=INT64_MAX, description="epoch of the command acknowledged")
     command_id: str = Field(min_length=1, max_length=64, description="id of the command acknowledged")
     rank: int = Field(ge=0, le=INT64_MAX, description="rank answering")
@@ -95,7 +96,7 @@ class Ack(_Wire):
 
 
 class Registration(_Wire):
-    job_id: str = Field(description="job the rank belongs to")
+    job_id: str = Field(pattern=JOB_ID_RE.pattern, description="job the rank belongs to")
     rank: int = Field(ge=0, le=INT64_MAX, description="global rank")
     host: str = Field(description="host name")
     device: str = Field(description="device of the rank, e.g. 'cuda:0' or 'cpu'")

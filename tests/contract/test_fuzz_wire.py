@@ -49,26 +49,27 @@ FINITE_JSON = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(), HUGE, st.floats(allow_nan=False), st.text(max_size=12)),
     lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=6), c, max_size=4), max_leaves=12)
 I64 = st.integers(min_value=0, max_value=INT64_MAX)
+JOB_IDS = st.text(alphabet=string.ascii_letters + string.digits + "._-", min_size=1, max_size=64)
 TIME = st.floats(allow_nan=False, allow_infinity=False)
 
 
 def commands(payload=FINITE_JSON):
     return st.builds(
-        Command, job_id=st.text(max_size=20), epoch=st.integers(1, INT64_MAX), command_id=st.text(min_size=1, max_size=64),
+        Command, job_id=JOB_IDS, epoch=st.integers(1, INT64_MAX), command_id=st.text(min_size=1, max_size=64),
         kind=st.sampled_from(CommandKind), ranks=st.text(max_size=20),
         payload=st.dictionaries(st.text(max_size=8), payload, max_size=5), issued_at=TIME)
 
 
 def acks(result=FINITE_JSON):
     return st.builds(
-        Ack, job_id=st.text(max_size=20), epoch=st.integers(1, INT64_MAX), command_id=st.text(min_size=1, max_size=64),
+        Ack, job_id=JOB_IDS, epoch=st.integers(1, INT64_MAX), command_id=st.text(min_size=1, max_size=64),
         rank=I64, incarnation=I64, ok=st.booleans(),
         result=st.none() | st.dictionaries(st.text(max_size=8), result, max_size=5),
         error=st.none() | st.text(max_size=40), replayed=st.booleans(), acked_at=TIME)
 
 
 REGISTRATIONS = st.builds(
-    Registration, job_id=st.text(max_size=20), rank=I64, host=st.text(max_size=20), device=st.text(max_size=10),
+    Registration, job_id=JOB_IDS, rank=I64, host=st.text(max_size=20), device=st.text(max_size=10),
     staging_dir=st.text(max_size=30), role=st.sampled_from(Role), state=st.sampled_from(RankState), pid=I64,
     incarnation=I64, slurm_job_id=st.none() | st.text(max_size=10), het_group=st.none() | st.integers(),
     node=st.none() | st.text(max_size=10), local_id=st.none() | st.integers(), gpu=st.none() | st.text(max_size=10))
@@ -83,22 +84,23 @@ NEG_OR_HUGE = st.one_of(NOT_INT, st.integers(max_value=-1), st.integers(min_valu
 NOT_FLOAT = st.one_of(st.booleans(), st.text(max_size=5), st.none(), st.lists(FLOATS, max_size=2),
                       st.sampled_from([math.nan, math.inf, -math.inf]))
 NOT_BOOL = st.one_of(st.integers(), FLOATS, st.text(max_size=5), st.none())
+NOT_JOB_ID = st.one_of(NOT_STR, st.sampled_from(["", "a:b", "x" * 65, "job a", "jöb", "j\n"]))
 NOT_DICT = st.one_of(st.booleans(), st.integers(), FLOATS, st.text(max_size=5), st.lists(SCALARS, max_size=2))
 WRONG: dict[type, dict[str, st.SearchStrategy]] = {
     Command: {
         "v": st.one_of(NOT_INT, st.integers().filter(lambda v: v != 1)),
-        "job_id": NOT_STR, "epoch": st.one_of(NEG_OR_HUGE, st.just(0)),
+        "job_id": NOT_JOB_ID, "epoch": st.one_of(NEG_OR_HUGE, st.just(0)),
         "command_id": st.one_of(NOT_STR, st.just(""), st.text(min_size=65, max_size=80)),
         "kind": st.one_of(NOT_STR, st.text(max_size=12).filter(lambda k: k not in {m.value for m in CommandKind})),
         "ranks": NOT_STR, "payload": st.one_of(NOT_DICT, st.none()), "issued_at": NOT_FLOAT,
     },
     Ack: {
-        "job_id": NOT_STR, "epoch": st.one_of(NEG_OR_HUGE, st.just(0)), "command_id": NOT_STR, "rank": NEG_OR_HUGE,
+        "job_id": NOT_JOB_ID, "epoch": st.one_of(NEG_OR_HUGE, st.just(0)), "command_id": NOT_STR, "rank": NEG_OR_HUGE,
         "incarnation": NEG_OR_HUGE, "ok": NOT_BOOL, "result": NOT_DICT, "replayed": NOT_BOOL, "acked_at": NOT_FLOAT,
         "error": st.one_of(st.booleans(), st.integers(), st.lists(st.text(), max_size=1)),
     },
     Registration: {
-        "job_id": NOT_STR, "rank": NEG_OR_HUGE, "host": NOT_STR, "pid": NEG_OR_HUGE,
+        "job_id": NOT_JOB_ID, "rank": NEG_OR_HUGE, "host": NOT_STR, "pid": NEG_OR_HUGE,
         "role": st.one_of(NOT_STR, st.text(max_size=8).filter(lambda r: r not in {m.value for m in Role})),
         "state": st.one_of(NOT_STR, st.text(max_size=8).filter(lambda r: r not in {m.value for m in RankState})),
         "het_group": st.one_of(st.booleans(), st.text(max_size=3), FLOATS), "gpu": st.one_of(st.integers(), st.booleans()),
