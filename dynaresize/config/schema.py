@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.sim.config import SimConfig
@@ -38,15 +38,20 @@ class ClusterConfig(Section):
     @model_validator(mode="after")
     def _split_is_valid(self) -> "ClusterConfig":
         if self.initial_train >= self.gpus:
-            raise ValueError(
-                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}"
+            raise RuleError(
+                "initial_train", self.initial_train,
+                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}",
             )
         if self.granularity == "node":
             if self.gpus % self.gpus_per_node:
-                raise ValueError(f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})")
+                raise RuleError(
+                    "gpus", self.gpus,
+                    f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
+                )
             if self.initial_train % self.gpus_per_node:
-                raise ValueError(
-                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})"
+                raise RuleError(
+                    "initial_train", self.initial_train,
+                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
                 )
         return self
 
@@ -92,8 +97,9 @@ class Config(Section):
         unit = c.gpus_per_node if c.granularity == "node" else 1
         for step, n in self.policy.forced_splits.items():
             if step < 0 or not (unit <= n <= c.gpus - unit) or n % unit:
-                raise ValueError(
-                    f"policy.forced_splits: {step}: {n} is not a valid trainer count for cluster.gpus={c.gpus} "
+                raise RuleError(
+                    ("policy", "forced_splits", step), n,
+                    f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
         return self

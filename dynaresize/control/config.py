@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -62,12 +62,14 @@ class RedisConfig(Section):
     @model_validator(mode="after")
     def _no_open_bind_without_password(self) -> "RedisConfig":
         if self.bind not in LOOPBACK and not self.require_password:
-            raise ValueError(
+            raise RuleError(
+                "require_password", self.require_password,
                 f"bind={self.bind!r} is not a loopback interface: require_password must be true "
                 "(refusing to expose a Redis server without a password)"
             )
         if self.block_ms / 1000.0 >= self.socket_timeout_s:
-            raise ValueError(
+            raise RuleError(
+                "block_ms", self.block_ms,
                 f"block_ms={self.block_ms} must be shorter than socket_timeout_s={self.socket_timeout_s} "
                 "(a blocking read longer than the socket timeout fails with a timeout)"
             )
