@@ -25,6 +25,10 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of everything random; each sample is seeded by (seed, step, prompt, index)")
     steps: int = Field(20, ge=1, description="RL steps (training updates) to run")
     checkpoint_every: int = Field(5, ge=0, description="Steps between checkpoints (0: only at the end and on signals)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Complete checkpoints kept under <run_dir>/checkpoints (older ones are removed); a resume "
+        "falls back through them when the newest is damaged"
+    )
     progress: bool = Field(True, description="Show a progress bar on the terminal")
 
 
