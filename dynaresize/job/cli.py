@@ -52,9 +52,16 @@ def main(args: argparse.Namespace) -> int:
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
     from dynaresize.control.commands import FencedError
     from dynaresize.job.coordinator import Coordinator, JobError
+    from dynaresize.job.state import StateError
 
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
-    coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+    try:
+        coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+    except StateError as e:  # --resume and no intact checkpoint: what is damaged, nothing deleted
+        if bar:
+            bar.close()
+        print(f"dynaresize run: --resume {run_dir}: {e}", file=sys.stderr)
+        return 1
     coord.install_signal_handlers()
     print(f"run dir  {run_dir}")
     try:

@@ -219,3 +219,21 @@ def test_keep_checkpoints_is_validated():
     assert load_config(root / "configs" / "quickstart.yaml", []).run.keep_checkpoints == 2
     with pytest.raises(ConfigError, match="keep_checkpoints"):
         load_config(root / "configs" / "quickstart.yaml", ["run.keep_checkpoints=0"])
+
+
+def test_resume_with_no_intact_checkpoint_is_refused_by_the_command(tmp_path, capsys):
+    """`dynaresize run --resume` says what is damaged and stops before starting anything (exit 1)."""
+    from dynaresize.cli import main
+    from dynaresize.config.loader import load_config, write_resolved
+
+    root = Path(__file__).resolve().parents[2]
+    write_resolved(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]),
+                   tmp_path)
+    _write(tmp_path, 2)
+    bad = tmp_path / "checkpoints" / "step-2" / "rank0-weights" / "data.bin"
+    _flip(bad, 7)
+    before = _tree(tmp_path)
+    assert main(["run", "--resume", str(tmp_path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"--resume {tmp_path}: no intact checkpoint" in err and f"{bad}: chunk 0 " in err and "Nothing was deleted" in err
+    assert _tree(tmp_path) == before  # not even the incarnation counter moved
