@@ -538,7 +538,13 @@ class Coordinator:
             return  # this step is checkpointed already
         t0 = time.monotonic()
         if self.state.checkpoint != f"checkpoints/{tag}":
-            ckpt.discard(self.run_dir, tag)  # left by an abandoned attempt: never mixed with the new one
+            try:
+                ckpt.discard(self.run_dir, tag)  # left by an abandoned attempt: never mixed with the new one
+            except OSError as e:
+                from dynaresize.staging import os_error_text
+
+                self._checkpoint_failed(tag, {None: f"removing an older {tag} first: {os_error_text(e)}"})
+                return
         ranks = self._alive()
         cmd = self._send("stage_state", ranks, {"tag": tag})
         try:
@@ -847,7 +853,10 @@ class Coordinator:
         for r, err in sorted(failures.items(), key=lambda x: -1 if x[0] is None else x[0]):
             reason = f"{tag} not written: {err}; resume point stays {keep}"
             log.warning("checkpoint %s failed%s: %s", tag, "" if r is None else f" on rank {r}", reason)
-            self.events.emit("control", what="checkpoint_failed", reason=reason, **({} if r is None else {"rank": r}))
+            try:
+                self.events.emit("control", what="checkpoint_failed", reason=reason, **({} if r is None else {"rank": r}))
+            except OSError as e:  # the run directory's disk may be the full one: the warning above still says it
+                log.warning("could not log checkpoint_failed: %s", e)
         try:
             ckpt.discard(self.run_dir, tag)
         except OSError as e:
