@@ -75,7 +75,8 @@ def save_tag_state(run_dir: str | Path, tag: str, state: JobState) -> Path:
 
 def verify(run_dir: str | Path, tag: str, world: int, state: JobState | None = None) -> list[str]:
     """Problems of checkpoint ``tag`` for ``world`` ranks (empty: intact). Reads every chunk of every snapshot once
-    (bounded memory: one chunk at a time) and checks the tag's state against what the ranks staged.
+    (bounded memory: one chunk at a time) and checks the tag's state against what the ranks staged. Ranks the
+    state lists as lost staged nothing and are not looked for.
 
     ``state`` stands in for a missing ``<tag>/coordinator.json`` (an older run directory's top-level state)."""
     tag_step(tag)
@@ -96,7 +97,10 @@ def verify(run_dir: str | Path, tag: str, world: int, state: JobState | None = N
             problems.append(f"{d / STATE_FILE}: names checkpoint {state.checkpoint!r}, not {CHECKPOINTS}/{tag}")
         if state.step != tag_step(tag):
             problems.append(f"{d / STATE_FILE}: step {state.step}, the tag says {tag_step(tag)}")
+    lost = set(state.lost) if state is not None else set()
     for r in range(world):
+        if r in lost:
+            continue  # declared lost before this checkpoint: it staged nothing (it restarts from rank 0's weights)
         snap = d / f"rank{r}-weights"
         try:
             meta = verify_snapshot(snap)["meta"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -49,23 +50,46 @@ def model_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture
+def no_strays(tmp_path):
+    """The processes a test started: what a failed test left running (the coordinator's process group, and the
+    ranks named in ranks.json, each its own session) is killed by id before the tmpfs is unmounted (request this
+    fixture after ``tmpfs``). A pid is killed only while its command line still names the test's directory."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for ranks in tmp_path.rglob("ranks.json"):
+        for reg in json.loads(ranks.read_text()).values():
+            pid = reg.get("pid")
+            try:
+                if pid and str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    os.killpg(pid, signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
 def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
 
-def _run(argv: list[str]) -> str:
-    p = subprocess.run(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                       timeout=900, start_new_session=True)
-    assert p.returncode == 0, p.stdout[-5000:]
-    return p.stdout
+def _run(argv: list[str], started: list) -> str:
+    p = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    started.append(p)
+    out, _ = p.communicate(timeout=900)
+    assert p.returncode == 0, out[-5000:]
+    return out
 
 
-def fresh_run(run_dir: Path, cache: str, *overrides: str) -> str:
-    return _run([sys.executable, "-c", DRIVER, str(run_dir), *BASE, f"model.cache_dir={cache}", *overrides])
+def fresh_run(run_dir: Path, cache: str, started: list, *overrides: str) -> str:
+    return _run([sys.executable, "-c", DRIVER, str(run_dir), *BASE, f"model.cache_dir={cache}", *overrides], started)
 
 
-def resume(run_dir: Path) -> str:
-    return _run([sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(run_dir), "--quiet"])
+def resume(run_dir: Path, started: list) -> str:
+    return _run([sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(run_dir), "--quiet"], started)
 
 
 def batches(run_dir: Path) -> list[dict]:
@@ -92,11 +116,11 @@ def assert_every_step_once(run_dir: Path) -> list[dict]:
     return got
 
 
-def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs, model_cache):
+def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs, no_strays, model_cache):
     run_dir = tmp_path / "run"
     # one checkpoint of this job is ~15 MB (3 ranks' weights, 2 trainers' ZeRO partitions): 20 MiB holds one
     ck = tmpfs(run_dir / "checkpoints", 20 << 20)
-    fresh_run(run_dir, model_cache)
+    fresh_run(run_dir, model_cache, no_strays)
 
     failed = controls(run_dir, "checkpoint_failed")
     assert failed, "the second checkpoint should not have fit"
@@ -113,7 +137,7 @@ def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs,
 
     # the operator frees space; the run resumes from step 2, trains steps 2 and 3 again, checkpoints at its end
     subprocess.run(["mount", "-o", "remount,size=64m", str(ck)], check=True)
-    resume(run_dir)
+    resume(run_dir, no_strays)
     assert_every_step_once(run_dir)
     assert controls(run_dir, "rewind") and "steps 2..3" in controls(run_dir, "rewind")[-1]["reason"]
     st = state(run_dir)
@@ -129,10 +153,10 @@ def _flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0x20]))
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, model_cache):
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, no_strays, model_cache):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    fresh_run(run_dir, model_cache)
+    fresh_run(run_dir, model_cache, no_strays)
     ck = run_dir / "checkpoints"
     first = batches(run_dir)
     assert state(run_dir)["checkpoint"] == "checkpoints/step-4"
@@ -140,7 +164,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, mod
     # 1) one flipped byte in a chunk of rank 1's weights of the newest checkpoint
     bad = ck / "step-4" / "rank1-weights" / "data.bin"
     _flip_byte(bad, 1000)
-    resume(run_dir)
+    resume(run_dir, no_strays)
     skipped = controls(run_dir, "checkpoint_skipped")
     assert len(skipped) == 1 and f"{bad}: chunk 0 (offset 0" in skipped[0]["reason"], skipped
     assert "checksum" in skipped[0]["reason"] and "resuming from step-2" in skipped[0]["reason"]
@@ -158,7 +182,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, mod
     bad = ck / "step-4" / "rank0-optim" / "data.bin"
     os.truncate(bad, bad.stat().st_size // 2)
     (ck / "coordinator.json").write_text('{"state_version": 1, "st')
-    resume(run_dir)
+    resume(run_dir, no_strays)
     skipped = controls(run_dir, "checkpoint_skipped")[1:]
     reasons = " | ".join(e["reason"] for e in skipped)
     assert len(skipped) == 2, reasons

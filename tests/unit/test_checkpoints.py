@@ -80,6 +80,15 @@ def test_an_intact_checkpoint_verifies_and_each_kind_of_damage_is_named(tmp_path
     tag6 = _write(tmp_path, 6, complete=False)  # the ranks staged, the coordinator never wrote the state
     assert C.verify(tmp_path, tag6, WORLD) == [f"{tmp_path / 'checkpoints' / tag6 / 'coordinator.json'}: missing "
                                                "(the checkpoint never completed)"]
+    # a rank declared lost before the checkpoint staged nothing: not looked for
+    import shutil
+
+    tag12 = _write(tmp_path, 12)
+    shutil.rmtree(tmp_path / "checkpoints" / tag12 / "rank2-weights")
+    assert C.verify(tmp_path, tag12, WORLD)[0].startswith(f"{tmp_path / 'checkpoints' / tag12 / 'rank2-weights'}")
+    st12 = json.loads((tmp_path / "checkpoints" / tag12 / "coordinator.json").read_text())
+    (tmp_path / "checkpoints" / tag12 / "coordinator.json").write_text(json.dumps({**st12, "lost": [2]}))
+    assert C.verify(tmp_path, tag12, WORLD) == []
     tag8 = _write(tmp_path, 8, version=7)  # the ranks hold other weights than the state says
     assert any("weights of policy version 7, the state says 8" in p for p in C.verify(tmp_path, tag8, WORLD))
     assert C.verify(tmp_path, "step-10", WORLD) == [f"{tmp_path / 'checkpoints' / 'step-10'}: checkpoint directory missing"]
