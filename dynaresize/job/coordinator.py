@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import redis
+
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, build_batch, work_items
-from dynaresize.job.state import JobState, load_state, policy_from_dict, policy_to_dict, save_state
+from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
 
 log = logging.getLogger("dynaresize.job")
 
@@ -153,7 +155,8 @@ class Coordinator:
             self.tokenizer = load_tokenizer(self.model_dir)
             self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
-            with RedisServer(self.cfg.redis, self.run_dir, supervise=True, on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
+            with RedisServer(self.cfg.redis, self.run_dir, supervise=True,  # a crashed redis-server comes back (AOF)
+                             on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
                 if self.on_redis_ready is not None:
                     self.on_redis_ready(srv)
@@ -186,8 +189,10 @@ class Coordinator:
                     fenced = True
                     srv.detach()
                     raise
-                except BaseException:  # a rank died or a command failed: the last checkpoint stays the resume point
+                except BaseException as e:  # a rank died or a command failed: the last checkpoint stays the resume point
                     checkpoint = False
+                    if isinstance(e, redis.ConnectionError):
+                        srv.check()  # the watchdog gave up restarting Redis: raise why, not the client's symptom
                     raise
                 finally:
                     if not fenced:
@@ -723,7 +728,7 @@ class Coordinator:
         if not relaunch or self.restarts >= self.cfg.faults.max_restarts:
             return False
         self.restarts += 1
-        old = load_state(self.run_dir) or JobState(n_train=self.cfg.cluster.initial_train)
+        old = self._resume_state() or JobState(n_train=self.cfg.cluster.initial_train)  # the newest intact checkpoint
         where = f"checkpoint {old.checkpoint} (step {old.step})" if old.checkpoint else "the start"
         self.events.emit("control", what="restart", reason=f"{e}; restart {self.restarts}/{self.cfg.faults.max_restarts}: "
                          f"every rank again from {where}")
