@@ -23,7 +23,7 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import redis
 
@@ -119,6 +119,18 @@ class Registry:
         k = self.keys
         return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live], args=[rank, incarnation, self.ttl_ms, raw])))
 
+    def heartbeat_many(self, beats: Mapping[int, int]) -> dict[int, Beat]:
+        """Heartbeat several ranks (rank -> incarnation) in one round trip: the same script as :meth:`heartbeat`
+        once per rank in one pipeline (for a process that serves many ranks, e.g. a node agent or a simulator)."""
+        if not beats:
+            return {}
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        ranks = [int(r) for r in beats]
+        for rank in ranks:
+            self._heartbeat(keys=[k.rank(rank), k.live], args=[rank, int(beats[rank]), self.ttl_ms, b""], client=pipe)
+        return {rank: Beat(int(v)) for rank, v in zip(ranks, pipe.execute())}
+
     def deregister(self, rank: int, incarnation: int) -> bool:
         """Leave the job (only the current incarnation can remove itself)."""
         k = self.keys
@@ -150,7 +162,11 @@ class Registry:
         return self.liveness().live
 
     def dead(self) -> dict[int, float]:
-        return self.liveness().dead
+        """Dead ranks -> age (s) of their last heartbeat: the liveness script alone, without reading and decoding
+        every live rank's registration (what :meth:`liveness` adds), so cheap to poll at thousands of ranks."""
+        now_s, _alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s])
+        now = float(now_s)
+        return {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
 
 
 class Heartbeater:

@@ -81,3 +81,16 @@ def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, re
     finally:
         for hb in hbs:
             hb.stop()
+
+
+def test_heartbeat_many_answers_each_rank_in_one_round_trip(client, cfg, job_id, registration):
+    reg = Registry(client(), job_id, cfg)
+    regs = {r: reg.register(registration(job_id, r)) for r in range(3)}
+    newer = reg.register(registration(job_id, 1, pid=7))  # rank 1's old process is superseded
+    time.sleep(cfg.dead_after_s + 0.1)
+    assert sorted(reg.dead()) == [0, 1, 2]
+    beats = reg.heartbeat_many({0: regs[0].incarnation, 1: regs[1].incarnation, 2: regs[2].incarnation, 9: 1})
+    assert beats == {0: Beat.OK, 1: Beat.SUPERSEDED, 2: Beat.OK, 9: Beat.LOST}
+    assert sorted(reg.live()) == [0, 2] and sorted(reg.dead()) == [1], "only the OK beats refresh liveness"
+    assert reg.heartbeat_many({1: newer.incarnation}) == {1: Beat.OK}
+    assert sorted(reg.live()) == [0, 1, 2] and reg.heartbeat_many({}) == {}
