@@ -27,6 +27,8 @@ serving, like ``Heartbeater.stop(deregister=False)``) so that the watcher must s
 Measured (table: count, p50, p95, p99, max):
 
 - ``send_ms``: ``CommandBus.send`` (one Lua script: XADD to every target stream + PUBLISH);
+- ``send_one_ms``: probe, right after each send: the same command bytes sent by the same script to ONE stream of
+  another job nobody reads (what a send would cost if a command were one entry of a job-wide stream);
 - ``delivery_ms``: per rank, command created -> that rank's handler runs (the "fan-out" as a rank sees it);
 - ``fanout_all_ms``: per command, command created -> the last target's handler runs;
 - ``acks_ms``: per command, command created -> ``await_acks`` holds every target's ack;
@@ -271,9 +273,9 @@ class RankProcess:
         ready.set()
         go.wait()
         cpu0 = time.process_time()
-        self.register_all()
         hb = threading.Thread(target=self.beat_loop, name="heartbeat", daemon=True)
-        hb.start()
+        hb.start()  # before registering: the first ranks must not expire while the last ones register
+        self.register_all()
         dones = []
         for shard in self.shards:
             done = threading.Event()
@@ -418,14 +420,15 @@ def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"only {len(registry.live())} of {args.ranks} ranks registered within 120 s")
             time.sleep(0.05)
         register_s = time.monotonic() - t0
-        time.sleep(min(1.0, cfg.block_ms / 1000 * 2))  # every receiver loop subscribed and swept once
+        time.sleep(cfg.block_ms / 1000)  # receiver loops subscribed (a missed wake-up is covered by the periodic read)
 
         watcher = Watcher(str(srv.endpoint_file), cfg, args.liveness_s, procs, owner)
         watcher.start()
         alive = list(range(args.ranks))
         sent: dict[str, list[int]] = {}  # command id -> targets
         per_rank_sent = {r: 0 for r in alive}
-        send_ms, delivery, fanout_all, acks_ms = [], [], [], []
+        send_ms, send_one_ms, delivery, fanout_all, acks_ms = [], [], [], [], []
+        probe_bus = CommandBus(coord, JOB + "-probe", cfg) if args.probe else None
         missed = lost = errors = subsets = 0
         crash_at = args.duration / 2 if args.crash else None
 
@@ -436,6 +439,10 @@ def run(args: argparse.Namespace) -> dict:
             cmd = bus.send(kind, targets, payload)
             if measure:
                 send_ms.append((time.perf_counter() - c0) * 1000)
+                if probe_bus is not None:  # the same bytes as ONE stream entry (a job-wide stream), same moment
+                    p0 = time.perf_counter()
+                    probe_bus.resend(cmd.model_copy(update={"job_id": probe_bus.job_id, "epoch": probe_bus.epoch}), [0])
+                    send_one_ms.append((time.perf_counter() - p0) * 1000)
             sent[cmd.command_id] = list(targets)
             for r in targets:
                 per_rank_sent[r] += 1
@@ -457,15 +464,14 @@ def run(args: argparse.Namespace) -> dict:
 
         start = time.monotonic()
         cpu_redis0, cpu_coord0 = redis_cpu(coord), time.process_time()
-        tick = start
+        tick = start - args.interval  # the first command goes at once
         i = 0
         while True:
-            tick += args.interval
             now = time.monotonic()
+            tick = max(tick + args.interval, now)  # a command that took longer than the interval delays the next
             if tick - start > args.duration:
                 break
-            if tick > now:
-                time.sleep(tick - now)
+            time.sleep(tick - now)
             if crash_at is not None and time.monotonic() - start >= crash_at:
                 victims = rng.sample(alive, min(args.crash, len(alive) - 1))
                 m, lo, _ = command(CommandKind.SHUTDOWN, victims, {"crash": True}, measure=False)
@@ -540,7 +546,7 @@ def run(args: argparse.Namespace) -> dict:
         "loadavg_end": [round(x, 2) for x in load1], "register_s": round(register_s, 3),
         "commands": len(sent), "subset_commands": subsets,
         "metrics": {
-            "send_ms": summary(send_ms), "delivery_ms": summary(delivery), "fanout_all_ms": summary(fanout_all),
+            "send_ms": summary(send_ms), "send_one_ms": summary(send_one_ms), "delivery_ms": summary(delivery), "fanout_all_ms": summary(fanout_all),
             "acks_ms": summary(acks_ms), "hb_age_s": summary(watcher.ages), "hb_gap_s": summary(gaps),
             "hb_rtt_ms": summary(hb_rtt), "liveness_ms": summary(watcher.liveness_ms),
         },
@@ -575,7 +581,9 @@ def print_table(res: dict, cmp: dict | None) -> None:
     print(f"control plane under load: {res['ranks']} ranks in {res['procs']} processes x {res['threads_per_proc']} "
           f"receiver thread(s), {res['duration_s']} s, {res['commands']} commands ({res['subset_commands']} to subsets), "
           f"{res['cores']} cores, load average {res['loadavg_start'][0]} -> {res['loadavg_end'][0]}")
-    names = {"send_ms": "send(): XADD to every target + PUBLISH (ms)", "delivery_ms": "delivery: created -> rank handler (ms)",
+    names = {"send_ms": "send(): XADD to every target + PUBLISH (ms)",
+             "send_one_ms": "probe: the same command as ONE entry (ms)",
+             "delivery_ms": "delivery: created -> rank handler (ms)",
              "fanout_all_ms": "fan-out: created -> last target's handler (ms)",
              "acks_ms": "acks: created -> all acks collected (ms)", "hb_age_s": "heartbeat age, oldest healthy rank (s)",
              "hb_gap_s": "heartbeat period seen by a process (s)", "hb_rtt_ms": "heartbeat pipeline round trip (ms)",
@@ -631,6 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--liveness-s", type=float, default=0.5, help="seconds between the coordinator's liveness checks")
     ap.add_argument("--crash", type=int, default=1, help="ranks told to crash at mid-run (they must be seen dead)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-probe", dest="probe", action="store_false",
+                    help="skip the probe send after each command (one XADD of the same bytes to another job's stream)")
     ap.add_argument("--compare", action="store_true", help="also run tools/bench_control_plane.py --procs 1")
     ap.add_argument("--compare-rounds", type=int, default=20, help="broadcasts of the --compare run")
     ap.add_argument("--json", action="store_true", help="print only the JSON result")
