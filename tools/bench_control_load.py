@@ -361,6 +361,13 @@ class Watcher(threading.Thread):
                 self.ages_over += 1
 
 
+def _slow_name(entry: dict) -> str:
+    """The command name of a SLOWLOG entry (EVALSHA of the send script shows as 'EVALSHA <sha>')."""
+    cmd = entry.get("command", b"")
+    words = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split()
+    return " ".join(words[:2])[:60]
+
+
 def redis_cpu(client) -> float:
     """CPU seconds (user + system) the redis-server process has used so far."""
     info = client.info("cpu")
@@ -525,6 +532,7 @@ def run(args: argparse.Namespace) -> dict:
         dup_acks = sum(max(0, n - len(sent[cid])) for cid, n in zip(ids, ack_entries))
         info = coord.info("memory")
         aof = coord.info("persistence")
+        slow = sorted(coord.slowlog_get(128), key=lambda e: -int(e["duration"]))  # commands over 10 ms, server-side
         coord.close()
         watcher.client.close()
     load1 = os.getloadavg()
@@ -560,7 +568,9 @@ def run(args: argparse.Namespace) -> dict:
                                                             "beat_errors", "beats_lost", "beats_superseded",
                                                             "receiver_errors", "pubsub_errors", "rejected")},
         "redis": {"used_memory_mb": round(info["used_memory"] / 2**20, 1),
-                  "aof_rewrites": aof.get("aof_rewrites", 0)},
+                  "aof_rewrites": aof.get("aof_rewrites", 0), "aof_delayed_fsync": aof.get("aof_delayed_fsync", 0),
+                  "slow_commands": len(slow),
+                  "slowest": [[_slow_name(e), round(int(e["duration"]) / 1000, 1)] for e in slow[:3]]},
         # CPU cores used during the load phase (rank processes: from registration to exit)
         "cores_used": {"redis": cpu_redis / elapsed, "coordinator": cpu_coord / elapsed,
                        "rank_processes": sum(s["cpu_s"] for s in stats) / elapsed},
@@ -603,6 +613,9 @@ def print_table(res: dict, cmp: dict | None) -> None:
         print(f"  {key:<48} {res[key]:>7}")
     if res["crashed"]:
         print(f"crashed ranks {res['crashed']} reported dead after (s): {res['crash_detect_s']}")
+    rd = res["redis"]
+    print(f"redis-server: {rd['used_memory_mb']} MiB, {rd['aof_rewrites']} AOF rewrite(s), {rd['aof_delayed_fsync']} "
+          f"delayed fsync(s), {rd['slow_commands']} command(s) over 10 ms server-side {rd['slowest']}")
     cu = res["cores_used"]
     print(f"CPU cores used: redis-server {cu['redis']:.2f}, coordinator {cu['coordinator']:.2f}, "
           f"rank processes {cu['rank_processes']:.2f} (of {res['cores']})")
@@ -627,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=1024, help="simulated ranks")
     ap.add_argument("--procs", type=int, default=4, help="OS processes the ranks are spread over (round robin)")
-    ap.add_argument("--threads", type=int, default=1, help="receiver loops (threads) per process")
+    ap.add_argument("--threads", type=int, default=8,
+                    help="receiver loops (threads) per process: they overlap the round trips of their ranks")
     ap.add_argument("--duration", type=float, default=300.0, help="seconds of load")
     ap.add_argument("--interval", type=float, default=1.0, help="seconds between commands")
     ap.add_argument("--subset-every", type=int, default=4, help="every k-th command goes to a random subset (0: never)")
