@@ -9,8 +9,11 @@ Protocol (keys in ``keys.py``):
 - ``heartbeat(rank, incarnation)`` (Lua): if the stored incarnation matches, refresh the TTL and the zset score
   (server TIME, so host clocks never matter) and answer ``OK``; if the registration is gone (TTL expired while the
   rank or Redis was away) answer ``LOST`` (the rank re-registers); if a newer incarnation exists, ``SUPERSEDED``.
+  ``heartbeat_many({rank: incarnation})`` runs the same script for several ranks in one pipeline (a process that
+  serves many ranks, e.g. ``tools/bench_control_load.py``).
 - Dead-rank detection needs no keyspace notifications: the coordinator asks :meth:`Registry.liveness`, one script
-  that reads server TIME and splits the zset at ``now - heartbeat_s * dead_after_heartbeats``. A dead rank stays
+  that reads server TIME and splits the zset at ``now - heartbeat_s * dead_after_heartbeats`` (:meth:`Registry.dead`
+  runs only that script; ``liveness`` also reads every live rank's registration). A dead rank stays
   in the zset (reported dead) until it heartbeats again, deregisters, or the coordinator calls :meth:`forget`.
 
 Every write here is idempotent under redis-py's retry-on-connection-error (a retried register only skips an
