@@ -361,11 +361,24 @@ class Watcher(threading.Thread):
                 self.ages_over += 1
 
 
-def _slow_name(entry: dict) -> str:
-    """The command name of a SLOWLOG entry (EVALSHA of the send script shows as 'EVALSHA <sha>')."""
+def _script_names() -> dict[str, str]:
+    """SHA1 -> name of the control plane's Lua scripts, to name EVALSHA entries of the slow log."""
+    import hashlib
+
+    from dynaresize.control import commands, registry
+
+    scripts = {"send": commands._SEND, "claim": commands._CLAIM, "register": registry._REGISTER,
+               "heartbeat": registry._HEARTBEAT, "deregister": registry._DEREGISTER, "liveness": registry._LIVENESS}
+    return {hashlib.sha1(src.encode()).hexdigest(): name for name, src in scripts.items()}
+
+
+def _slow_name(entry: dict, scripts: dict[str, str]) -> str:
+    """A SLOWLOG entry's command: 'script:<name>' for the control plane's scripts, else the command word."""
     cmd = entry.get("command", b"")
-    words = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split()
-    return " ".join(words[:2])[:60]
+    words = (cmd.decode(errors="replace") if isinstance(cmd, bytes) else str(cmd)).split() or ["?"]
+    if words[0].upper() == "EVALSHA" and len(words) > 1:
+        return "script:" + scripts.get(words[1].lower(), words[1][:12])
+    return words[0].upper()
 
 
 def redis_cpu(client) -> float:
@@ -537,6 +550,10 @@ def run(args: argparse.Namespace) -> dict:
         watcher.client.close()
     load1 = os.getloadavg()
 
+    scripts = _script_names()
+    slow_by: dict[str, int] = {}
+    for e in slow:
+        slow_by[_slow_name(e, scripts)] = slow_by.get(_slow_name(e, scripts), 0) + 1
     applied: dict[int, int] = {}
     for s in stats:
         applied.update({int(r): n for r, n in s["applied"].items()})
@@ -569,8 +586,8 @@ def run(args: argparse.Namespace) -> dict:
                                                             "receiver_errors", "pubsub_errors", "rejected")},
         "redis": {"used_memory_mb": round(info["used_memory"] / 2**20, 1),
                   "aof_rewrites": aof.get("aof_rewrites", 0), "aof_delayed_fsync": aof.get("aof_delayed_fsync", 0),
-                  "slow_commands": len(slow),
-                  "slowest": [[_slow_name(e), round(int(e["duration"]) / 1000, 1)] for e in slow[:3]]},
+                  "slow_commands": len(slow), "slow_by_command": slow_by,
+                  "slowest": [[_slow_name(e, scripts), round(int(e["duration"]) / 1000, 1)] for e in slow[:3]]},
         # CPU cores used during the load phase (rank processes: from registration to exit)
         "cores_used": {"redis": cpu_redis / elapsed, "coordinator": cpu_coord / elapsed,
                        "rank_processes": sum(s["cpu_s"] for s in stats) / elapsed},
@@ -615,7 +632,7 @@ def print_table(res: dict, cmp: dict | None) -> None:
         print(f"crashed ranks {res['crashed']} reported dead after (s): {res['crash_detect_s']}")
     rd = res["redis"]
     print(f"redis-server: {rd['used_memory_mb']} MiB, {rd['aof_rewrites']} AOF rewrite(s), {rd['aof_delayed_fsync']} "
-          f"delayed fsync(s), {rd['slow_commands']} command(s) over 10 ms server-side {rd['slowest']}")
+          f"delayed fsync(s); over 10 ms server-side: {rd['slow_by_command'] or 'none'}, slowest {rd['slowest']}")
     cu = res["cores_used"]
     print(f"CPU cores used: redis-server {cu['redis']:.2f}, coordinator {cu['coordinator']:.2f}, "
           f"rank processes {cu['rank_processes']:.2f} (of {res['cores']})")
