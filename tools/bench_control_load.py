@@ -368,7 +368,8 @@ def _script_names() -> dict[str, str]:
     from dynaresize.control import commands, registry
 
     scripts = {"send": commands._SEND, "claim": commands._CLAIM, "register": registry._REGISTER,
-               "heartbeat": registry._HEARTBEAT, "deregister": registry._DEREGISTER, "liveness": registry._LIVENESS}
+               "heartbeat": registry._HEARTBEAT, "deregister": registry._DEREGISTER, "liveness": registry._LIVENESS,
+               "dead": registry._DEAD}
     return {hashlib.sha1(src.encode()).hexdigest(): name for name, src in scripts.items()}
 
 
@@ -411,7 +412,8 @@ def run(args: argparse.Namespace) -> dict:
     from dynaresize.control.wire import CommandKind
     from dynaresize.events import format_ranks
 
-    cfg = RedisConfig(heartbeat_s=args.heartbeat_s, dead_after_heartbeats=args.dead_after, block_ms=args.block_ms)
+    extra = {} if args.dead_after is None else {"dead_after_heartbeats": args.dead_after}
+    cfg = RedisConfig(heartbeat_s=args.heartbeat_s, block_ms=args.block_ms, **extra)
     rng = random.Random(args.seed)
     ctx = mp.get_context("spawn")
     load0 = os.getloadavg()
@@ -665,7 +667,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=2.0, help="seconds within which every ack of a command must be in")
     ap.add_argument("--lost-after", type=float, default=30.0, help="seconds after which a missing ack counts as lost")
     ap.add_argument("--heartbeat-s", type=float, default=1.0, help="redis.heartbeat_s")
-    ap.add_argument("--dead-after", type=int, default=2, help="redis.dead_after_heartbeats")
+    ap.add_argument("--dead-after", type=int, default=None,
+                    help="redis.dead_after_heartbeats (default: the config's default)")
     ap.add_argument("--block-ms", type=int, default=500, help="redis.block_ms (also the receivers' periodic read)")
     ap.add_argument("--liveness-s", type=float, default=0.5, help="seconds between the coordinator's liveness checks")
     ap.add_argument("--crash", type=int, default=1, help="ranks told to crash at mid-run (they must be seen dead)")

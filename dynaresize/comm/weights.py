@@ -110,3 +110,56 @@ def broadcast_weights(
                 off += t.numel()
             sink(items)
     return version_in, moved
+
+
+def send_weights_p2p(
+    named: Named,
+    src: int,
+    members: list[int],
+    bucket_bytes: int = 64 << 20,
+    version: int = 0,
+    sink: Sink | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[int, int]:
+    """The same transfer as :func:`broadcast_weights`, point to point from ``src`` to every other rank of
+    ``members`` over the world group: for a weight-sync group that lost a member (a rank declared lost), whose
+    collectives would wait for the dead rank. Every rank in ``members`` calls it; returns ``(version, bytes)``.
+
+    Slower than a broadcast (the source sends each bucket once per receiver), so it is only the degraded path.
+    gloo keeps working pairwise after a peer died (checked on CPU); NCCL p2p on a communicator with a dead member
+    is UNVERIFIED.
+    """
+    me = dist.get_rank()
+    peers = [r for r in members if r != src]
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    total = sum(t.numel() for _, t in named)
+    if me == src:
+        header.copy_(torch.tensor([version, len(named), total, structure_hash(named)], dtype=torch.int64))
+        for r in peers:
+            dist.send(header, dst=r)
+    else:
+        dist.recv(header, src=src)
+    version_in, n, numel, shash = (int(x) for x in header.tolist())
+    if me != src and (n != len(named) or numel != total or shash != structure_hash(named)):
+        raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
+    sink = sink or _copy_into(named)
+    moved = 0
+    for idx in buckets(named, bucket_bytes):
+        dtype = named[idx[0]][1].dtype
+        count = sum(named[i][1].numel() for i in idx)
+        if me == src:
+            flat = torch.cat([named[i][1].detach().reshape(-1).to(device) for i in idx])
+            for r in peers:
+                dist.send(flat, dst=r)
+                moved += flat.numel() * flat.element_size()
+            continue
+        flat = torch.empty(count, dtype=dtype, device=device)
+        dist.recv(flat, src=src)
+        moved += flat.numel() * flat.element_size()
+        items, off = [], 0
+        for i in idx:
+            name, t = named[i]
+            items.append((name, flat[off : off + t.numel()].view(t.shape)))
+            off += t.numel()
+        sink(items)
+    return version_in, moved

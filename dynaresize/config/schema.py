@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.sim.config import SimConfig
@@ -38,15 +38,20 @@ class ClusterConfig(Section):
     @model_validator(mode="after")
     def _split_is_valid(self) -> "ClusterConfig":
         if self.initial_train >= self.gpus:
-            raise ValueError(
-                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}"
+            raise RuleError(
+                "initial_train", self.initial_train,
+                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}",
             )
         if self.granularity == "node":
             if self.gpus % self.gpus_per_node:
-                raise ValueError(f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})")
+                raise RuleError(
+                    "gpus", self.gpus,
+                    f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
+                )
             if self.initial_train % self.gpus_per_node:
-                raise ValueError(
-                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})"
+                raise RuleError(
+                    "initial_train", self.initial_train,
+                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
                 )
         return self
 
@@ -55,6 +60,17 @@ class PipelineConfig(Section):
     staleness_bound: int = Field(1, ge=0, description="Batch k is trained only on samples from policy versions >= k - bound (0: synchronous)")
     mixed_switch: bool = Field(
         True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
+    )
+
+
+class FaultsConfig(Section):
+    shrink: bool = Field(
+        True, description="A lost rollout rank (dead, or silent past the heartbeat deadline) is fenced off and the job "
+        "goes on with fewer ranks; false: such a loss restarts the ranks from the last checkpoint like any other",
+    )
+    max_restarts: int = Field(
+        2, ge=0, description="Automatic restarts of every rank from the last checkpoint after a loss the job cannot "
+        "absorb (a trainer, rank 0, or any rank in a collective); local runs only: under Slurm the job requeues itself",
     )
 
 
@@ -73,6 +89,7 @@ class Config(Section):
     task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")
 
     @model_validator(mode="after")
     def _forced_splits_fit_the_cluster(self) -> "Config":
@@ -80,8 +97,9 @@ class Config(Section):
         unit = c.gpus_per_node if c.granularity == "node" else 1
         for step, n in self.policy.forced_splits.items():
             if step < 0 or not (unit <= n <= c.gpus - unit) or n % unit:
-                raise ValueError(
-                    f"policy.forced_splits: {step}: {n} is not a valid trainer count for cluster.gpus={c.gpus} "
+                raise RuleError(
+                    ("policy", "forced_splits", step), n,
+                    f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
         return self

@@ -15,6 +15,10 @@ key                            type      meaning
 ``dr:<job>:applied:<r>``       hash      command_id -> JSON ack (or a "started" marker): at-most-once apply
 ``dr:<job>:ack:<command_id>``  stream    acks of one command, field ``m`` = JSON :class:`~.wire.Ack`; EXPIREs
 ``dr:<job>:wake``              channel   pub/sub wake-up; message = rank-set string of the ranks to wake
+``dr:<job>:fenced``            set       ranks the coordinator declared lost: their heartbeats, claims and
+                                         results are refused until the next launch of the ranks
+``dr:<job>:journal``           string    the coordinator's state after its last finished step (JSON; written
+                                         only by the current epoch): what a coordinator that takes over reads
 =============================  ========  =====================================================================
 """
 
@@ -57,6 +61,14 @@ class Keys:
     @property
     def wake(self) -> str:
         return f"{self.ns}:wake"
+
+    @property
+    def fenced(self) -> str:
+        return f"{self.ns}:fenced"
+
+    @property
+    def journal(self) -> str:
+        return f"{self.ns}:journal"
 
     def rank(self, r: int) -> str:
         return f"{self.ns}:rank:{int(r)}"

@@ -23,14 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.epilog = __doc__
     p.add_argument("config", nargs="?", help="experiment YAML (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=10 cluster.gpus=4")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR: take over its ranks if they are still alive (coordinator killed), else restart them from its last good checkpoint")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config.loader import load_config
     from dynaresize.rundir import create_run_dir
-    from dynaresize.job.coordinator import Coordinator, JobError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.resume and args.config and "=" in args.config:  # `--resume DIR k=v ...`: argparse took k=v as CONFIG
@@ -50,6 +49,10 @@ def main(args: argparse.Namespace) -> int:
             return 2
         cfg = load_config(args.config, args.overrides)
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
+    # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
+    from dynaresize.control.commands import FencedError
+    from dynaresize.job.coordinator import Coordinator, JobError
+
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
     coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
     coord.install_signal_handlers()
@@ -60,6 +63,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"dynaresize run: {e}", file=sys.stderr)
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
+    except FencedError as e:
+        print(f"dynaresize run: {e}: another coordinator took this run over (dynaresize run --resume); this one "
+              "stops without touching its ranks or its Redis", file=sys.stderr)
+        return 3
     finally:
         if bar:
             bar.close()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ from typing import Any, Callable
 
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
+from dynaresize.control.commands import FencedError
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, build_batch, work_items
 from dynaresize.job.state import JobState, load_state, policy_from_dict, policy_to_dict, save_state
@@ -51,8 +53,25 @@ log = logging.getLogger("dynaresize.job")
 LAUNCH_FILE = "launch.json"
 
 
+_JOURNAL = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class JobError(RuntimeError):
     """The job cannot go on (a rank died, a command failed); the message says which rank and why."""
+
+
+class RanksLost(JobError):
+    """Ranks died (process exited) or went silent (no heartbeat within the deadline) while a command waited on them."""
+
+    def __init__(self, ranks, what: str, why: str):
+        self.ranks = sorted(ranks)
+        self.what = what
+        self.why = why
+        super().__init__(f"{what}: rank(s) {format_ranks(self.ranks)} lost ({why})")
 
 
 @dataclass
@@ -92,6 +111,8 @@ class Coordinator:
         self.t_start = time.monotonic()
         self._items: dict[int, tuple] = {}  # step -> (work items, prompt texts) until its batch is built
         self._results: dict[int, list] = {}  # step -> generated samples, from the end of its rollout to its batch
+        self.restarts = 0  # automatic restarts of the ranks in this process (faults.max_restarts)
+        self._ctx, self._seq = "start", {}  # where in the schedule commands are sent from (their ids, see _send)
 
     def install_signal_handlers(self) -> None:
         """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: stop now."""
@@ -111,7 +132,6 @@ class Coordinator:
         from dynaresize.control.server import RedisServer, connect
         from dynaresize.job.workqueue import RolloutQueue
         from dynaresize.models.store import ensure_model, load_tokenizer
-        from dynaresize.policy import ResizePolicy, SwitchCostModel, from_cluster
         from dynaresize.tasks.registry import load_task
 
         write_resolved(self.cfg, self.run_dir)
@@ -124,39 +144,57 @@ class Coordinator:
             self.events.emit("topology", step=0, train_ranks=format_ranks(self._trainers()), rollout_ranks=format_ranks(self._rollouts()))
         else:
             self.events.emit("control", what="resume", reason=f"incarnation {self.state.incarnation} from step {self.state.step}")
-            self._rewind_batches()
         status = "failed"
+        fenced = False
         self.launcher = None
         try:
             self.task = load_task(self.cfg.task)
             self.model_dir = ensure_model(self.cfg)
             self.tokenizer = load_tokenizer(self.model_dir)
-            self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.sim.costs, self.cfg.sim.optimizations), from_cluster(self.cfg.cluster))
+            self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
-            with RedisServer(self.cfg.redis, self.run_dir) as srv:
+            with RedisServer(self.cfg.redis, self.run_dir, supervise=True, on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
                 if self.on_redis_ready is not None:
                     self.on_redis_ready(srv)
-                self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)
+                self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)  # fences any older one
                 self.registry = Registry(self.redis, self.job_id, self.cfg.redis)
                 self.queue = RolloutQueue(self.redis, self.job_id)
-                self._write_launch_file()
+                self._journal_script = self.redis.register_script(_JOURNAL)
+                attached = self.resume and self._attach()
+                if self.resume and not attached:
+                    self._rewind_batches()
                 if self.preemption is not None:
                     self.preemption.on_checkpoint(self.checkpoint)
                 try:
-                    self.start_ranks()
-                    self.loop()
+                    while True:
+                        try:
+                            if not attached:
+                                self.start_ranks()
+                            attached = False
+                            self._journal()
+                            self.loop()
+                            break
+                        except RanksLost as e:  # a loss the running job cannot absorb: all ranks from the checkpoint
+                            if not self._restart(e):
+                                raise
                     status = "interrupted" if self.state.step < self.cfg.run.steps else "completed"
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
                     status, checkpoint = "interrupted", False
+                except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
+                    fenced = True
+                    srv.detach()
+                    raise
                 except BaseException:  # a rank died or a command failed: the last checkpoint stays the resume point
                     checkpoint = False
                     raise
                 finally:
-                    self.stop_ranks(checkpoint=checkpoint)
+                    if not fenced:
+                        self.stop_ranks(checkpoint=checkpoint)
         finally:
-            self.events.emit("run_end", status=status, steps=self.state.step)
+            if not fenced:
+                self.events.emit("run_end", status=status, steps=self.state.step)
             self.events.close()
         return self.summary(status)
 
@@ -196,6 +234,13 @@ class Coordinator:
     def start_ranks(self) -> None:
         from dynaresize.job.launcher import LocalLauncher
 
+        self.registry.unfence_all()  # a new launch: every rank slot is usable again
+        for r in range(self.world):  # heartbeats of an earlier launch's processes must not count as this one's
+            self.registry.forget(r)
+        for j in range(self.state.step, min(self.state.step + self.bound + 1, self.cfg.run.steps)):
+            for r in range(self.world):  # claims of the processes of an earlier launch are void
+                self.queue.release(j, r)
+        self._write_launch_file()
         factory = self.launcher_factory or (lambda run_dir, world, job_id, device: LocalLauncher(run_dir, world, job_id, device))
         self.launcher = factory(self.run_dir, self.world, self.job_id, self.cfg.cluster.device)
         self.launcher.start()
@@ -223,9 +268,9 @@ class Coordinator:
         if self.launcher is None:
             return
         try:
-            if checkpoint and not self.launcher.dead():
+            if checkpoint and not (set(self.launcher.dead()) - set(self.state.lost)):
                 self.checkpoint()
-            self.bus.send("shutdown", range(self.world), {})
+            self.bus.send("shutdown", self._alive(), {})
         except Exception as e:  # the ranks are stopped below either way
             log.warning("could not shut the ranks down cleanly: %s", e)
         self.launcher.stop()
@@ -238,9 +283,11 @@ class Coordinator:
         k = self.state.step
         # fill the pipeline: batches k .. k+s-1 (already there after a resume, then this is a no-op)
         for j in range(k, min(k + self.bound, steps)):
+            self._ctx, self._seq = f"f{j}", {}
             self.generate(j, wait=True)
         while k < steps and not self.stop_requested.is_set():
             t_step = time.monotonic()
+            self._ctx, self._seq = f"s{k}", {}
             self.events.emit("step_start", step=k)
             decision = self.decide(k)
             mixed = decision is not None and decision.resize and self._mixed_ok(decision)
@@ -264,6 +311,7 @@ class Coordinator:
             every = self.cfg.run.checkpoint_every
             if every and k % every == 0 and k < steps:
                 self.checkpoint()
+            self._journal()
             if self.preemption is not None and self.preemption.poll().value != "continue":
                 break  # checkpointed by the preemption hook; requeued or stopping
 
@@ -271,7 +319,7 @@ class Coordinator:
         from dynaresize.policy import Observation, Topology
 
         return Observation(
-            step=k - 1, topology=Topology(self.state.n_train, self.world - self.state.n_train),
+            step=k - 1, topology=Topology(self.state.n_train, len(self._rollouts())),
             rollout_s=self.last.rollout_s, train_s=self.last.train_s, weight_sync_s=self.last.sync_s,
             tokens_generated=self.last.tokens_generated, tokens_trained=self.last.tokens_trained,
             mixed=getattr(self, "_switched_last", False),
@@ -281,14 +329,21 @@ class Coordinator:
         """Feed the last step's measurements to the policy; ``None`` before anything was measured.
 
         ``policy.forced_splits`` (tests, experiments) replaces the policy's answer at the steps it names."""
-        forced = self.cfg.policy.forced_splits.get(k)
-        if forced is not None and forced != self.state.n_train:
-            from dynaresize.policy import Action, Decision, Topology
+        from dynaresize.policy import Action, Decision, Topology
 
+        n_alive = len(self._alive())
+        forced, why = self.cfg.policy.forced_splits.get(k), "forced by policy.forced_splits"
+        if forced is not None and forced not in self._valid_counts():
+            log.warning("step %d: forced split %d trainers is not possible with rank(s) %s lost; ignored", k, forced,
+                        format_ranks(self.state.lost))
+            forced = None
+        if not self._rollouts():  # lost ranks took every rollout rank: trainers must move
+            forced, why = max(self._valid_counts()), f"rank(s) {format_ranks(self.state.lost)} lost: no rollout rank left"
+        if forced is not None and forced != self.state.n_train:
             self._switched_last = False
-            d = Decision(Action.RESIZE, Topology(forced, self.world - forced), "forced by policy.forced_splits")
+            d = Decision(Action.RESIZE, Topology(forced, n_alive - forced), why)
             self.events.emit("decision", step=k, action=d.action.value, reason=d.reason, target_train=forced,
-                             target_rollout=self.world - forced)
+                             target_rollout=n_alive - forced)
             return d
         if k == 0 or self.last.train_s <= 0 or not self.cfg.policy.enabled:
             self._switched_last = False
@@ -307,17 +362,19 @@ class Coordinator:
         """A move from training to rollout can happen inside the step (the mixed step) when a rollout runs beside
         training: the leaving trainers train batch k, then join the rollout of batch k+s, with the weights that
         batch is generated from (kept before the update), so the sample-to-version map is the static run's."""
-        return self.cfg.pipeline.mixed_switch and self.bound > 0 and decision.target.n_train < self.state.n_train
+        return (self.cfg.pipeline.mixed_switch and self.bound > 0 and decision.target.n_train < self.state.n_train
+                and bool(self._rollouts()))  # with no rollout rank left, no rollout runs beside training
 
     def switch(self, k: int, decision, ranks=None, rollout_version: int | None = None, mode: str = "optimized") -> str:
         """Move ranks between roles in place. ``ranks`` get the command now (default: all; ranks outside the old
         and new trainer sets only take note of the new split, so they may get it later)."""
         old, new = self.state.n_train, decision.target.n_train
         sid = f"sw{len(self.state.switches)}-s{k}"
-        ranks = list(range(self.world) if ranks is None else ranks)
+        ranks = self._alive() if ranks is None else [r for r in ranks if r not in self.state.lost]
+        n_alive = len(self._alive())
         self.events.emit(
-            "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=self.world - old, to_train=new,
-            to_rollout=self.world - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
+            "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=n_alive - old, to_train=new,
+            to_rollout=n_alive - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
         )
         t0 = time.monotonic()
         payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
@@ -333,7 +390,7 @@ class Coordinator:
         # hidden seconds are not known yet (the optimizer stage-in runs at the next training step): the analysis
         # sums the switch's background ops from the log, and so does summary()
         self.events.emit("switch_end", switch_id=sid, critical_path_s=round(critical, 6))
-        self.state.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{self.world - old}", "to": f"{new}:{self.world - new}",
+        self.state.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{n_alive - old}", "to": f"{new}:{n_alive - new}",
                                     "mode": mode, "critical_path_s": round(critical, 4), "hidden_s": 0.0})
         self._switched_last = True
         log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
@@ -349,7 +406,7 @@ class Coordinator:
         late = []
         if gen is not None:
             cmd, t0, j, _ = gen
-            joined = self.bus.send("generate", range(new, old), cmd.payload)
+            joined = self._send("generate", range(new, old), cmd.payload)
             late = [(joined, t0, j, list(range(new, old)))]
         self.last.rollout_s = self._await_generate(gen, *late) if gen is not None else 0.0
         self._call("switch_role", range(old, self.world), {"switch_id": sid, "step": k, "from_train": old, "to_train": new})
@@ -357,15 +414,13 @@ class Coordinator:
     def generate(self, j: int, wait: bool):
         """Queue batch ``j`` and let the rollout ranks pull it. Returns (command, send time) or waits for it."""
         items, _ = self._work(j)
-        self.queue.publish(j, items)
-        for r in range(self.world):  # nothing is in flight for j yet, except claims of an earlier incarnation
-            self.queue.release(j, r)
+        self.queue.publish(j, items)  # claims of an earlier launch's processes were released by start_ranks
         if self.queue.done(j) >= self.queue.total(j):
             return None
         ro = self.cfg.rollout
         payload = {"step": j, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
                    "temperature": ro.temperature, "top_p": ro.top_p}
-        sent = (self.bus.send("generate", self._rollouts(), payload), time.monotonic(), j, self._rollouts())
+        sent = (self._send("generate", self._rollouts(), payload), time.monotonic(), j, self._rollouts())
         if wait:
             self._await_generate(sent)
             return None
@@ -376,12 +431,49 @@ class Coordinator:
         only when all have acked must every sample be there. Returns the rollout's wall time from the first send."""
         j, t0, acked = sent[0][2], min(x[1] for x in sent), []
         for cmd, _, _, ranks in sent:
-            acked += self._await(cmd, ranks, "generate").acks.values()
-        if self.queue.done(j) < self.queue.total(j):
-            raise JobError(f"generate {j}: {self.queue.total(j) - self.queue.done(j)} samples missing after every rollout rank acked")
+            acked += self._await_rollout(cmd, ranks, j)
+        if self.queue.done(j) < self.queue.total(j) and not self._top_up(j, sent[0][0].payload):
+            return max([a.acked_at for a in acked], default=time.time()) - (time.time() - (time.monotonic() - t0))
         self._results[j] = self.queue.results(j)  # read once: the tokens now, the training batch next step
         self.last.tokens_generated = sum(len(r.response_ids) for r in self._results[j])
         return max(a.acked_at for a in acked) - (time.time() - (time.monotonic() - t0))
+
+    def _await_rollout(self, cmd, ranks, j: int) -> list:
+        """Acks of one generate command. A rollout rank lost meanwhile is fenced off and removed (``faults.shrink``):
+        its claimed samples go back to the queue and the survivors' acks are awaited."""
+        ranks, acked = [r for r in ranks if r not in self.state.lost], []
+        while ranks:
+            try:
+                return acked + list(self._await(cmd, ranks, "generate").acks.values())
+            except RanksLost as e:
+                if not self._can_shrink(e.ranks):
+                    raise
+                self._shrink(e.ranks, e.why)
+                ranks = [r for r in ranks if r not in self.state.lost]
+        return acked
+
+    def _top_up(self, j: int, payload: dict) -> bool:
+        """Samples of batch j are missing after every rollout rank acked: claims orphaned by a lost rank, or by a
+        claim whose reply was lost to a Redis restart. Put them back and let the live rollout ranks pull them (with
+        the weights they hold now: the same version, or after a boundary switch a newer one, within the staleness
+        bound). Returns False when no rollout rank is left (the next step moves a trainer, then tops up)."""
+        for attempt in range(3):
+            missing = self.queue.total(j) - self.queue.done(j)
+            if missing <= 0:
+                return True
+            rollouts = self._rollouts()
+            if not rollouts:
+                return False
+            for r in range(self.world):  # every rank that generated for j acked (or is lost): nothing is in flight
+                self.queue.release(j, r)
+            self.events.emit("control", what="redispatch", reason=f"batch {j}: {missing} sample(s) put back to the queue "
+                             f"and pulled by rank(s) {format_ranks(rollouts)}")
+            cmd = self._send("generate", rollouts, {**payload, "version": self.state.version})
+            self._await_rollout(cmd, rollouts, j)
+        missing = self.queue.total(j) - self.queue.done(j)
+        if missing > 0:
+            raise JobError(f"generate {j}: {missing} samples still missing after 3 re-dispatches")
+        return True
 
     def _work(self, j: int):
         """Batch j's work items and prompt texts, built (prompts sampled, tokenised) once per step."""
@@ -391,6 +483,11 @@ class Coordinator:
 
     def make_batch(self, k: int) -> TrainBatch:
         items, texts = self._work(k)
+        if self.queue.done(k) < self.queue.total(k):  # lost ranks left it short and no rollout rank was left then
+            ro = self.cfg.rollout
+            self._top_up(k, {"step": k, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
+                             "temperature": ro.temperature, "top_p": ro.top_p})
+            self._results.pop(k, None)
         results = self._results.pop(k, None) or self.queue.results(k)  # not cached after a resume
         batch = build_batch(k, items, results, texts, self.task, self.tokenizer, self.group, self.bound)
         self._items.pop(k, None)
@@ -405,7 +502,7 @@ class Coordinator:
     def train(self, k: int, batch: TrainBatch, snapshot: bool = False):
         payload = {"step": k, "batch_key": self._batch_key(k), "n_train": self.state.n_train, "version_after": k + 1,
                    "snapshot": snapshot}
-        return self.bus.send("train", self._trainers(), payload), time.monotonic(), self._trainers()
+        return self._send("train", self._trainers(), payload), time.monotonic(), self._trainers()
 
     def _await_train(self, train, batch: TrainBatch) -> None:
         cmd, t0, ranks = train
@@ -424,7 +521,7 @@ class Coordinator:
     def sync_weights(self, version: int) -> None:
         t0 = time.monotonic()
         ranks = [0] + self._rollouts()
-        self._call("sync_weights", ranks, {"version": version, "n_train": self.state.n_train})
+        self._call("sync_weights", ranks, {"version": version, "n_train": self.state.n_train, "lost": self.state.lost})
         self.last.sync_s = time.monotonic() - t0
         self.state.version = version
 
@@ -433,9 +530,10 @@ class Coordinator:
         if self.state.checkpoint == f"checkpoints/{tag}" and (self.run_dir / "checkpoints" / "coordinator.json").exists():
             return  # this step is checkpointed already
         t0 = time.monotonic()
-        self._call("stage_state", range(self.world), {"tag": tag})
+        self._call("stage_state", self._alive(), {"tag": tag})
         self.state.checkpoint = f"checkpoints/{tag}"
         self.state.elapsed_s = self._elapsed()
+        self.bus.check_epoch()
         save_state(self.run_dir, self.state)
         self.events.emit("stage", step=self.state.step, stage="checkpoint", ranks=format_ranks(range(self.world)),
                          start=self.events.now() - (time.monotonic() - t0), end=self.events.now())
@@ -444,6 +542,7 @@ class Coordinator:
     # bookkeeping
 
     def report(self, k: int, batch: TrainBatch) -> None:
+        self.bus.check_epoch()  # a coordinator that was fenced off while hung writes nothing more to the run
         reward = sum(batch.rewards) / max(1, len(batch.rewards))
         self.state.rewards[str(k)] = reward
         self.state.samples += len(batch.keys)
@@ -459,13 +558,147 @@ class Coordinator:
                           "rollout_s": self.last.rollout_s, "train_s": self.last.train_s})
 
     def roles(self) -> str:
-        return "T" * self.state.n_train + "R" * (self.world - self.state.n_train)
+        return "".join("x" if r in self.state.lost else "T" if r < self.state.n_train else "R" for r in range(self.world))
 
     def _trainers(self) -> list[int]:
         return list(range(self.state.n_train))
 
     def _rollouts(self) -> list[int]:
-        return list(range(self.state.n_train, self.world))
+        return [r for r in range(self.state.n_train, self.world) if r not in self.state.lost]
+
+    def _alive(self) -> list[int]:
+        return [r for r in range(self.world) if r not in self.state.lost]
+
+    # ---------------------------------------------------------------------------------------------------------
+    # losing ranks
+
+    def _valid_counts(self, lost=None) -> list[int]:
+        """Trainer counts possible now: the trainer set is a prefix (its pre-built group must not hold a lost
+        rank) and at least one live rank is left to roll out."""
+        from dynaresize.comm.groups import candidate_trainer_counts, unit_from_cluster
+
+        lost = set(self.state.lost if lost is None else lost)
+        cap = min(lost) if lost else self.world
+        n_alive = self.world - len(lost)
+        return [t for t in candidate_trainer_counts(self.world, unit_from_cluster(self.cfg.cluster)) if t <= cap and n_alive - t >= 1]
+
+    def _build_policy(self) -> None:
+        """The policy plans over the live ranks only: after a shrink its candidates are the splits still possible."""
+        from dynaresize.policy import ResizePolicy, SwitchCostModel, Topology
+
+        n_alive = len(self._alive())
+        cands = [Topology(t, n_alive - t) for t in self._valid_counts()]
+        self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.sim.costs, self.cfg.sim.optimizations), cands)
+
+    def _can_shrink(self, ranks) -> bool:
+        """Only rollout ranks can go while the job runs on: a trainer holds a ZeRO shard nobody else has, rank 0 is
+        the weight source, and a trainer count must stay possible."""
+        lost = set(self.state.lost) | set(ranks)
+        return (self.cfg.faults.shrink and 0 not in ranks and all(r >= self.state.n_train for r in ranks)
+                and bool(self._valid_counts(lost)))
+
+    def _shrink(self, ranks, why: str) -> None:
+        """Fence the lost ranks off (a hung process that comes back is refused), put their claimed samples back,
+        and re-plan over the live ranks."""
+        for r in ranks:
+            inc = self.registry.fence(r)
+            self.events.emit("control", what="rank_lost", reason=why, rank=r, epoch=self.bus.epoch)
+            log.warning("rank %d lost (%s): fenced off (incarnation now %d)", r, why, inc)
+        self.state.lost = sorted(set(self.state.lost) | set(ranks))
+        for j in range(self.state.step, min(self.state.step + self.bound + 1, self.cfg.run.steps)):
+            for r in ranks:
+                self.queue.release(j, r)
+        self._build_policy()
+        self.events.emit("control", what="shrink", reason=f"running on {len(self._alive())} of {self.world} ranks "
+                         f"({format_ranks(self._alive())}); possible trainer counts {self._valid_counts()}")
+
+    def _journal(self) -> None:
+        """The state after the last finished step, in Redis, written only while this coordinator's epoch is the
+        job's (one Lua script): what a coordinator that takes over continues from (:meth:`_attach`)."""
+        from dataclasses import asdict
+
+        from dynaresize.control.commands import FencedError
+        from dynaresize.control.keys import Keys
+
+        data = {"state": asdict(self.state), "last": asdict(self.last), "switched_last": getattr(self, "_switched_last", False)}
+        keys = Keys(self.job_id)
+        if not int(self._journal_script(keys=[keys.epoch, keys.journal], args=[self.bus.epoch, json.dumps(data)])):
+            self.bus.check_epoch()
+            raise FencedError(f"job {self.job_id}: journal not written (epoch {self.bus.epoch} is not the job's)")
+
+    def _attach(self) -> bool:
+        """``--resume`` while the ranks of the run are still alive (the coordinator was killed or hung, its Redis
+        and ranks were not): take them over as they are, from the journal, instead of restarting them from the
+        last checkpoint. The new epoch (taken already) fences off the old coordinator; the step in flight is run
+        again with the same command ids, so what the ranks already applied is answered from their stored acks."""
+        from dynaresize.control.keys import Keys
+        from dynaresize.control.server import pid_alive
+        from dynaresize.job.launcher import AttachedRanks
+
+        raw = self.redis.get(Keys(self.job_id).journal)
+        if raw is None:
+            return False
+        try:
+            j = json.loads(raw)
+            st = JobState(**j["state"])
+            launch = json.loads((self.run_dir / LAUNCH_FILE).read_text())
+        except (ValueError, TypeError, KeyError, OSError) as e:
+            log.warning("journal or launch file unreadable (%s): resuming from the checkpoint", e)
+            return False
+        live = self.registry.live()
+        want = [r for r in range(self.world) if r not in st.lost]
+        if launch.get("incarnation") != st.incarnation or any(r not in live for r in want):
+            import socket
+
+            here = socket.gethostname()
+            for r, reg in live.items():  # what is left of that launch cannot be used: stop it
+                if reg.pid and reg.host == here and pid_alive(reg.pid):
+                    log.warning("rank %d (pid %d) of the earlier launch is alive but the launch is incomplete: killed", r, reg.pid)
+                    try:
+                        os.killpg(reg.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            return False
+        st.elapsed_s, st.loop_s = max(st.elapsed_s, self.state.elapsed_s), max(st.loop_s, self.state.loop_s)
+        self.state = st
+        self.last = StepTimes(**j.get("last", {}))
+        self._switched_last = bool(j.get("switched_last", False))
+        self._build_policy()
+        self.pstate = policy_from_dict(st.policy) or self.policy.initial_state()
+        self.launcher = AttachedRanks(self.run_dir, {r: live[r] for r in want})
+        self._rewind_batches()
+        self.events.emit("control", what="attach", reason=f"took over {len(want)} live rank(s) of launch {st.incarnation} "
+                         f"at step {st.step} with epoch {self.bus.epoch}; the step in flight runs again, applied commands answered from their acks",
+                         epoch=self.bus.epoch)
+        log.warning("attached to %d live ranks at step %d (epoch %d)", len(want), st.step, self.bus.epoch)
+        return True
+
+    def _restart(self, e: RanksLost) -> bool:
+        """Restart every rank from the last checkpoint (local launches only; bounded by faults.max_restarts).
+        A new epoch fences off whatever the killed processes had in flight."""
+        from dynaresize.control.commands import CommandBus
+
+        relaunch = getattr(self.launcher, "relaunchable", False)
+        if not relaunch or self.restarts >= self.cfg.faults.max_restarts:
+            return False
+        self.restarts += 1
+        old = load_state(self.run_dir) or JobState(n_train=self.cfg.cluster.initial_train)
+        where = f"checkpoint {old.checkpoint} (step {old.step})" if old.checkpoint else "the start"
+        self.events.emit("control", what="restart", reason=f"{e}; restart {self.restarts}/{self.cfg.faults.max_restarts}: "
+                         f"every rank again from {where}")
+        log.warning("%s: restarting every rank from %s (restart %d/%d)", e, where, self.restarts, self.cfg.faults.max_restarts)
+        self.launcher.stop(grace_s=0.0)
+        old.incarnation = _next_incarnation(self.run_dir)
+        old.elapsed_s, old.loop_s = self.state.elapsed_s, self.state.loop_s
+        self.state = old
+        self._rewind_batches()
+        self._items.clear()
+        self._results.clear()
+        self.last = StepTimes()
+        self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)  # new epoch
+        self._build_policy()
+        self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
+        return True
 
     def _elapsed(self) -> float:
         prev = getattr(self, "_elapsed_before", None)
@@ -476,21 +709,40 @@ class Coordinator:
     def _call(self, kind: str, ranks, payload: dict):
         """Send a command and wait for every rank's ack, watching the ranks' liveness while waiting."""
         ranks = list(ranks)
-        return self._await(self.bus.send(kind, ranks, payload), ranks, kind)
+        return self._await(self._send(kind, ranks, payload), ranks, kind)
+
+    def _send(self, kind: str, ranks, payload: dict):
+        """Send with an id that a coordinator re-running the same step from the journal computes again: the ranks
+        answer such a resent command with the stored result of its first application instead of applying it twice
+        (launch incarnation, step, kind, how many of that kind so far in the step, digest of ranks and payload)."""
+        import hashlib
+
+        ranks = list(ranks)
+        n = self._seq.get(kind, 0)
+        self._seq[kind] = n + 1
+        digest = hashlib.blake2b(json.dumps([ranks, payload], sort_keys=True).encode(), digest_size=4).hexdigest()
+        cid = f"i{self.state.incarnation}.{self._ctx}.{kind}.{n}.{digest}"
+        return self.bus.send(kind, ranks, payload, command_id=cid)
 
     def _await(self, cmd, ranks, what: str):
-        """Wait for acks, checking that no rank process died meanwhile."""
-        ranks = list(ranks)
+        """Wait for acks, watching the ranks waited on: one whose process exited or whose heartbeat is older than
+        the deadline (hung, SIGSTOPped, its node gone) raises :class:`RanksLost`."""
+        ranks = [r for r in ranks if r not in self.state.lost]
         while True:
             res = self.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
             if not res.missing:
                 self._require(res, what, ranks)
                 return res
-            self._check_ranks_alive()
-            dead = self.registry.dead()
-            gone = [r for r in res.missing if r in dead]
+            exited = self.launcher.dead() if hasattr(self.launcher, "dead") else {}
+            gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
+            silent = self.registry.dead()
+            gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in res.missing if r in silent and r not in gone})
             if gone:
-                raise JobError(f"{what}: rank(s) {format_ranks(gone)} stopped heartbeating")
+                err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
+                if hasattr(self.launcher, "log_tail") and any(r in exited for r in gone):
+                    r0 = next(r for r in sorted(gone) if r in exited)
+                    err.args = (f"{err}; last lines of rank {r0}'s log:\n{self.launcher.log_tail(r0)}",)
+                raise err
 
     def _require(self, res, what: str, ranks) -> None:
         if res.missing:

@@ -49,6 +49,7 @@ class LocalLauncher:
     device: str = "cpu"
     master_port: int = 0
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
+    relaunchable: bool = True  # the coordinator may stop every rank and start them again (automatic restart)
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
@@ -96,3 +97,51 @@ class LocalLauncher:
                     p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
+
+
+class AttachedRanks:
+    """Ranks started by an earlier coordinator of this run (killed or hung), still alive and registered: a
+    coordinator that takes over watches and stops them by the pid each one registered with. Only ranks on this
+    host can be watched by pid; others are watched by their heartbeats alone."""
+
+    def __init__(self, run_dir: Path, registrations: dict):
+        import socket
+
+        self.run_dir = Path(run_dir)
+        here = socket.gethostname()
+        self.pids = {r: int(reg.pid) for r, reg in registrations.items() if reg.pid and reg.host == here}
+        self.relaunchable = len(self.pids) == len(registrations)  # a restart starts local processes again
+
+    def start(self) -> None:
+        pass
+
+    def dead(self) -> dict[int, int]:
+        from dynaresize.control.server import pid_alive
+
+        return {r: -1 for r, pid in self.pids.items() if not pid_alive(pid)}
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        path = self.run_dir / "logs" / f"rank{rank}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        from dynaresize.control.server import pid_alive
+
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(pid_alive(p) for p in self.pids.values()):
+            time.sleep(0.1)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [p for p in self.pids.values() if pid_alive(p)]
+            if not alive:
+                return
+            for p in alive:
+                try:
+                    os.killpg(p, sig)  # each rank leads its own session (start_new_session)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            end = time.monotonic() + 5
+            while time.monotonic() < end and any(pid_alive(p) for p in alive):
+                time.sleep(0.1)

@@ -33,6 +33,7 @@ class JobState:
     elapsed_s: float = 0.0  # wall time of all incarnations so far, start-up included
     loop_s: float = 0.0  # time spent in the RL loop (steps), all incarnations: what throughput is measured over
     incarnation: int = 0  # how many times the run was started (1 on the first start)
+    lost: list[int] = field(default_factory=list)  # ranks declared lost and fenced off (the job runs without them)
 
     def to_json(self) -> str:
         return json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=1, sort_keys=True)

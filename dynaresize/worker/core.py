@@ -21,6 +21,8 @@ Ranks outside the union keep generating: a switch never stops them.
 from __future__ import annotations
 
 import gc
+import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,12 +32,30 @@ import torch
 import torch.distributed as dist
 
 from dynaresize.comm import groups as G
-from dynaresize.comm.weights import broadcast_weights
+from dynaresize.comm.weights import broadcast_weights, send_weights_p2p
 from dynaresize.engines import reshard as R
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager
+
+
+def fault_point(rank: int, point: str, at: str = "") -> None:
+    """Test hook for the fault matrix (never set in a real run): ``DYNARESIZE_TEST_KILL_AT="1:switch_role.offload,
+    0:stage_state.weights@step-4"`` makes rank 1 SIGKILL itself right after the offload of a switch, and rank 0 in
+    the middle of staging the checkpoint of step 4 (weights staged, optimizer state not). With ``DYNARESIZE_TEST_KILL_ONCE=<dir>``
+    each point fires once per run (a marker file in ``<dir>``), so the restarted rank gets past it."""
+    spec = os.environ.get("DYNARESIZE_TEST_KILL_AT")
+    if not spec or not {f"{rank}:{point}", f"{rank}:{point}@{at}"} & set(spec.split(",")):
+        return  # "<rank>:<point>" fires at the first pass, "<rank>:<point>@<at>" only there (a step, a tag)
+    once = os.environ.get("DYNARESIZE_TEST_KILL_ONCE")
+    if once:
+        marker = Path(once) / f"rank{rank}-{point}"
+        if marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{os.getpid()}\n")
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class WorkerError(RuntimeError):
@@ -268,10 +288,12 @@ class Worker:
 
     # -- weight sync ----------------------------------------------------------------------------------------
 
-    def _cmd_sync_weights(self, version: int, n_train: int) -> dict[str, Any]:
+    def _cmd_sync_weights(self, version: int, n_train: int, lost: list[int] | None = None) -> dict[str, Any]:
         if n_train != self.n_train:
             raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, sync says {n_train}")
-        if self.rank not in G.sync_ranks(n_train, self.setup.world):
+        members = G.sync_ranks(n_train, self.setup.world)
+        lost = sorted(set(lost or ()) & set(members))
+        if self.rank not in members or self.rank in lost:
             return {"version": self.version, "bytes": 0, "seconds": 0.0}  # trainers other than dp-rank 0: nothing to do
         if self.rank == 0 and version != self.version:
             raise WorkerError(f"rank 0 holds version {self.version}, sync asks to send {version}")
@@ -283,8 +305,13 @@ class Worker:
             named = self.vllm.named_weights()
         else:
             named = self._weights()
-        got, moved = broadcast_weights(named, 0, self.groups.sync_group(n_train),
-                                       self.setup.rollout_cfg.sync_bucket_mb << 20, self.version, sink=sink, device=dev)
+        if lost:  # the pre-built group has a member that is gone: its collectives would wait for it forever
+            live = [r for r in members if r not in lost]
+            got, moved = send_weights_p2p(named, 0, live, self.setup.rollout_cfg.sync_bucket_mb << 20, self.version,
+                                          sink=sink, device=dev)
+        else:
+            got, moved = broadcast_weights(named, 0, self.groups.sync_group(n_train),
+                                           self.setup.rollout_cfg.sync_bucket_mb << 20, self.version, sink=sink, device=dev)
         self.version = got
         if self.rollout is self.vllm and self.vllm is not None:
             self.vllm.finish_weight_update(got)
@@ -335,6 +362,7 @@ class Worker:
         nbytes = sum(p.master.numel() * 12 for p in old) if old else 0
         if was:
             self._op(switch_id, SwitchOp.OFFLOAD, t0, pc(), bytes=nbytes)
+        fault_point(self.rank, "switch_role.offload", f"step-{step}")
         # comm_select
         t0 = pc()
         union = self.groups.union_group(from_train, to_train)
@@ -419,6 +447,7 @@ class Worker:
         meta: dict[str, Any] = {"rank": self.rank, "version": self.version, "n_train": self.n_train}
         t0 = time.perf_counter()
         res = [self.stager.stage(self._snapshot_name(tag, "weights"), {n: t for n, t in self._weights()}, meta)]
+        fault_point(self.rank, "stage_state.weights", tag)
         if self.trainer is not None:
             tensors, parts_meta = {}, []
             for p in self.trainer.export_partitions(copy=False):
@@ -436,7 +465,12 @@ class Worker:
         the state was staged with (a different count goes through the reshard of ``switch_role``)."""
         assert self.stager is not None
         t0 = time.perf_counter()
-        _, meta = self.stager.load(self._snapshot_name(tag, "weights"), into={n: t for n, t in self._weights()})
+        name = self._snapshot_name(tag, "weights")
+        if self.trainer is None and self.setup.checkpoint_dir is not None and not Path(name).exists():
+            # this rank was declared lost before the checkpoint (it staged nothing): a rollout rank holds the same
+            # weights as rank 0 after every sync, so it starts from rank 0's
+            name = str(Path(self.setup.checkpoint_dir).resolve() / tag / "rank0-weights")
+        _, meta = self.stager.load(name, into={n: t for n, t in self._weights()})
         self.version = int(meta["version"])
         if self.rollout is not None:
             self.rollout.version = self.version

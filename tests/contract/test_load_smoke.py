@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_load_smoke_no_false_death_no_lost_or_duplicate_ack(redis_binary):
     cmd = [sys.executable, str(ROOT / "tools" / "bench_control_load.py"), "--ranks", "64", "--procs", "2",
-           "--duration", "4", "--interval", "0.5", "--subset-every", "2", "--crash", "1", "--json"]
+           "--duration", "4", "--interval", "0.5", "--subset-every", "2", "--crash", "1", "--dead-after", "3", "--json"]
     env = dict(os.environ, PATH=f"{Path(redis_binary).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=110, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
