@@ -9,10 +9,13 @@ Protocol (keys in ``keys.py``):
 - ``heartbeat(rank, incarnation)`` (Lua): if the stored incarnation matches, refresh the TTL and the zset score
   (server TIME, so host clocks never matter) and answer ``OK``; if the registration is gone (TTL expired while the
   rank or Redis was away) answer ``LOST`` (the rank re-registers); if a newer incarnation exists, ``SUPERSEDED``.
+  ``heartbeat_many({rank: incarnation})`` runs the same script for several ranks in one pipeline (a process that
+  serves many ranks, e.g. ``tools/bench_control_load.py``).
 - Dead-rank detection needs no keyspace notifications: the coordinator asks :meth:`Registry.liveness`, one script
   that reads server TIME, splits the zset at ``now - heartbeat_s * dead_after_heartbeats`` and returns the live
-  ranks' registrations. A dead rank stays in the zset (reported dead) until it heartbeats again, deregisters, or
-  the coordinator calls :meth:`forget`.
+  ranks' registrations (:meth:`Registry.dead` runs a smaller script that returns only the dead ranks, cheap to
+  poll at thousands of ranks). A dead rank stays in the zset (reported dead) until it heartbeats again,
+  deregisters, or the coordinator calls :meth:`forget`.
 - A Redis restart is not a silence of the ranks: no heartbeat can arrive while the server is down, and a client
   retries with a backoff of up to ``BACKOFF_CAP_S``. So a rank is only reported dead when it has also been silent
   for ``dead_after_s`` since the server came back plus that backoff (server uptime from ``INFO server``, read only
@@ -28,7 +31,7 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import redis
 
@@ -93,6 +96,12 @@ local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cut, 'WITHSCORES')
 return {tostring(now), regs, dead}
 """
 
+_DEAD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+return {tostring(now), redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'WITHSCORES')}
+"""
+
 
 class FencedRankError(RuntimeError):
     """This rank was declared lost by the coordinator and may not act as the rank any more."""
@@ -128,6 +137,7 @@ class Registry:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
         self._liveness = client.register_script(_LIVENESS)
+        self._dead = client.register_script(_DEAD)
         self._fence = client.register_script(_FENCE)
 
     def register(self, reg: Registration) -> Registration:
@@ -147,6 +157,19 @@ class Registry:
         raw = b"" if update is None else encode(update.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
         return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, incarnation, self.ttl_ms, raw])))
+
+    def heartbeat_many(self, beats: Mapping[int, int]) -> dict[int, Beat]:
+        """Heartbeat several ranks (rank -> incarnation) in one round trip: the same script as :meth:`heartbeat`
+        once per rank in one pipeline (for a process that serves many ranks, e.g. a node agent or a simulator)."""
+        if not beats:
+            return {}
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        ranks = [int(r) for r in beats]
+        for rank in ranks:
+            self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, int(beats[rank]), self.ttl_ms, b""],
+                            client=pipe)
+        return {rank: Beat(int(v)) for rank, v in zip(ranks, pipe.execute())}
 
     def deregister(self, rank: int, incarnation: int) -> bool:
         """Leave the job (only the current incarnation can remove itself)."""
@@ -205,7 +228,12 @@ class Registry:
         return self.liveness().live
 
     def dead(self) -> dict[int, float]:
-        return self.liveness().dead
+        """``liveness().dead`` without reading and decoding every live rank's registration (one small script, then
+        the same allowance for a Redis restart), so cheap to poll at thousands of ranks."""
+        now_s, dead = self._dead(keys=[self.keys.live], args=[self.cfg.dead_after_s])
+        now = float(now_s)
+        ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        return self._silent_since_restart(ages) if ages else ages
 
 
 class Heartbeater:
