@@ -33,3 +33,33 @@ def redis_server(redis_binary, tmp_path_factory):
     srv.start()
     yield srv
     srv.stop()
+
+
+# --- a real, small tmpfs (disk-full faults); needs root (CI and these machines run tests as root) -----------------
+@pytest.fixture
+def tmpfs(tmp_path):
+    """``tmpfs(path, size_bytes)`` mounts a tmpfs of that size on ``path`` (created); each mount is unmounted
+    (lazily if still busy) at the end of the test. Skips the test, saying why, when mounting is not permitted."""
+    import subprocess
+    from pathlib import Path
+
+    mounted: list[Path] = []
+
+    def mount(path, size: int) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+                               capture_output=True, text=True)
+            why = (r.stderr or r.stdout).strip() if r.returncode else ""
+        except FileNotFoundError:
+            why = "no mount command"
+        if why:
+            pytest.skip(f"cannot mount a {size}-byte tmpfs on {path} (needs root): {why}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)

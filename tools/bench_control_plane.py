@@ -101,6 +101,8 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=4, help="processes the rank threads are spread over")
     ap.add_argument("--rounds", type=int, default=30, help="broadcast commands timed")
     ap.add_argument("--gap", type=float, default=0.05, help="seconds between broadcasts")
+    ap.add_argument("--appendfsync", choices=["always", "everysec", "no"], default=None,
+                    help="AOF fsync policy of the server (default: the config default, always)")
     args = ap.parse_args()
 
     from dynaresize.control.commands import CommandBus
@@ -110,6 +112,8 @@ def main() -> int:
     from dynaresize.control.wire import CommandKind
 
     cfg = RedisConfig(heartbeat_s=1.0, dead_after_heartbeats=3, block_ms=500, socket_timeout_s=10)
+    if args.appendfsync:
+        cfg = cfg.model_copy(update={"appendfsync": args.appendfsync})
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="bench-cp-") as tmp, RedisServer(cfg, tmp) as srv:
         go, procs, readies = ctx.Event(), [], []
@@ -167,6 +171,7 @@ def main() -> int:
 
     out = {
         "ranks": args.ranks, "procs": args.procs, "rounds": args.rounds, "cores": os.cpu_count(),
+        "appendfsync": cfg.appendfsync,
         "register_s": round(register_s, 3),
         "fanout_p50_ms": round(pct(fanout, 50), 3), "fanout_p99_ms": round(pct(fanout, 99), 3),
         "fanout_idle_p50_ms": round(pct(quiet, 50), 3), "fanout_idle_p99_ms": round(pct(quiet, 99), 3),
@@ -174,7 +179,8 @@ def main() -> int:
         "acks_p50_ms": round(pct(acks_ms, 50), 3), "acks_p99_ms": round(pct(acks_ms, 99), 3),
         "missing_acks": missing,
     }
-    print(f"control plane: {args.ranks} ranks in {args.procs} processes, {args.rounds} broadcasts, {os.cpu_count()} cores")
+    print(f"control plane: {args.ranks} ranks in {args.procs} processes, {args.rounds} broadcasts, {os.cpu_count()} cores, "
+          f"appendfsync {cfg.appendfsync}")
     print(f"{'metric':<48} {'p50':>10} {'p99':>10} {'mean':>10}")
     for name, xs in (("fan-out: send() to all ranks (ms)", fanout),
                      ("fan-out, ranks idle (other job's streams) (ms)", quiet),

@@ -3,9 +3,9 @@
 Layering, lowest first: the model's defaults, the base file(s) named by ``extends`` (recursively, paths relative to
 the file that names them), the file itself, then ``key.path=value`` overrides from the command line. Every leaf
 remembers where it came from, so a validation error names the file (or the override), the key path, the value
-and what is allowed, in one message::
+and what is allowed, in one line per problem::
 
-    configs/x.yaml: train.lr = -1: Input should be greater than 0
+    invalid config: configs/x.yaml: train.lr = -1: Input should be greater than 0
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from dynaresize.config.base import RuleError
 from dynaresize.config.schema import Config
 
 EXTENDS_KEY = "extends"
@@ -147,22 +148,35 @@ def _source_of(loc: tuple, prov: dict[tuple, str], default: str) -> str:
     return default
 
 
+def _shown(value: Any, n: int = 80) -> str:
+    if isinstance(value, dict):
+        return "{...}"
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
 def _format_error(err: ValidationError, prov: dict[tuple, str], default_source: str) -> str:
+    """One line per problem: ``source: key.path = value: what is allowed``; a single problem is a single line."""
     lines = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        value = e.get("input")
+        rule = (e.get("ctx") or {}).get("error")
+        if isinstance(rule, RuleError):  # a cross-field rule: blame the key it names, not the whole section
+            loc, value = loc + rule.key, rule.value
         key = ".".join(str(p) for p in loc) or "<top level>"
         source = _source_of(loc, prov, default_source)
         if e["type"] == "extra_forbidden":
             parent = _model_at(Config, loc[:-1])
             allowed = ", ".join(parent.model_fields) if parent else "?"
-            lines.append(f"{source}: {key}: unknown key; allowed here: {allowed}")
+            shown = "" if isinstance(value, dict) else f" = {_shown(value)}"  # an unknown section: its name says it
+            lines.append(f"{source}: {key}{shown}: unknown key; allowed here: {allowed}")
         else:
-            value = e.get("input")
-            shown = repr(value) if not isinstance(value, dict) else "{...}"
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{source}: {key} = {shown}: {msg}")
-    head = f"invalid config ({len(lines)} problem{'s' if len(lines) != 1 else ''}):"
+            lines.append(f"{source}: {key} = {_shown(value)}: {msg}")
+    if len(lines) == 1:
+        return f"invalid config: {lines[0]}"
+    head = f"invalid config ({len(lines)} problems):"
     return "\n".join([head] + ["  " + l for l in lines])
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.sim.config import SimConfig
@@ -25,6 +25,10 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, description="Seed of everything random; each sample is seeded by (seed, step, prompt, index)")
     steps: int = Field(20, ge=1, description="RL steps (training updates) to run")
     checkpoint_every: int = Field(5, ge=0, description="Steps between checkpoints (0: only at the end and on signals)")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Complete checkpoints kept under <run_dir>/checkpoints (older ones are removed); a resume "
+        "falls back through them when the newest is damaged"
+    )
     progress: bool = Field(True, description="Show a progress bar on the terminal")
 
 
@@ -38,15 +42,20 @@ class ClusterConfig(Section):
     @model_validator(mode="after")
     def _split_is_valid(self) -> "ClusterConfig":
         if self.initial_train >= self.gpus:
-            raise ValueError(
-                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}"
+            raise RuleError(
+                "initial_train", self.initial_train,
+                f"initial_train={self.initial_train} leaves no rollout rank out of gpus={self.gpus}; allowed: 1..{self.gpus - 1}",
             )
         if self.granularity == "node":
             if self.gpus % self.gpus_per_node:
-                raise ValueError(f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})")
+                raise RuleError(
+                    "gpus", self.gpus,
+                    f"granularity=node needs gpus ({self.gpus}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
+                )
             if self.initial_train % self.gpus_per_node:
-                raise ValueError(
-                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})"
+                raise RuleError(
+                    "initial_train", self.initial_train,
+                    f"granularity=node needs initial_train ({self.initial_train}) to be a multiple of gpus_per_node ({self.gpus_per_node})",
                 )
         return self
 
@@ -92,8 +101,9 @@ class Config(Section):
         unit = c.gpus_per_node if c.granularity == "node" else 1
         for step, n in self.policy.forced_splits.items():
             if step < 0 or not (unit <= n <= c.gpus - unit) or n % unit:
-                raise ValueError(
-                    f"policy.forced_splits: {step}: {n} is not a valid trainer count for cluster.gpus={c.gpus} "
+                raise RuleError(
+                    ("policy", "forced_splits", step), n,
+                    f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
         return self

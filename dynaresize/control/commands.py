@@ -23,7 +23,9 @@ Rank side, :class:`CommandReceiver`:
   a rank waits on ``dr:<job>:wake`` for at most ``block_ms`` and then reads the stream anyway; if its pub/sub
   connection is broken it falls back to ``XREAD BLOCK block_ms``.
 - For each entry: decode (bad message -> logged ``control`` event, skipped, error ack when its id is readable);
-  reject a stale epoch (below the job's epoch key or the highest epoch this rank saw) with an error ack;
+  reject another job's command, a stale epoch (below the job's epoch key or the highest epoch this rank saw) and
+  an epoch ahead of the job's epoch key (no coordinator holds it: garbage, which would otherwise fence out the
+  real coordinator on this rank), each with an error ack and a ``control`` event;
   claim the command (``HSETNX dr:<job>:applied:<r> <id> started:<token>``, the token naming this receiver, so that a
   claim retried after a lost reply recognises itself): an id already there is **not** applied again,
   its stored ack is re-sent (``replayed=true``); then run the handler and commit, in one MULTI, the stored ack,
@@ -222,6 +224,7 @@ class CommandReceiver:
         self._token = f"{STARTED.decode()}:{uuid.uuid4().hex}"  # our claims; a retried claim recognises its own
         self._uncommitted: dict[str, bytes] = {}  # applied here, ack not yet committed (Redis was unreachable)
         self.max_epoch = 0
+        self.job_epoch = 0  # the job's epoch key, read with the entries being handled
         self.rejected = 0
         self.applied = 0
         self.cursor: bytes = self.r.get(self.keys.cursor(self.rank)) or b"0-0"
@@ -306,6 +309,7 @@ class CommandReceiver:
             else:
                 entries, epoch = self._read()
         self.max_epoch = max(self.max_epoch, epoch)
+        self.job_epoch = epoch
         for entry_id, fields in entries:
             self._handle(entry_id, fields.get(b"m"), handler)
         return len(entries)
@@ -327,7 +331,11 @@ class CommandReceiver:
             self._reject(entry_id, e.reason, _loose_id(raw, self.cfg.max_message_bytes), None)
             return
         if cmd.job_id != self.job_id:
-            self._reject(entry_id, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", None, None)
+            self._reject(entry_id, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", cmd.command_id, cmd.epoch)
+            return
+        if cmd.epoch > self.job_epoch:
+            self._reject(entry_id, f"epoch {cmd.epoch} is ahead of the job's epoch {self.job_epoch} (no coordinator holds it)",
+                         cmd.command_id, cmd.epoch)
             return
         if cmd.epoch < self.max_epoch:
             self._reject(entry_id, f"stale epoch {cmd.epoch} < {self.max_epoch} (fenced coordinator)",
@@ -406,7 +414,7 @@ def _loose_id(raw: bytes | None, max_bytes: int) -> str | None:
         return None
     try:
         obj = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: deeply nested garbage
         return None
     cid = obj.get("command_id") if isinstance(obj, dict) else None
     return cid if isinstance(cid, str) and 0 < len(cid) <= 64 and cid.isprintable() and ":" not in cid else None

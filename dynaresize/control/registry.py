@@ -9,9 +9,17 @@ Protocol (keys in ``keys.py``):
 - ``heartbeat(rank, incarnation)`` (Lua): if the stored incarnation matches, refresh the TTL and the zset score
   (server TIME, so host clocks never matter) and answer ``OK``; if the registration is gone (TTL expired while the
   rank or Redis was away) answer ``LOST`` (the rank re-registers); if a newer incarnation exists, ``SUPERSEDED``.
+  ``heartbeat_many({rank: incarnation})`` runs the same script for several ranks in one pipeline (a process that
+  serves many ranks, e.g. ``tools/bench_control_load.py``).
 - Dead-rank detection needs no keyspace notifications: the coordinator asks :meth:`Registry.liveness`, one script
-  that reads server TIME and splits the zset at ``now - heartbeat_s * dead_after_heartbeats``. A dead rank stays
-  in the zset (reported dead) until it heartbeats again, deregisters, or the coordinator calls :meth:`forget`.
+  that reads server TIME, splits the zset at ``now - heartbeat_s * dead_after_heartbeats`` and returns the live
+  ranks' registrations (:meth:`Registry.dead` runs a smaller script that returns only the dead ranks, cheap to
+  poll at thousands of ranks). A dead rank stays in the zset (reported dead) until it heartbeats again,
+  deregisters, or the coordinator calls :meth:`forget`.
+- A Redis restart is not a silence of the ranks: no heartbeat can arrive while the server is down, and a client
+  retries with a backoff of up to ``BACKOFF_CAP_S``. So a rank is only reported dead when it has also been silent
+  for ``dead_after_s`` since the server came back plus that backoff (server uptime from ``INFO server``, read only
+  when some rank looks dead). A rank that died during the outage is reported that much later.
 
 Every write here is idempotent under redis-py's retry-on-connection-error (a retried register only skips an
 incarnation number; a retried heartbeat refreshes twice).
@@ -23,12 +31,13 @@ import enum
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import redis
 
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.keys import Keys
+from dynaresize.control.server import BACKOFF_CAP_S
 from dynaresize.control.wire import Registration, WireError, decode, encode
 from dynaresize.events import EventLog
 
@@ -78,8 +87,19 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local cut = now - tonumber(ARGV[1])
 local alive = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. cut, '+inf')
+local regs = {}
+for _, r in ipairs(alive) do
+  local v = redis.call('HMGET', ARGV[2] .. r, 'inc', 'm')
+  regs[#regs + 1] = {r, v[1], v[2]}
+end
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', cut, 'WITHSCORES')
-return {tostring(now), alive, dead}
+return {tostring(now), regs, dead}
+"""
+
+_DEAD = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+return {tostring(now), redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'WITHSCORES')}
 """
 
 
@@ -117,6 +137,7 @@ class Registry:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
         self._liveness = client.register_script(_LIVENESS)
+        self._dead = client.register_script(_DEAD)
         self._fence = client.register_script(_FENCE)
 
     def register(self, reg: Registration) -> Registration:
@@ -136,6 +157,19 @@ class Registry:
         raw = b"" if update is None else encode(update.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
         return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, incarnation, self.ttl_ms, raw])))
+
+    def heartbeat_many(self, beats: Mapping[int, int]) -> dict[int, Beat]:
+        """Heartbeat several ranks (rank -> incarnation) in one round trip: the same script as :meth:`heartbeat`
+        once per rank in one pipeline (for a process that serves many ranks, e.g. a node agent or a simulator)."""
+        if not beats:
+            return {}
+        k = self.keys
+        pipe = self.r.pipeline(transaction=False)
+        ranks = [int(r) for r in beats]
+        for rank in ranks:
+            self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, int(beats[rank]), self.ttl_ms, b""],
+                            client=pipe)
+        return {rank: Beat(int(v)) for rank, v in zip(ranks, pipe.execute())}
 
     def deregister(self, rank: int, incarnation: int) -> bool:
         """Leave the job (only the current incarnation can remove itself)."""
@@ -162,28 +196,44 @@ class Registry:
         self.r.zrem(self.keys.live, rank)
 
     def liveness(self) -> Liveness:
-        now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s])
+        """One script (one round trip, atomic, retried as a whole after a connection error)."""
+        rank_prefix = self.keys.rank(0)[: -len("0")]
+        now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s, rank_prefix])
         now = float(now_s)
-        pipe = self.r.pipeline(transaction=False)
-        ranks = [int(x) for x in alive]
-        for rank in ranks:
-            pipe.hmget(self.keys.rank(rank), "inc", "m")
         live: dict[int, Registration] = {}
-        for rank, (inc, raw) in zip(ranks, pipe.execute() if ranks else []):
-            if raw is None:
+        for entry in alive:
+            rank, inc, raw = int(entry[0]), entry[1], entry[2] if len(entry) > 2 else None
+            if raw is None or inc is None:
                 continue  # zset entry without a registration: seen at the next check as LOST/dead
             try:
                 live[rank] = decode(Registration, raw, self.cfg.max_message_bytes).model_copy(update={"incarnation": int(inc)})
             except WireError as e:
                 log.warning("job %s rank %d: unreadable registration skipped: %s", self.job_id, rank, e.reason)
         dead_ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        if dead_ages:
+            dead_ages = self._silent_since_restart(dead_ages)
         return Liveness(now, live, dead_ages)
+
+    def _silent_since_restart(self, dead: dict[int, float]) -> dict[int, float]:
+        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up and reachable (see the
+        module docstring); the others are neither live nor dead yet."""
+        try:
+            uptime = float(self.r.info("server")["uptime_in_seconds"])
+        except (redis.ResponseError, KeyError, TypeError, ValueError):
+            return dead  # INFO not allowed (an external server with ACLs): no allowance for restarts
+        reachable_for = uptime - BACKOFF_CAP_S
+        return {r: age for r, age in dead.items() if min(age, reachable_for) > self.cfg.dead_after_s}
 
     def live(self) -> dict[int, Registration]:
         return self.liveness().live
 
     def dead(self) -> dict[int, float]:
-        return self.liveness().dead
+        """``liveness().dead`` without reading and decoding every live rank's registration (one small script, then
+        the same allowance for a Redis restart), so cheap to poll at thousands of ranks."""
+        now_s, dead = self._dead(keys=[self.keys.live], args=[self.cfg.dead_after_s])
+        now = float(now_s)
+        ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        return self._silent_since_restart(ages) if ages else ages
 
 
 class Heartbeater:
@@ -234,9 +284,18 @@ class Heartbeater:
     def beat_once(self) -> Beat:
         with self._lock:
             reg, pending, self._pending = self.registration, self._pending, None
-        beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending)
+        try:
+            beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending)
+        except redis.RedisError:
+            if pending is not None:
+                with self._lock:  # not written: keep it for the next beat (unless a newer update replaced it)
+                    self._pending = self._pending or pending
+            raise
         if beat is Beat.LOST:
-            self.registration = self.registry.register(self.registration)
+            # registration gone (TTL expired while the rank or Redis was away): register the latest fields again
+            new = self.registry.register(self.registration)
+            with self._lock:  # an update() meanwhile keeps its fields; it is written with the next beat
+                self.registration = self.registration.model_copy(update={"incarnation": new.incarnation})
             self._emit("rejoined")
             if self.on_reregister:
                 self.on_reregister(self.registration)

@@ -15,6 +15,16 @@ starts a real ``redis-server`` (the one on PATH, else the binary that the ``redi
 :meth:`RedisServer.stop` sends SHUTDOWN (the AOF is flushed), then waits, then kills; :meth:`RedisServer.restart`
 brings the same server back on the same directory, port and password (the AOF is replayed).
 
+Supervision (``RedisServer(cfg, run_dir, supervise=True, on_restart=f)``): a watchdog thread waits on the
+server process; when it exits without :meth:`RedisServer.stop` (a crash, an OOM kill, a SIGKILL) the watchdog
+starts it again on the same port, password and directory (the AOF is replayed: with the default
+``appendfsync always`` every acknowledged write is in it), up to ``redis.restart_attempts`` times with exponential
+backoff from ``redis.restart_backoff_s``, then calls ``f(reason)``. Clients ride the outage out with their own
+retries (:func:`client_for`: ``redis.retries`` retries, backoff capped at :data:`BACKOFF_CAP_S`, about 5.5 s in
+all by default); the Lua scripts are loaded again by redis-py on NOSCRIPT. When every attempt fails (the port was
+taken by another process meanwhile, the AOF cannot be read, ...) the watchdog logs why, keeps it in
+:attr:`RedisServer.failure` and stops; :meth:`RedisServer.check` raises it, and clients fail on their next call.
+
 :func:`connect` builds a client with explicit timeouts and a retry policy. Retries are only safe because every
 write of the control plane is idempotent or de-duplicated by the reader (see ``commands.py``/``registry.py``).
 """
@@ -31,9 +41,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 from urllib.parse import unquote, urlparse
 
 import redis
@@ -49,10 +61,18 @@ REDIS_DIR = "redis"
 ENDPOINT_FILE = "redis.json"
 PASSWORD_FILE = "password"
 CONF_FILE = "redis.conf"
+LOG_FILE = "redis.log"
+BACKOFF_CAP_S = 1.0  # longest sleep of a client between two retries (so also its lag after a server restart)
+RESTART_BACKOFF_CAP_S = 5.0  # longest wait of the watchdog between two restart attempts
+WATCH_POLL_S = 0.1  # how often the watchdog looks at the server process
 
 
 class RedisServerError(RuntimeError):
     """The embedded redis-server could not be started, reached or stopped (the message says which and why)."""
+
+
+class PortTakenError(RedisServerError):
+    """The port the embedded redis-server must listen on is held by another process."""
 
 
 def find_redis_server(explicit: str | None = None) -> str:
@@ -125,22 +145,32 @@ def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
     os.replace(tmp, path)
 
 
+try:  # loaded here, not between fork and exec: the watchdog forks while other threads of the process run
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+try:
+    import resource as _resource
+except ImportError:  # not on Linux
+    _resource = None  # type: ignore[assignment]
+
+
 def _child_setup() -> None:  # pragma: no cover - runs in the child
     """Die with the parent (no orphan servers), stay out of the parent's process group (a Ctrl-C, a SIGTERM to the
     group or Slurm's warning signal is for the coordinator, which must still reach Redis to checkpoint), and allow
-    many client connections."""
-    os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    try:
-        import resource
+    many client connections.
 
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    except (ValueError, OSError):
-        pass
+    The parent-death signal follows the thread that forked: a server restarted by the watchdog gets it when the
+    watchdog thread ends, which it only does once that server was stopped (or when the whole process ends)."""
+    os.setsid()
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if _resource is not None:
+        try:
+            soft, hard = _resource.getrlimit(_resource.RLIMIT_NOFILE)
+            _resource.setrlimit(_resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            pass
 
 
 def pid_alive(pid: int) -> bool:
@@ -182,7 +212,7 @@ def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", passw
         socket_connect_timeout=cfg.connect_timeout_s,
         health_check_interval=cfg.health_check_s,
         socket_keepalive=True,
-        retry=SafeRetry(ExponentialBackoff(cap=1.0, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError)),
+        retry=SafeRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError)),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         client_name=f"dr-{role}"[:64].replace(" ", "_"),
         decode_responses=False,
@@ -208,11 +238,16 @@ class RedisServer:
 
     Use as a context manager::
 
-        with RedisServer(cfg.redis, run_dir) as srv:
+        with RedisServer(cfg.redis, run_dir, supervise=True, on_restart=print) as srv:
             r = connect(srv.endpoint_file, role="coordinator", cfg=cfg.redis)
+
+    ``supervise=True`` restarts the embedded server when it dies (see the module docstring); ``on_restart(reason)``
+    is then called on the watchdog thread once the server answers again (an exception in it is logged, never
+    raised). An external server (``redis.url``) is never supervised.
     """
 
-    def __init__(self, cfg: RedisConfig, run_dir: str | Path):
+    def __init__(self, cfg: RedisConfig, run_dir: str | Path, supervise: bool = False,
+                 on_restart: Callable[[str], None] | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # redis-server runs in its own directory: paths must be absolute
         self.dir = self.run_dir / REDIS_DIR
@@ -222,6 +257,14 @@ class RedisServer:
         self.endpoint: Endpoint | None = None
         self.binary: str | None = None
         self.adopted_pid: int | None = None  # a server of this run dir left running by a killed coordinator
+        self.supervise = supervise
+        self.on_restart = on_restart
+        self.restarts = 0  # restarts done by the watchdog
+        self.failure: str | None = None  # why the watchdog gave up (None while it has not)
+        self._lock = threading.RLock()  # start/stop/restart of the process: one at a time
+        self._stopping = threading.Event()  # set by stop() and detach(): the watchdog must not bring the server back
+        self._detached = threading.Event()
+        self._watchdog: threading.Thread | None = None
 
     @property
     def external(self) -> bool:
@@ -229,25 +272,38 @@ class RedisServer:
 
     # -- lifecycle -------------------------------------------------------------------------------------------
     def start(self) -> Endpoint:
-        if self.proc is not None and self.proc.poll() is None and self.endpoint is not None:
-            return self.endpoint  # already running
-        self.dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.dir, 0o700)
-        if self.external:
-            return self._adopt_url(self.cfg.url or "")
-        if self.cfg.bind not in LOOPBACK and not self.cfg.require_password:
-            raise RedisServerError(f"refusing to bind redis-server to {self.cfg.bind!r} without a password")
+        with self._lock:
+            if self.proc is not None and self.proc.poll() is None and self.endpoint is not None:
+                return self.endpoint  # already running
+            self.dir.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.dir, 0o700)
+            if self.external:
+                return self._adopt_url(self.cfg.url or "")
+            if self.cfg.bind not in LOOPBACK and not self.cfg.require_password:
+                raise RedisServerError(f"refusing to bind redis-server to {self.cfg.bind!r} without a password")
+            ep = self._adopt_running(self._password()) or self._spawn()
+            self._stopping.clear()
+            self._detached.clear()
+            self.failure = None
+            if self.supervise and (self._watchdog is None or not self._watchdog.is_alive()):
+                # the watchdog also spawns the restarted servers, so it lives as long as they do (the child's
+                # parent-death signal follows the thread that started it)
+                self._watchdog = threading.Thread(target=self._watch, name=f"redis-watchdog-{self.port}", daemon=True)
+                self._watchdog.start()
+            return ep
+
+    def _spawn(self) -> Endpoint:
+        """Start redis-server on ``self.port`` (or a free port when 0) and wait until it answers."""
         self.binary = find_redis_server(self.cfg.server_binary)
         password = self._password()
-        adopted = self._adopt_running(password)
-        if adopted is not None:
-            return adopted
         last = ""
         for _attempt in range(3):  # a free port can be taken between probing and binding: retry on a new one
             port = self.port or free_port(self.cfg.bind)
             conf = self.dir / CONF_FILE
             _write_private(conf, self._conf_text(port, password))
-            logf = open(self.dir / "redis.log", "ab")
+            logpath = self.dir / LOG_FILE
+            log_from = logpath.stat().st_size if logpath.exists() else 0
+            logf = open(logpath, "ab")
             try:
                 self.proc = subprocess.Popen(
                     [self.binary, str(conf)], stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
@@ -261,21 +317,38 @@ class RedisServer:
             except RedisServerError as e:
                 last = str(e)
                 self._kill()
-                if self.port:  # a fixed port: do not silently move
+                if self._port_in_use(log_from):
+                    if self.port:  # a fixed port (configured, or the run's port being restarted): never move it
+                        raise PortTakenError(self._port_taken_message(port)) from None
+                    continue
+                if self.port:
                     break
                 continue
             self.port = port
             self.endpoint = ep
             self._write_endpoint(ep)
-            log.info("redis-server %s started on %s:%d (dir %s)", self.binary, self.cfg.bind, port, self.dir)
+            log.info("redis-server %s started on %s:%d (dir %s, appendfsync %s)", self.binary, self.cfg.bind, port,
+                     self.dir, self.cfg.appendfsync)
             return ep
         raise RedisServerError(f"redis-server did not start: {last}")
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SHUTDOWN (AOF flushed), wait, then SIGTERM/SIGKILL. Idempotent."""
-        if self.proc is None and self.adopted_pid is not None:
-            self._stop_adopted(timeout)
-            return
+        """End supervision, then SHUTDOWN (AOF flushed), wait, then SIGTERM/SIGKILL. Idempotent.
+
+        Supervision ends first: from here on an exit of the server is a stop, never restarted; a restart already
+        in progress is waited for (and then shut down)."""
+        self._stopping.set()
+        with self._lock:
+            if self.proc is None and self.adopted_pid is not None:
+                self._stop_adopted(timeout)
+            else:
+                self._stop_process(timeout)
+        w = self._watchdog
+        if w is not None and w is not threading.current_thread() and not self._detached.is_set():
+            w.join(timeout=timeout)
+        self._watchdog = None
+
+    def _stop_process(self, timeout: float) -> None:
         if self.proc is None:
             return
         if self.proc.poll() is None and self.endpoint is not None:
@@ -293,9 +366,15 @@ class RedisServer:
         self.proc = None
 
     def detach(self) -> None:
-        """Leave the server running (this process was fenced off: a newer coordinator owns the run and its Redis)."""
-        self.proc = None
-        self.adopted_pid = None
+        """Leave the server running (this process was fenced off: a newer coordinator owns the run and its Redis).
+
+        Supervision ends (the newer coordinator supervises the server it adopted); the watchdog thread stays, idle,
+        until this process exits, since a server it restarted would get its parent-death signal when it ends."""
+        self._detached.set()
+        self._stopping.set()
+        with self._lock:
+            self.proc = None
+            self.adopted_pid = None
 
     def _adopt_running(self, password: str | None) -> Endpoint | None:
         """The run's own server still answering on its endpoint (the coordinator that started it was killed, its
@@ -348,13 +427,31 @@ class RedisServer:
             pass
 
     def kill(self) -> None:
-        """SIGKILL the server (a crash, for tests): only what the AOF fsync policy wrote survives."""
-        self._kill()
+        """SIGKILL the server (a crash, for tests): only what the AOF fsync policy wrote survives. Supervised, the
+        watchdog restarts it as it would after any crash."""
+        if self.supervise and self._watchdog is not None and self._watchdog.is_alive():
+            p, adopted = self.proc, self.adopted_pid
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+            elif p is None and adopted is not None:
+                try:
+                    os.kill(adopted, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+        with self._lock:
+            self._kill()
 
     def restart(self) -> Endpoint:
         """Stop and start again on the same directory, port and password (the AOF is replayed)."""
         self.stop()
         return self.start()
+
+    def check(self) -> None:
+        """Raise :class:`RedisServerError` when the watchdog gave up restarting the server (its reason)."""
+        if self.failure is not None:
+            raise RedisServerError(self.failure)
 
     def __enter__(self) -> "RedisServer":
         self.start()
@@ -367,6 +464,113 @@ class RedisServer:
         if self.endpoint is None:
             raise RedisServerError("the Redis server is not started")
         return client_for(self.endpoint, self.cfg, role)
+
+    # -- supervision -----------------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """The watchdog: wait for the server process (ours, or the adopted one) to exit; unless stop() or detach()
+        was called, start it again.
+
+        After stop() it still lives until the server is gone (the server it started dies with it); after detach()
+        until this process ends."""
+        while True:
+            if self._detached.is_set():
+                threading.Event().wait()  # idle for good (a daemon thread: it ends with the process)
+            proc, adopted = self.proc, self.adopted_pid
+            if proc is None and adopted is not None:  # not our child: no exit status, poll the pid
+                if self._stopping.is_set() and not pid_alive(adopted):
+                    return
+                if pid_alive(adopted):
+                    time.sleep(WATCH_POLL_S)
+                    continue
+                code: int | None = None
+            elif proc is None:
+                if self._stopping.is_set():
+                    return
+                time.sleep(WATCH_POLL_S)
+                continue
+            else:
+                if self._stopping.is_set() and proc.poll() is not None:
+                    return
+                try:
+                    code = proc.wait(timeout=WATCH_POLL_S)
+                except subprocess.TimeoutExpired:
+                    continue
+            with self._lock:
+                if self._stopping.is_set():
+                    continue  # stopped or detached meanwhile: the checks above end the loop
+                if proc is not self.proc or adopted != self.adopted_pid:
+                    continue  # replaced meanwhile
+                reason = self._revive(proc.pid if proc is not None else adopted, code, adopted=proc is None)
+            if reason is None:
+                return  # gave up (logged, kept in self.failure) or stopped
+            if self.on_restart is not None:
+                try:
+                    self.on_restart(reason)
+                except Exception:  # noqa: BLE001 - a failing callback must not end supervision
+                    log.exception("on_restart callback failed")
+
+    def _revive(self, pid: int, code: int | None, adopted: bool = False) -> str | None:
+        """Start the dead server again on its port (bounded attempts, backoff). Returns the reason of the restart,
+        or None when every attempt failed (then :attr:`failure` says why) or stop() was called meanwhile."""
+        if code is None:
+            how = "is gone"
+        elif code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with code {code}"
+        cause = f"redis-server (pid {pid}{', adopted' if adopted else ''}, port {self.port}) {how}"
+        log.error("%s without a stop; restarting it on the same port (last log lines: %s)", cause, self._log_tail())
+        self.proc, self.adopted_pid = None, None
+        t0 = time.monotonic()
+        attempts = self.cfg.restart_attempts
+        err = ""
+        for attempt in range(1, attempts + 1):
+            if self._stopping.is_set():
+                return None
+            try:
+                self._spawn()
+            except RedisServerError as e:
+                err = str(e)
+                log.warning("restart %d/%d of redis-server on port %d failed: %s", attempt, attempts, self.port, err)
+                if attempt < attempts:
+                    self._stopping.wait(min(RESTART_BACKOFF_CAP_S, self.cfg.restart_backoff_s * 2 ** (attempt - 1)))
+                continue
+            self.restarts += 1
+            reason = (f"{cause}; restarted on the same port in {time.monotonic() - t0:.2f} s "
+                      f"(attempt {attempt}, append-only file replayed, appendfsync {self.cfg.appendfsync})")
+            log.warning("%s", reason)
+            return reason
+        self.failure = (f"{cause}; gave up after {attempts} restart attempts in {time.monotonic() - t0:.1f} s "
+                        f"(redis.restart_attempts): {err}")
+        log.error("%s", self.failure)
+        return None
+
+    def _port_in_use(self, log_from: int) -> bool:
+        """Did the redis-server just started fail because its port is in use (its log since ``log_from`` says so)?"""
+        try:
+            with open(self.dir / LOG_FILE, "rb") as f:
+                f.seek(log_from)
+                return b"Address already in use" in f.read()
+        except OSError:
+            return False
+
+    def _port_taken_message(self, port: int) -> str:
+        holder = ""
+        try:
+            import psutil
+
+            for c in psutil.net_connections(kind="tcp"):
+                if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                    holder = f" (pid {c.pid}, {psutil.Process(c.pid).name()})"
+                    break
+        except Exception:  # noqa: BLE001 - naming the holder is a courtesy (other users' sockets are hidden)
+            pass
+        return (f"redis-server cannot listen on {self.cfg.bind}:{port}: the port is in use by another process{holder}. "
+                f"The run's ranks know its Redis by this port ({self.endpoint_file}), so it is not moved; free the "
+                f"port, or set redis.port to a free port (0 picks one) for a new run")
 
     # -- helpers ---------------------------------------------------------------------------------------------
     def _client_host(self) -> str:
@@ -410,7 +614,8 @@ class RedisServer:
 
     def _wait_ready(self, ep: Endpoint, password: str | None) -> None:
         deadline = time.monotonic() + self.cfg.start_timeout_s
-        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 2.0, "connect_timeout_s": 1.0, "block_ms": 100})
+        # short probes: a probe that reached another process holding the port must not wait long for an answer
+        quick = self.cfg.model_copy(update={"retries": 0, "socket_timeout_s": 0.5, "connect_timeout_s": 1.0, "block_ms": 100})
         err: Exception | None = None
         while time.monotonic() < deadline:
             assert self.proc is not None
@@ -423,14 +628,14 @@ class RedisServer:
                         return
                 finally:
                     c.close()
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError) as e:
+            except redis.RedisError as e:  # not up yet, loading the AOF, or another process on the port
                 err = e
             time.sleep(0.02)
         raise RedisServerError(f"redis-server not ready within {self.cfg.start_timeout_s}s ({err}): {self._log_tail()}")
 
-    def _log_tail(self, n: int = 5) -> str:
+    def _log_tail(self, n: int = 3) -> str:
         try:
-            lines = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()
+            lines = (self.dir / LOG_FILE).read_text(errors="replace").strip().splitlines()
             return " | ".join(lines[-n:])
         except OSError:
             return "(no log)"

@@ -30,8 +30,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config.loader import load_config
     from dynaresize.rundir import create_run_dir
-    from dynaresize.control.commands import FencedError
-    from dynaresize.job.coordinator import Coordinator, JobError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.resume and args.config and "=" in args.config:  # `--resume DIR k=v ...`: argparse took k=v as CONFIG
@@ -51,8 +49,19 @@ def main(args: argparse.Namespace) -> int:
             return 2
         cfg = load_config(args.config, args.overrides)
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
+    # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
+    from dynaresize.control.commands import FencedError
+    from dynaresize.job.coordinator import Coordinator, JobError
+    from dynaresize.job.state import StateError
+
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
-    coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+    try:
+        coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+    except StateError as e:  # --resume and no intact checkpoint: what is damaged, nothing deleted
+        if bar:
+            bar.close()
+        print(f"dynaresize run: --resume {run_dir}: {e}", file=sys.stderr)
+        return 1
     coord.install_signal_handlers()
     print(f"run dir  {run_dir}")
     try:

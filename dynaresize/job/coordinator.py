@@ -41,12 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import redis
+
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, build_batch, work_items
-from dynaresize.job.state import JobState, load_state, policy_from_dict, policy_to_dict, save_state
+from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
 
 log = logging.getLogger("dynaresize.job")
 
@@ -102,7 +104,7 @@ class Coordinator:
         self.world = self.cfg.cluster.gpus
         self.bound = self.cfg.pipeline.staleness_bound
         self.job_id = self.run_dir.name
-        st = load_state(self.run_dir) if self.resume else None
+        st = self._resume_state() if self.resume else None
         self.state = st or JobState(n_train=self.cfg.cluster.initial_train)
         self.state.incarnation = _next_incarnation(self.run_dir)  # counts starts, checkpointed or not
         self.group = self.cfg.rollout.group_size
@@ -153,7 +155,8 @@ class Coordinator:
             self.tokenizer = load_tokenizer(self.model_dir)
             self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
-            with RedisServer(self.cfg.redis, self.run_dir) as srv:
+            with RedisServer(self.cfg.redis, self.run_dir, supervise=True,  # a crashed redis-server comes back (AOF)
+                             on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
                 if self.on_redis_ready is not None:
                     self.on_redis_ready(srv)
@@ -186,8 +189,10 @@ class Coordinator:
                     fenced = True
                     srv.detach()
                     raise
-                except BaseException:  # a rank died or a command failed: the last checkpoint stays the resume point
+                except BaseException as e:  # a rank died or a command failed: the last checkpoint stays the resume point
                     checkpoint = False
+                    if isinstance(e, redis.ConnectionError):
+                        srv.check()  # the watchdog gave up restarting Redis: raise why, not the client's symptom
                     raise
                 finally:
                     if not fenced:
@@ -526,15 +531,56 @@ class Coordinator:
         self.state.version = version
 
     def checkpoint(self, reason: str = "") -> None:
+        """Every rank stages its state under ``checkpoints/step-<k>/``, then the coordinator writes the tag's own
+        state, then the top-level ``coordinator.json``, then old checkpoints beyond ``run.keep_checkpoints`` go.
+        A staging failure on a rank (a full disk: its ack carries the StagingError) or a failed state write is
+        not fatal: a ``checkpoint_failed`` event, the partial tag removed, the previous checkpoint stays the resume
+        point, the run goes on. A lost rank (dead, silent) is handled as before."""
+        from dynaresize.job import checkpoints as ckpt
+
         tag = f"step-{self.state.step}"
         if self.state.checkpoint == f"checkpoints/{tag}" and (self.run_dir / "checkpoints" / "coordinator.json").exists():
             return  # this step is checkpointed already
         t0 = time.monotonic()
-        self._call("stage_state", self._alive(), {"tag": tag})
+        if self.state.checkpoint != f"checkpoints/{tag}":
+            try:
+                ckpt.discard(self.run_dir, tag)  # left by an abandoned attempt: never mixed with the new one
+            except OSError as e:
+                from dynaresize.staging import os_error_text
+
+                self._checkpoint_failed(tag, {None: f"removing an older {tag} first: {os_error_text(e)}"})
+                return
+        ranks = self._alive()
+        cmd = self._send("stage_state", ranks, {"tag": tag})
+        try:
+            self._await(cmd, ranks, "stage_state")
+        except RanksLost:
+            raise  # a rank died or went silent: handled as before (restart, or the job fails)
+        except JobError:
+            failed = self._staging_failures(cmd, ranks)
+            if not failed:
+                raise  # a rank failed for another reason than staging: as before
+            self._checkpoint_failed(tag, failed)
+            return
+        previous = self.state.checkpoint
         self.state.checkpoint = f"checkpoints/{tag}"
         self.state.elapsed_s = self._elapsed()
         self.bus.check_epoch()
-        save_state(self.run_dir, self.state)
+        try:
+            ckpt.save_tag_state(self.run_dir, tag, self.state)
+            save_state(self.run_dir, self.state)
+        except OSError as e:
+            from dynaresize.staging import os_error_text
+
+            self.state.checkpoint = previous
+            self._checkpoint_failed(tag, {None: f"writing the coordinator state: {os_error_text(e)}"})
+            return
+        try:
+            removed = ckpt.retain(self.run_dir, self.cfg.run.keep_checkpoints, current=tag)
+            if removed:
+                log.info("checkpoint %s written; removed older checkpoints %s", tag, ", ".join(removed))
+        except OSError as e:  # the new checkpoint is in place; an old one left behind only takes space
+            log.warning("checkpoint %s written, but removing older ones failed: %s", tag, e)
         self.events.emit("stage", step=self.state.step, stage="checkpoint", ranks=format_ranks(range(self.world)),
                          start=self.events.now() - (time.monotonic() - t0), end=self.events.now())
 
@@ -682,7 +728,7 @@ class Coordinator:
         if not relaunch or self.restarts >= self.cfg.faults.max_restarts:
             return False
         self.restarts += 1
-        old = load_state(self.run_dir) or JobState(n_train=self.cfg.cluster.initial_train)
+        old = self._resume_state() or JobState(n_train=self.cfg.cluster.initial_train)  # the newest intact checkpoint
         where = f"checkpoint {old.checkpoint} (step {old.step})" if old.checkpoint else "the start"
         self.events.emit("control", what="restart", reason=f"{e}; restart {self.restarts}/{self.cfg.faults.max_restarts}: "
                          f"every rank again from {where}")
@@ -792,6 +838,69 @@ class Coordinator:
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(self.run_dir / "summary.json")
         return out
+
+    # ---------------------------------------------------------------------------------------------------------
+    # checkpoint faults (dynaresize.job.checkpoints)
+
+    def _staging_failures(self, cmd, ranks: list[int]) -> dict[int, str]:
+        """After ``stage_state`` failed: the ranks whose ack carries a StagingError, with its text; empty when any
+        rank did not ack (dead) or failed for another reason, so the caller fails the job as before."""
+        res = self.bus.await_acks(cmd.command_id, ranks, timeout=1.0)
+        bad = {r: a.error or "" for r, a in res.acks.items() if not a.ok}
+        if res.missing or not bad or not all("StagingError" in e for e in bad.values()):
+            return {}
+        return bad
+
+    def _checkpoint_failed(self, tag: str, failures: dict[int | None, str]) -> None:
+        from dynaresize.job import checkpoints as ckpt
+
+        keep = self.state.checkpoint or "none (a resume starts from scratch)"
+        for r, err in sorted(failures.items(), key=lambda x: -1 if x[0] is None else x[0]):
+            reason = f"{tag} not written: {err}; resume point stays {keep}"
+            log.warning("checkpoint %s failed%s: %s", tag, "" if r is None else f" on rank {r}", reason)
+            try:
+                self.events.emit("control", what="checkpoint_failed", reason=reason, **({} if r is None else {"rank": r}))
+            except OSError as e:  # the run directory's disk may be the full one: the warning above still says it
+                log.warning("could not log checkpoint_failed: %s", e)
+        try:
+            ckpt.discard(self.run_dir, tag)
+        except OSError as e:
+            log.warning("could not remove the failed checkpoint %s: %s", tag, e)
+
+    def _resume_state(self) -> JobState | None:
+        """The state a resume starts from: the newest checkpoint that verifies (``checkpoints.select_resume``).
+        Newer tags found damaged are logged (``control`` what=checkpoint_skipped, naming the file) and set aside
+        under ``checkpoints/damaged/``; a damaged or stale top-level ``coordinator.json`` is rewritten from the
+        chosen tag's own copy. None intact: StateError (nothing deleted)."""
+        from dynaresize.job import checkpoints as ckpt
+
+        res = ckpt.select_resume(self.run_dir, self.world)
+        if res is None:
+            return None
+        notes: list[str] = []
+        if res.state_file_problem is not None:
+            notes.append(f"{res.state_file_problem}; using the copy in checkpoints/{res.tag}")
+        for tag, why in res.skipped:
+            where = ""
+            if (self.run_dir / "checkpoints" / tag).is_dir():
+                try:
+                    where = f"; set aside as {ckpt.set_aside(self.run_dir, tag).relative_to(self.run_dir)}"
+                except OSError as e:
+                    where = f"; could not set it aside: {e}"
+            notes.append(f"{tag} skipped: {why}{where}; resuming from {res.tag}")
+        for note in notes:
+            log.warning("resume: %s", note)
+        if notes:
+            with EventLog(self.run_dir / "events.jsonl") as ev:  # before run() opens the log: these precede 'resume'
+                for note in notes:
+                    ev.emit("control", what="checkpoint_skipped", reason=note)
+        top = self.run_dir / "checkpoints" / "coordinator.json"
+        if res.tag is not None and (res.state_file_problem is not None or res.skipped or not top.exists()):
+            try:
+                save_state(self.run_dir, res.state)  # the resume point of record is the chosen, intact one
+            except OSError as e:
+                log.warning("resume: could not rewrite %s: %s (the checkpoint tags are used next time too)", top, e)
+        return res.state
 
 
 def _next_incarnation(run_dir: Path) -> int:

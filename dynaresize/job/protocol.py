@@ -15,6 +15,10 @@ stage_state     :class:`StagePayload` (tag)                            ``{"manif
 shutdown        ``{}``                                                  ``{}``
 ==============  =====================================================  ===============================================
 
+Payloads are validated strictly (no coercion: ``"3"``, ``3.0`` or ``true`` is not a step; NaN and infinities are not
+sampling parameters); :func:`parse_payload` raises only :class:`PayloadError`, one line naming the field and its
+value (clipped), for any input.
+
 Roles are positional: with ``n_train`` trainers, ranks ``0..n_train-1`` train and the rest roll out (nested
 prefixes, see :mod:`dynaresize.comm.groups`), so a topology is one integer on the wire.
 """
@@ -30,7 +34,13 @@ class _Msg(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class GeneratePayload(_Msg):
+class _Payload(_Msg):
+    """What the coordinator sends: strict types, finite numbers."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class GeneratePayload(_Payload):
     step: int = Field(ge=0, description="RL step whose batch the samples belong to")
     version: int = Field(ge=0, description="policy version the rank must hold (it refuses to generate with another)")
     pull_batch: int = Field(ge=1, description="samples claimed from the work queue at a time")
@@ -46,7 +56,7 @@ class GenerateResult(_Msg):
     version: int
 
 
-class TrainPayload(_Msg):
+class TrainPayload(_Payload):
     step: int = Field(ge=0)
     batch_key: str = Field(description="Redis key of the training batch (JSON, written by the coordinator)")
     n_train: int = Field(ge=1)
@@ -62,7 +72,7 @@ class TrainResult(_Msg):
     version: int
 
 
-class SyncPayload(_Msg):
+class SyncPayload(_Payload):
     version: int = Field(ge=0)
     n_train: int = Field(ge=1)
     lost: list[int] = Field(
@@ -76,7 +86,7 @@ class SyncResult(_Msg):
     seconds: float
 
 
-class SwitchPayload(_Msg):
+class SwitchPayload(_Payload):
     switch_id: str
     step: int = Field(ge=0)
     from_train: int = Field(ge=1)
@@ -91,11 +101,11 @@ class SwitchResult(_Msg):
     ops: list[dict[str, Any]] = []
 
 
-class StagePayload(_Msg):
+class StagePayload(_Payload):
     tag: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
 
-PAYLOADS: dict[str, type[_Msg]] = {
+PAYLOADS: dict[str, type[_Payload]] = {
     "generate": GeneratePayload,
     "train": TrainPayload,
     "sync_weights": SyncPayload,
@@ -108,13 +118,39 @@ class PayloadError(ValueError):
     """A command payload that does not match its kind's model."""
 
 
-def parse_payload(kind: str, payload: dict[str, Any]) -> _Msg:
-    model = PAYLOADS.get(kind)
+def _shown(value: Any, n: int = 120) -> str:
+    """A short repr of a rejected value (a huge or deeply nested one must not flood an ack, an event or a log)."""
+    if isinstance(value, dict):
+        return "{...}"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - RecursionError on a deeply nested list, a broken __repr__
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _name(part: object) -> str:
+    text = str(part)
+    return (text if text and text.isprintable() else repr(text))[:80]
+
+
+def parse_payload(kind: str, payload: dict[str, Any]) -> _Payload:
+    """The payload model of ``kind`` validated from ``payload``; raises :class:`PayloadError` (only) if it does not fit."""
+    model = PAYLOADS.get(kind) if isinstance(kind, str) else None
     if model is None:
-        raise PayloadError(f"command kind {kind!r} has no payload model")
+        raise PayloadError(f"command kind {_shown(kind)} has no payload model (kinds with one: {', '.join(PAYLOADS)})")
     try:
         return model.model_validate(payload)
     except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "<payload>"
-        raise PayloadError(f"{kind}: payload.{where} = {first.get('input')!r}: {first['msg']}") from None
+        errs = e.errors(include_url=False)
+        first = errs[0]
+        where = ".".join(["payload", *(_name(p) for p in first["loc"])])
+        more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+        if first["type"] == "missing":
+            raise PayloadError(f"{kind}: {where}: missing (required)" + more) from None
+        if first["type"] == "extra_forbidden":
+            raise PayloadError(f"{kind}: {where} = {_shown(first.get('input'))}: unknown field; allowed: "
+                               f"{', '.join(model.model_fields)}{more}") from None
+        raise PayloadError(f"{kind}: {where} = {_shown(first.get('input'))}: {first['msg']}{more}") from None
+    except Exception as e:  # noqa: BLE001 - a payload never takes a rank down with anything but PayloadError
+        raise PayloadError(f"{kind}: payload undecodable ({e.__class__.__name__})") from None

@@ -58,15 +58,36 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
 
 
 def save_state(run_dir: Path, st: JobState) -> Path:
-    ck = Path(run_dir) / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    tmp = ck / (STATE_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(st.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, ck / STATE_FILE)
-    return ck / STATE_FILE
+    """``<run_dir>/checkpoints/coordinator.json``, atomically (temp file, fsync, rename)."""
+    return write_state(Path(run_dir) / "checkpoints" / STATE_FILE, st)
+
+
+def write_state(path: Path, st: JobState) -> Path:
+    """Write ``st`` to ``path`` atomically: a temp file next to it, fsynced, renamed over it, the directory fsynced.
+    On any error (a full disk) the temp file is removed and the old file, if any, is untouched."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(st.to_json())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return path
+    try:
+        os.fsync(fd)  # the rename itself is durable
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    return path
 
 
 class StateError(ValueError):
@@ -77,10 +98,22 @@ def load_state(run_dir: Path) -> JobState | None:
     path = Path(run_dir) / "checkpoints" / STATE_FILE
     if not path.exists():
         return None
+    return read_state(path)
+
+
+def read_state(path: Path) -> JobState:
+    """Parse one coordinator state file; :class:`StateError` names the file and what is wrong with it."""
+    path = Path(path)
     try:
         d = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"{path}: missing") from None
     except ValueError as e:
         raise StateError(f"{path}: not valid JSON ({e}); the checkpoint is damaged") from None
+    except OSError as e:
+        raise StateError(f"{path}: unreadable ({e})") from None
+    if not isinstance(d, dict):
+        raise StateError(f"{path}: not a JSON object; the checkpoint is damaged")
     if d.pop("state_version", None) != STATE_VERSION:
         raise StateError(f"{path}: unknown state_version (this build reads {STATE_VERSION})")
     try:

@@ -11,6 +11,7 @@ Keys (under the job's namespace ``dr:<job>``; one set per RL step)::
     dr:<job>:wq:<step>:inflight:<r>    hash   sample key -> item, claimed by rank r and not yet finished
     dr:<job>:wq:<step>:results         hash   sample key -> result JSON (HSETNX: the first result wins)
     dr:<job>:wq:<step>:meta            hash   total (items published)
+    dr:<job>:wq:<step>:lastclaim:<r>   string "<claim token>|<key>,<key>,..": rank r's last claim (see below)
 
 Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
 
@@ -24,11 +25,19 @@ step that its released samples were already given to others for.
 
 A sample is seeded by (seed, step, prompt, index), so whichever rank generates it, the tokens are the same; a
 late duplicate from a released-but-alive rank is therefore identical and is dropped by HSETNX.
+
+Redis restarts and retries: redis-py sends a command again after a connection error; when Redis was killed after
+it applied (and logged) a script but before the reply went out, the retry applies it a second time. Every call here
+is safe under that: ``publish`` is one script (meta and items together, at most once), ``complete`` and ``release``
+are idempotent, and ``claim`` carries a token (one per call, the same on redis-py's retries): a claim whose token
+is the rank's last claim returns that claim's unfinished items again instead of taking new ones, so items taken by
+a claim whose reply was lost are not stranded in the rank's in-flight hash.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
@@ -37,9 +46,26 @@ import redis
 from dynaresize.control.keys import Keys
 from dynaresize.control.registry import FencedRankError
 
+_PUBLISH = """
+if redis.call('HSETNX', KEYS[1], 'total', ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+return #ARGV - 1
+"""
 _CLAIM = """
 if redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then return false end
 local out = {}
+local last = redis.call('GET', KEYS[5])
+if last then
+  local tok, ks = string.match(last, '^([^|]*)|(.*)$')
+  if tok == ARGV[3] then  -- this very claim, applied before (its reply was lost): the same items again
+    for k in string.gmatch(ks, '[^,]+') do
+      local it = redis.call('HGET', KEYS[2], k)
+      if it then out[#out + 1] = it end
+    end
+    return out
+  end
+end
+local keys = {}
 local n = tonumber(ARGV[1])
 while #out < n do
   local it = redis.call('LPOP', KEYS[1])
@@ -48,8 +74,10 @@ while #out < n do
   if redis.call('HEXISTS', KEYS[3], k) == 0 then
     redis.call('HSET', KEYS[2], k, it)
     out[#out + 1] = it
+    keys[#keys + 1] = k
   end
 end
+redis.call('SET', KEYS[5], ARGV[3] .. '|' .. table.concat(keys, ','))
 return out
 """
 _COMPLETE = """
@@ -67,7 +95,7 @@ for i = #vals, 1, -1 do
   local k = cjson.decode(vals[i])['key']
   if redis.call('HEXISTS', KEYS[3], k) == 0 then redis.call('LPUSH', KEYS[2], vals[i]) end
 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[4])
 return #vals
 """
 
@@ -135,6 +163,7 @@ class RolloutQueue:
         self.r = client
         self.ns = Keys(job_id).ns
         self.fenced_key = Keys(job_id).fenced  # ranks declared lost: claims and results refused
+        self._publish = client.register_script(_PUBLISH)
         self._claim = client.register_script(_CLAIM)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
@@ -145,16 +174,18 @@ class RolloutQueue:
     def publish(self, step: int, items: Iterable[WorkItem]) -> int:
         """Queue a step's items once; publishing the same step again (a retry, a resume) adds nothing."""
         items = list(items)
-        if not self.r.hsetnx(self._k(step, "meta"), "total", len(items)):
-            return 0
-        if items:
-            self.r.rpush(self._k(step, "pending"), *[it.to_json() for it in items])
-        return len(items)
+        return int(self._publish(keys=[self._k(step, "meta"), self._k(step, "pending")],
+                                 args=[len(items), *[it.to_json() for it in items]]))
 
-    def claim(self, step: int, rank: int, n: int) -> list[WorkItem]:
-        """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim)."""
-        raw = self._claim(keys=[self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"),
-                                self.fenced_key], args=[n, int(rank)])
+    def claim(self, step: int, rank: int, n: int, token: str | None = None) -> list[WorkItem]:
+        """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim, or the rank is fenced).
+
+        ``token`` names this claim (a fresh one by default); the same token again returns the same items (those
+        not completed or released meanwhile), which makes a claim retried after a lost reply take nothing new."""
+        token = token or uuid.uuid4().hex
+        keys = [self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"), self.fenced_key,
+                self._k(step, f"lastclaim:{rank}")]
+        raw = self._claim(keys=keys, args=[n, int(rank), token])
         return [WorkItem.from_json(x) for x in raw or []]  # a fenced rank gets nothing
 
     def complete(self, step: int, rank: int, results: Iterable[SampleResult]) -> int:
@@ -172,7 +203,8 @@ class RolloutQueue:
 
     def release(self, step: int, rank: int) -> int:
         """Put back what ``rank`` claimed but did not finish (it left the rollout role or died)."""
-        return int(self._release(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "pending"), self._k(step, "results")]))
+        return int(self._release(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "pending"), self._k(step, "results"),
+                                       self._k(step, f"lastclaim:{rank}")]))
 
     def total(self, step: int) -> int:
         v = self.r.hget(self._k(step, "meta"), "total")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 from dynaresize.events import SwitchOp
 
 
@@ -92,7 +92,7 @@ class SwitchCostConfig(Section):
         allowed = [o.value for o in SwitchOp]
         for k, s in v.items():
             if k not in allowed:
-                raise ValueError(f"unknown switch op {k!r}; allowed: {', '.join(allowed)}")
+                raise RuleError((k,), s, f"unknown switch op {k!r}; allowed: {', '.join(allowed)}")
             if s < 0:
-                raise ValueError(f"override for {k!r} is negative ({s})")
+                raise RuleError((k,), s, f"override for {k!r} is negative ({s})")
         return v

@@ -60,10 +60,21 @@ def merge_costs(cfg, path: str):
     try:
         costs = SwitchCostConfig.model_validate(_deep(cfg.sim.costs.model_dump(), data))
     except ValidationError as e:
-        msgs = "; ".join(f"sim.costs.{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in e.errors())
+        msgs = "; ".join(f"sim.costs.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
         raise ConfigError(f"{path}: {msgs}; allowed keys: {', '.join(SwitchCostConfig.model_fields)}") from None
     sim = cfg.sim.model_copy(update={"costs": costs})
     return cfg.model_copy(update={"sim": sim})
+
+
+def _key(er: dict) -> str:
+    """Dotted key of one validation error; a cross-field rule (RuleError) adds the key it blames."""
+    from dynaresize.config.base import RuleError
+
+    loc = tuple(er["loc"])
+    rule = (er.get("ctx") or {}).get("error")
+    if isinstance(rule, RuleError):
+        loc += rule.key
+    return ".".join(str(x) for x in loc)
 
 
 def _merge_sim(cfg, path: str, data: dict):
@@ -75,7 +86,7 @@ def _merge_sim(cfg, path: str, data: dict):
     try:
         sim = SimConfig.model_validate(_deep(cfg.sim.model_dump(), data["sim"]))
     except ValidationError as e:
-        msgs = "; ".join(f"sim.{'.'.join(str(x) for x in er['loc'])}: {er['msg']}" for er in e.errors())
+        msgs = "; ".join(f"sim.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
         raise ConfigError(f"{path}: {msgs}") from None
     return cfg.model_copy(update={"sim": sim})
 

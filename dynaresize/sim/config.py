@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 from dynaresize.policy.config import OptimizationsConfig, SwitchCostConfig
 
 
@@ -95,9 +95,12 @@ class SimConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "SimConfig":
         w = self.workload
-        if w.response_tokens_start > w.max_response_tokens or w.response_tokens_end > w.max_response_tokens:
-            raise ValueError(f"mean response length above max_response_tokens ({w.max_response_tokens})")
-        bad = [x for x in w.response_tokens_by_step if not 1 <= x <= w.max_response_tokens]
-        if bad:
-            raise ValueError(f"workload.response_tokens_by_step: {bad[0]} outside [1, max_response_tokens={w.max_response_tokens}]")
+        for key in ("response_tokens_start", "response_tokens_end"):
+            if getattr(w, key) > w.max_response_tokens:
+                raise RuleError(("workload", key), getattr(w, key),
+                                f"mean response length above max_response_tokens ({w.max_response_tokens})")
+        for i, x in enumerate(w.response_tokens_by_step):
+            if not 1 <= x <= w.max_response_tokens:
+                raise RuleError(("workload", "response_tokens_by_step", i), x,
+                                f"{x} outside [1, max_response_tokens={w.max_response_tokens}]")
         return self

@@ -12,7 +12,10 @@ through a **fixed pool of chunk buffers** (``buffer_mb`` in total) to node-local
   return them to the pool (zlib's CRC and ``pwrite`` release the GIL, so two writers use two cores);
 - the manifest (``manifest.json``: tensor names, dtypes, shapes, byte offsets; chunk offsets, lengths and
   checksums; free-form JSON ``meta``) is written last, to a temporary name, and renamed into place atomically.
-  A snapshot without a manifest does not exist, so a crash mid-write never yields a half snapshot.
+  A snapshot without a manifest does not exist, so a crash mid-write never yields a half snapshot;
+- an OS error while writing (``ENOSPC`` on a full disk, ``EDQUOT``, ``EIO``, ``EFBIG``) raises
+  :class:`StagingError` naming the snapshot and the error (symbolic errno first); the partial snapshot directory
+  is removed, and the buffers and writer threads of that call are released, so the stager stays usable.
 
 Layout of a snapshot ``<dir>/<name>/``: ``data.bin`` (all tensors back to back) and ``manifest.json``.
 Restore reads chunk by chunk through one buffer, verifies each checksum (and the file length) and only then
@@ -27,10 +30,12 @@ the throughput against a plain write when cores are busy.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import queue
+import shutil
 import tempfile
 import threading
 import time
@@ -47,7 +52,19 @@ FORMAT = 1
 
 
 class StagingError(RuntimeError):
-    """A snapshot that is missing, incomplete, corrupted or does not match what the caller expects."""
+    """A snapshot that is missing, incomplete, corrupted or does not match what the caller expects, or one that
+    could not be written (the message names the snapshot and the OS error, e.g. ``ENOSPC``)."""
+
+
+class _WriterFailed(Exception):
+    """Internal: a writer thread failed; the producer stops and the writer's error is raised."""
+
+
+def os_error_text(e: OSError) -> str:
+    """``ENOSPC (No space left on device) on <file>``: the symbolic errno first, so logs and events can be grepped."""
+    name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno is not None else type(e).__name__
+    text = f"{name} ({e.strerror or e})"
+    return f"{text} on {e.filename}" if e.filename else text
 
 
 def default_dir(job_id: str) -> Path:
@@ -124,9 +141,25 @@ class Stager:
     # -- write ----------------------------------------------------------------------------------------------
 
     def stage(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StageResult:
-        """Write ``tensors`` (any device) as snapshot ``name``; returns when the manifest is in place."""
+        """Write ``tensors`` (any device) as snapshot ``name``; returns when the manifest is in place.
+
+        Any OS error on the way (a full disk, a quota, an I/O error, a file too large) raises :class:`StagingError`
+        naming the snapshot and the error; the partial snapshot directory is then removed (no manifest ever
+        exists for it, and an older snapshot of the same name is gone too: its manifest is removed first). The
+        pool buffers and writer threads of a failed call are released, so the stager stays usable."""
         t0 = time.perf_counter()
         snap = self.root / name
+        try:
+            return self._stage(snap, name, tensors, meta, t0)
+        except BaseException as e:
+            shutil.rmtree(snap, ignore_errors=True)  # a failed snapshot leaves nothing behind, manifest least of all
+            if isinstance(e, OSError):
+                raise StagingError(f"staging snapshot {snap} failed: {os_error_text(e)}; "
+                                   "the partial snapshot was removed") from e
+            raise
+
+    def _stage(self, snap: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None,
+               t0: float) -> StageResult:
         snap.mkdir(parents=True, exist_ok=True)
         (snap / MANIFEST).unlink(missing_ok=True)  # an old manifest must never describe new data
         free: queue.Queue = queue.Queue()
@@ -134,7 +167,8 @@ class Stager:
             free.put(b)
         jobs: queue.Queue = queue.Queue(maxsize=len(self.buffers))
         errors: list[BaseException] = []
-        fd = os.open(snap / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        data_path = snap / DATA
+        fd = os.open(data_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
         def writer() -> None:
             while True:
@@ -143,11 +177,18 @@ class Stager:
                     return
                 buf, view, off, n, rec = job
                 try:
-                    if not errors:
+                    if not errors:  # after a failure the queue is drained without writing
                         rec["checksum"] = _checksum(self.algo, view)  # in the writer: checksums of chunks run in parallel
                         done = 0
                         while done < n:
-                            done += os.pwrite(fd, view[done:], off + done)
+                            w = os.pwrite(fd, view[done:], off + done)
+                            if w <= 0:  # no progress and no error: treat as a full device, never spin
+                                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(data_path))
+                            done += w
+                except OSError as e:
+                    if e.filename is None:
+                        e.filename = str(data_path)
+                    errors.append(e)
                 except BaseException as e:  # noqa: BLE001 - handed to the producer
                     errors.append(e)
                 finally:
@@ -162,12 +203,12 @@ class Stager:
 
             def submit(token: torch.Tensor, view: memoryview, n: int) -> None:
                 nonlocal offset
+                if errors:  # a writer failed: stop producing (its error is raised below)
+                    raise _WriterFailed
                 rec = {"offset": offset, "length": n, "checksum": None}
                 chunks.append(rec)
                 jobs.put((token, view, offset, n, rec))
                 offset += n
-                if errors:
-                    raise errors[0]
 
             def flush() -> None:
                 nonlocal buf, fill
@@ -198,25 +239,33 @@ class Stager:
             if fill:
                 flush()
             free.put(buf)
+        except _WriterFailed:
+            pass
         finally:
             for _ in threads:
-                jobs.put(None)
+                jobs.put(None)  # never blocks for long: the writers drain the queue even after a failure
             for th in threads:
                 th.join()
-            if self.fsync and not errors:
-                os.fsync(fd)
-            os.close(fd)
+            try:
+                if self.fsync and not errors:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
         if errors:
-            raise StagingError(f"writing {snap / DATA}: {errors[0]}") from errors[0]
+            raise errors[0]
         manifest = {"format": FORMAT, "name": name, "checksum": self.algo, "chunk_bytes": self.chunk, "total_bytes": offset,
                     "tensors": entries, "chunks": chunks, "meta": meta or {}}
         tmp = snap / f".{MANIFEST}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f, separators=(",", ":"))
-            if self.fsync:
+        try:
+            with open(tmp, "w") as f:
+                json.dump(manifest, f, separators=(",", ":"))
                 f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, snap / MANIFEST)
+                if self.fsync:
+                    os.fsync(f.fileno())
+            os.replace(tmp, snap / MANIFEST)  # atomic: the manifest is either complete or absent
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return StageResult(snap, offset, time.perf_counter() - t0, len(chunks))
 
     # -- read -----------------------------------------------------------------------------------------------
@@ -258,7 +307,8 @@ class Stager:
         except FileNotFoundError:
             raise StagingError(f"{path}: data file missing (manifest lists {len(man['chunks'])} chunks)") from None
         if size < man["total_bytes"]:
-            raise StagingError(f"{path}: truncated: {size} bytes, manifest says {man['total_bytes']}")
+            raise StagingError(f"{path}: truncated: {size} bytes, manifest says {man['total_bytes']}"
+                               f"{_first_short_chunk(man, size)}")
         for off, n, buf in _verified_chunks(path, man, self.chunk):
             for a, b, v in views:  # copy the verified chunk's bytes into every tensor it overlaps
                 lo, hi = max(a, off), min(b, off + n)
@@ -269,20 +319,30 @@ class Stager:
 
 def _verified_chunks(path: Path, man: dict[str, Any], chunk: int):
     """Read the data file chunk by chunk through one reused buffer; yield (offset, length, buffer) only for chunks
-    whose checksum matches the manifest (a bad or short chunk raises StagingError naming it, before any use)."""
-    buf = torch.empty(chunk, dtype=torch.uint8)  # one chunk: reads are bounded too
+    whose checksum matches the manifest (a bad or short chunk, or a read error, raises StagingError naming it,
+    before any use). A chunk reaching past the end of the file is reported before anything is allocated for it."""
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
         raise StagingError(f"{path}: data file missing (manifest lists {len(man['chunks'])} chunks)") from None
+    except OSError as e:
+        raise StagingError(f"{path}: cannot open: {os_error_text(e)}") from e
     with f:
+        size = os.fstat(f.fileno()).st_size
+        buf = torch.empty(max(1, min(chunk, size)), dtype=torch.uint8)  # one chunk: reads are bounded too
         for ci, c in enumerate(man["chunks"]):
             off, n = int(c["offset"]), int(c["length"])
+            if off + n > size:
+                raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: the file has {max(0, size - off)} "
+                                   f"of its {n} bytes ({size} bytes in all)")
             if n > buf.numel():
                 buf = torch.empty(n, dtype=torch.uint8)
             mv = memoryview(buf.numpy())[:n]
-            f.seek(off)
-            got = f.readinto(mv)
+            try:
+                f.seek(off)
+                got = f.readinto(mv)
+            except OSError as e:
+                raise StagingError(f"{path}: chunk {ci} (offset {off}) unreadable: {os_error_text(e)}") from e
             if got != n:
                 raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: read {got} of {n} bytes")
             if _checksum(man["checksum"], mv) != c["checksum"]:
@@ -290,12 +350,33 @@ def _verified_chunks(path: Path, man: dict[str, Any], chunk: int):
             yield off, n, buf
 
 
+def _first_short_chunk(man: dict[str, Any], size: int) -> str:
+    for ci, c in enumerate(man["chunks"]):
+        if int(c["offset"]) + int(c["length"]) > size:
+            return f" (chunk {ci} at offset {c['offset']} and every later one cut off)"
+    return ""
+
+
 def _verify(stager: "Stager", snap: Path) -> None:
     for _ in _verified_chunks(snap / DATA, read_manifest(snap), stager.chunk):
         pass
 
 
+def verify_snapshot(snap: str | Path) -> dict[str, Any]:
+    """Check a snapshot directory without a :class:`Stager` (no buffer pool): its manifest, then every chunk's
+    length and checksum, streamed through one chunk-sized buffer (bounded memory). Returns the manifest; raises
+    :class:`StagingError` naming the file and the first bad chunk."""
+    snap = Path(snap)
+    man = read_manifest(snap)
+    chunk = max([int(c["length"]) for c in man["chunks"][:1]] + [1])
+    for _ in _verified_chunks(snap / DATA, man, int(man.get("chunk_bytes") or chunk)):
+        pass
+    return man
+
+
 def read_manifest(snap: str | Path) -> dict[str, Any]:
+    """The manifest of a snapshot, checked for shape: keys, format, and a chunk table that tiles ``total_bytes``
+    exactly (contiguous chunks, none longer than ``chunk_bytes``), so a damaged number is caught here."""
     path = Path(snap) / MANIFEST
     try:
         with open(path) as f:
@@ -304,11 +385,25 @@ def read_manifest(snap: str | Path) -> dict[str, Any]:
         raise StagingError(f"{path}: no manifest (snapshot missing or never completed)") from None
     except ValueError as e:
         raise StagingError(f"{path}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise StagingError(f"{path}: unreadable: {os_error_text(e)}") from e
+    if not isinstance(man, dict):
+        raise StagingError(f"{path}: not a JSON object")
     for key in ("format", "checksum", "total_bytes", "tensors", "chunks", "meta"):
         if key not in man:
             raise StagingError(f"{path}: manifest lacks key {key!r}")
     if man["format"] != FORMAT:
         raise StagingError(f"{path}: manifest format {man['format']!r}, this reader knows {FORMAT}")
+    limit = man.get("chunk_bytes")
+    pos = 0
+    for ci, c in enumerate(man["chunks"]):
+        off, n = (c.get("offset"), c.get("length")) if isinstance(c, dict) else (None, None)
+        if not (type(off) is int and type(n) is int and off == pos and n > 0 and (limit is None or n <= limit)):
+            raise StagingError(f"{path}: chunk {ci} has offset {off!r} and length {n!r}: expected offset {pos} and a "
+                               f"length of 1..{limit} bytes (damaged manifest)")
+        pos += n
+    if man["total_bytes"] != pos:
+        raise StagingError(f"{path}: total_bytes {man['total_bytes']!r} but the chunks cover {pos} bytes (damaged manifest)")
     return man
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 
 
 class CurriculumConfig(Section):
@@ -28,7 +28,7 @@ class CurriculumConfig(Section):
     def _lengths_are_ordered(self) -> "CurriculumConfig":
         for key in ("max_len_start", "max_len_end"):
             if getattr(self, key) < self.min_len:
-                raise ValueError(f"{key}={getattr(self, key)} is below min_len={self.min_len}")
+                raise RuleError(key, getattr(self, key), f"{key}={getattr(self, key)} is below min_len={self.min_len}")
         return self
 
 

@@ -80,3 +80,18 @@ def test_steps_and_clear_are_independent(queue):
 def test_result_with_mismatched_logprobs_is_rejected():
     with pytest.raises(ValueError, match="number of tokens and logprobs"):
         SampleResult.from_json('{"step":0,"prompt":0,"index":0,"response_ids":[1,2],"logprobs":[0.1],"version":0,"rank":0}')
+
+
+def test_a_claim_retried_with_its_token_takes_nothing_new(queue):
+    # redis-py sends a command again after a connection error; a Redis killed after it applied the claim but
+    # before the reply went out sees the same claim twice: it must hand out the same items, not strand them
+    queue.publish(4, items(4))
+    first = queue.claim(4, rank=1, n=3, token="t1")
+    again = queue.claim(4, rank=1, n=3, token="t1")
+    assert [x.key for x in again] == [x.key for x in first] and queue.pending(4) == 9
+    queue.complete(4, 1, [result(first[0], 1)])
+    assert [x.key for x in queue.claim(4, rank=1, n=3, token="t1")] == [x.key for x in first[1:]]  # unfinished only
+    nxt = queue.claim(4, rank=1, n=3)  # a new claim (fresh token) takes new items
+    assert len(nxt) == 3 and not {x.key for x in nxt} & {x.key for x in first} and queue.pending(4) == 6
+    assert queue.release(4, rank=1) == 5
+    assert queue.claim(4, rank=1, n=3, token="t1") != [], "a release ends the old claim: the token is forgotten"

@@ -50,7 +50,7 @@ def test_manifest_is_json_and_written_last(tmp_path):
     # re-staging removes the old manifest before touching data: a failed re-stage leaves no manifest
     (tmp_path / "s" / "data.bin").chmod(0o400)
     if os.geteuid() != 0:
-        with pytest.raises(OSError):
+        with pytest.raises(StagingError, match="EACCES"):
             st.stage("s", _state(1))
         with pytest.raises(StagingError, match="no manifest"):
             read_manifest(tmp_path / "s")

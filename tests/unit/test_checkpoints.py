@@ -1,0 +1,248 @@
+"""Checkpoint files of a run (dynaresize.job.checkpoints): verify, choose the resume point, discard, retain.
+
+Checkpoints here are staged with the real Stager, as the worker ranks stage them (weights on every rank, ZeRO
+partitions on the trainers, the coordinator's state written last), then damaged on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dynaresize.job import checkpoints as C
+from dynaresize.job.state import JobState, StateError, save_state
+from dynaresize.staging import Stager
+
+pytestmark = pytest.mark.unit
+
+WORLD, N_TRAIN = 3, 1
+CHUNK = 4096
+
+
+def _write(run_dir: Path, step: int, complete: bool = True, top: bool = True, version: int | None = None) -> str:
+    """Checkpoint ``step-<step>`` as the coordinator writes it: every rank stages, then the tag's state, then the
+    top-level state."""
+    tag = f"step-{step}"
+    st = Stager(run_dir / "checkpoints" / tag, buffer_mb=1, chunk_mb=1)
+    st.chunk = CHUNK
+    g = torch.Generator().manual_seed(step)
+    v = step if version is None else version
+    for r in range(WORLD):
+        meta = {"rank": r, "version": v, "n_train": N_TRAIN}
+        st.stage(f"rank{r}-weights", {"w": torch.randn(3000, generator=g)}, meta)
+        if r < N_TRAIN:
+            st.stage(f"rank{r}-optim", {"g0.master": torch.randn(3000, generator=g)}, {**meta, "partitions": []})
+    if complete:
+        state = JobState(step=step, version=step, n_train=N_TRAIN, checkpoint=f"checkpoints/{tag}", samples=16 * step)
+        C.save_tag_state(run_dir, tag, state)
+        if top:
+            save_state(run_dir, state)
+    return tag
+
+
+def _flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x04]))
+
+
+def _tree(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_intact_checkpoint_verifies_and_each_kind_of_damage_is_named(tmp_path):
+    tag = _write(tmp_path, 2)
+    ck = tmp_path / "checkpoints" / tag
+    assert C.verify(tmp_path, tag, WORLD) == []
+    assert json.loads((ck / "coordinator.json").read_text())["checkpoint"] == "checkpoints/step-2"
+
+    _flip(ck / "rank1-weights" / "data.bin", CHUNK + 5)  # chunk 1 of rank 1's weights
+    os.truncate(ck / "rank0-optim" / "data.bin", 2 * CHUNK + 10)  # chunk 2 of rank 0's optimizer state cut
+    probs = C.verify(tmp_path, tag, WORLD)
+    assert len(probs) == 2, probs
+    assert f"{ck / 'rank0-optim' / 'data.bin'}: chunk 2 " in probs[0] and "truncated" in probs[0]  # rank order
+    assert f"{ck / 'rank1-weights' / 'data.bin'}: chunk 1 " in probs[1] and "checksum" in probs[1]
+
+    tag4 = _write(tmp_path, 4)
+    ck4 = tmp_path / "checkpoints" / tag4
+    (ck4 / "rank2-weights" / "manifest.json").unlink()
+    (ck4 / "coordinator.json").write_text('{"state_version": 1, "step": 4,')  # cut mid-write (by hand)
+    probs = C.verify(tmp_path, tag4, WORLD)
+    assert any(p.startswith(f"{ck4 / 'coordinator.json'}: not valid JSON") for p in probs), probs
+    assert any(f"{ck4 / 'rank2-weights' / 'manifest.json'}: no manifest" in p for p in probs), probs
+    assert C.verify(tmp_path, tag4, WORLD + 1)[-1].startswith(f"{ck4 / 'rank3-weights'}")  # a rank never staged
+
+    tag6 = _write(tmp_path, 6, complete=False)  # the ranks staged, the coordinator never wrote the state
+    assert C.verify(tmp_path, tag6, WORLD) == [f"{tmp_path / 'checkpoints' / tag6 / 'coordinator.json'}: missing "
+                                               "(the checkpoint never completed)"]
+    # a rank declared lost before the checkpoint staged nothing: not looked for
+    import shutil
+
+    tag12 = _write(tmp_path, 12)
+    shutil.rmtree(tmp_path / "checkpoints" / tag12 / "rank2-weights")
+    assert C.verify(tmp_path, tag12, WORLD)[0].startswith(f"{tmp_path / 'checkpoints' / tag12 / 'rank2-weights'}")
+    st12 = json.loads((tmp_path / "checkpoints" / tag12 / "coordinator.json").read_text())
+    (tmp_path / "checkpoints" / tag12 / "coordinator.json").write_text(json.dumps({**st12, "lost": [2]}))
+    assert C.verify(tmp_path, tag12, WORLD) == []
+    tag8 = _write(tmp_path, 8, version=7)  # the ranks hold other weights than the state says
+    assert any("weights of policy version 7, the state says 8" in p for p in C.verify(tmp_path, tag8, WORLD))
+    assert C.verify(tmp_path, "step-10", WORLD) == [f"{tmp_path / 'checkpoints' / 'step-10'}: checkpoint directory missing"]
+
+
+def test_resume_takes_the_newest_intact_checkpoint_and_says_what_it_skipped(tmp_path):
+    assert C.select_resume(tmp_path, WORLD) is None  # never checkpointed
+    _write(tmp_path, 2)
+    _write(tmp_path, 4)
+    res = C.select_resume(tmp_path, WORLD)
+    assert (res.tag, res.state.step, res.skipped, res.state_file_problem) == ("step-4", 4, [], None)
+
+    bad = tmp_path / "checkpoints" / "step-4" / "rank0-optim" / "data.bin"
+    _flip(bad, 10)
+    res = C.select_resume(tmp_path, WORLD)
+    assert res.tag == "step-2" and res.state.step == 2 and res.state.checkpoint == "checkpoints/step-2"
+    assert [t for t, _ in res.skipped] == ["step-4"] and f"{bad}: chunk 0 " in res.skipped[0][1]
+
+    _write(tmp_path, 6, complete=False)  # a checkpoint cut short after the ranks staged
+    res = C.select_resume(tmp_path, WORLD)
+    assert res.tag == "step-2" and [t for t, _ in res.skipped] == ["step-6", "step-4"]
+    assert "never completed" in res.skipped[0][1]
+
+
+def test_a_damaged_top_level_state_falls_back_to_the_tags_own_copies(tmp_path):
+    _write(tmp_path, 2)
+    _write(tmp_path, 4)
+    top = tmp_path / "checkpoints" / "coordinator.json"
+    top.write_bytes(top.read_bytes()[:40])  # truncated
+    res = C.select_resume(tmp_path, WORLD)
+    assert res.tag == "step-4" and res.state.step == 4 and res.state.samples == 64
+    assert res.state_file_problem.startswith(f"{top}: not valid JSON")
+
+    # the top-level state names a checkpoint that is gone: the newest one there is used, and the gap is reported
+    save_state(tmp_path, JobState(step=9, checkpoint="checkpoints/step-9"))
+    res = C.select_resume(tmp_path, WORLD)
+    assert res.tag == "step-4" and res.skipped == [("step-9", f"{top} names checkpoints/step-9, which does not exist")]
+
+
+def test_no_intact_checkpoint_is_one_clear_error_and_nothing_is_deleted(tmp_path):
+    _write(tmp_path, 2)
+    _write(tmp_path, 4)
+    ck = tmp_path / "checkpoints"
+    _flip(ck / "step-2" / "rank2-weights" / "data.bin", 3)
+    os.truncate(ck / "step-4" / "rank1-weights" / "data.bin", 100)
+    (ck / "coordinator.json").write_text("garbage")
+    before = _tree(ck)
+    with pytest.raises(StateError) as ei:
+        C.select_resume(tmp_path, WORLD)
+    msg = str(ei.value)
+    assert "step-4: " in msg and f"{ck / 'step-4' / 'rank1-weights' / 'data.bin'}: chunk 0 " in msg
+    assert "step-2: " in msg and f"{ck / 'step-2' / 'rank2-weights' / 'data.bin'}: chunk 0 " in msg
+    assert f"{ck / 'coordinator.json'}: not valid JSON" in msg and "Nothing was deleted" in msg
+    assert _tree(ck) == before
+    # the top-level state damaged and no tag directory at all: the same kind of error
+    for t in ("step-2", "step-4"):
+        C.discard(tmp_path, t)
+    with pytest.raises(StateError, match="no checkpoint directory to fall back to. Nothing was deleted"):
+        C.select_resume(tmp_path, WORLD)
+
+
+def test_a_run_directory_of_the_older_layout_still_resumes(tmp_path):
+    """Tags without their own coordinator.json: the one the top-level state names is used with that state."""
+    _write(tmp_path, 2, complete=False)
+    save_state(tmp_path, JobState(step=2, version=2, n_train=N_TRAIN, checkpoint="checkpoints/step-2"))
+    res = C.select_resume(tmp_path, WORLD)
+    assert res.tag == "step-2" and res.state.step == 2 and res.skipped == []
+    assert C.retain(tmp_path, 1) == []  # and it counts as complete: the only one is kept
+
+
+def test_discard_and_set_aside(tmp_path):
+    _write(tmp_path, 2)
+    assert C.discard(tmp_path, "step-2") and not (tmp_path / "checkpoints" / "step-2").exists()
+    assert not C.discard(tmp_path, "step-2")
+    for bad in ("../x", "coordinator.json", "step-2/../../x", ""):
+        with pytest.raises(ValueError, match="not a checkpoint tag"):
+            C.discard(tmp_path, bad)
+    _write(tmp_path, 4)
+    first = C.set_aside(tmp_path, "step-4")
+    _write(tmp_path, 4)
+    second = C.set_aside(tmp_path, "step-4")
+    assert (first.name, second.name) == ("step-4.1", "step-4.2") and first.parent.name == "damaged"
+    assert (second / "rank0-weights" / "manifest.json").exists() and C.tags(tmp_path) == []
+
+
+def test_retain_keeps_the_newest_complete_checkpoints(tmp_path):
+    for k in (2, 4, 6):
+        _write(tmp_path, k)
+    _write(tmp_path, 3, complete=False)  # a failed one, older than the resume point
+    _write(tmp_path, 8, complete=False)  # newer than the resume point: being written, never touched
+    with pytest.raises(ValueError, match="keep=0"):
+        C.retain(tmp_path, 0)
+    assert C.retain(tmp_path, 2) == ["step-3", "step-2"]
+    assert C.tags(tmp_path) == ["step-8", "step-6", "step-4"]
+    assert C.retain(tmp_path, 1, current="step-6") == ["step-4"]
+    assert C.tags(tmp_path) == ["step-8", "step-6"]
+
+    # the only complete checkpoint is never removed, whatever is newer
+    only = tmp_path / "only"
+    _write(only, 2)
+    _write(only, 4, complete=False)
+    assert C.retain(only, 1) == [] and C.tags(only) == ["step-4", "step-2"]
+    # nothing complete: nothing removed
+    none = tmp_path / "none"
+    _write(none, 2, complete=False)
+    assert C.retain(none, 1) == [] and C.tags(none) == ["step-2"]
+
+
+def test_tag_state_on_a_full_disk_fails_cleanly(tmp_path, tmpfs):
+    run = tmpfs(tmp_path / "run", 256 << 10)
+    _write(run, 2)
+    ck = run / "checkpoints"
+    with open(ck / "filler", "wb", buffering=0) as f:  # fill what is left
+        try:
+            while f.write(b"\0" * 4096):
+                pass
+        except OSError as e:
+            assert e.errno == 28
+    big = JobState(step=2, version=2, n_train=N_TRAIN, checkpoint="checkpoints/step-2",
+                   rewards={str(i): 0.5 for i in range(5000)})  # more than a page
+    before = (ck / "step-2" / "coordinator.json").read_bytes()
+    with pytest.raises(OSError) as ei:
+        C.save_tag_state(run, "step-2", big)
+    assert ei.value.errno == 28  # ENOSPC
+    assert (ck / "step-2" / "coordinator.json").read_bytes() == before  # the old file untouched
+    assert not (ck / "step-2" / "coordinator.json.tmp").exists()  # and no temp file left taking space
+    with pytest.raises(OSError):
+        save_state(run, big)
+    assert not (ck / "coordinator.json.tmp").exists()
+    assert C.select_resume(run, WORLD).tag == "step-2"
+
+
+def test_keep_checkpoints_is_validated():
+    from dynaresize.config.loader import ConfigError, load_config
+
+    root = Path(__file__).resolve().parents[2]
+    assert load_config(root / "configs" / "quickstart.yaml", []).run.keep_checkpoints == 2
+    with pytest.raises(ConfigError, match="keep_checkpoints"):
+        load_config(root / "configs" / "quickstart.yaml", ["run.keep_checkpoints=0"])
+
+
+def test_resume_with_no_intact_checkpoint_is_refused_by_the_command(tmp_path, capsys):
+    """`dynaresize run --resume` says what is damaged and stops before starting anything (exit 1)."""
+    from dynaresize.cli import main
+    from dynaresize.config.loader import load_config, write_resolved
+
+    root = Path(__file__).resolve().parents[2]
+    write_resolved(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]),
+                   tmp_path)
+    _write(tmp_path, 2)
+    bad = tmp_path / "checkpoints" / "step-2" / "rank0-weights" / "data.bin"
+    _flip(bad, 7)
+    before = _tree(tmp_path)
+    assert main(["run", "--resume", str(tmp_path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert f"--resume {tmp_path}: no intact checkpoint" in err and f"{bad}: chunk 0 " in err and "Nothing was deleted" in err
+    assert _tree(tmp_path) == before  # not even the incarnation counter moved
