@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -108,14 +109,42 @@ def _kill_rank(rd: Path, rank: int) -> dict:
     return reg
 
 
+def _kill_while_generating(rd: Path, rank: int, timeout_s: float = 120) -> dict:
+    """SIGKILL ``rank`` while it holds claimed samples of a rollout (inside its generate command, so the loss is met
+    by the coordinator's wait for that command: the shrink path). Under Slurm a death is only seen by the heartbeat
+    deadline (5 s), so a rank killed between its generate ack and the weight sync would be met inside that collective
+    instead (a restart). SIGSTOP freezes the moment: claims still held after it are held at death."""
+    from dynaresize.control.server import connect
+
+    wait_until(lambda: (rd / "ranks.json").exists(), 300, "ranks.json")
+    reg = json.loads((rd / "ranks.json").read_text())[str(rank)]
+    pid = int(reg["pid"])
+    r = connect(rd / "redis" / "redis.json", role="test")
+
+    def holding() -> bool:  # dr:<job>:wq:<step>:inflight:<rank> (dynaresize.job.workqueue), job = run dir name
+        return any(r.hlen(k) for k in r.scan_iter(match=f"dr:{rd.name}:wq:*:inflight:{rank}", count=100))
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if holding():
+            os.kill(pid, signal.SIGSTOP)
+            if holding():
+                os.kill(pid, signal.SIGKILL)
+                return reg
+            os.kill(pid, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError(f"rank {rank} was never seen generating within {timeout_s} s")
+
+
 def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm_cluster, tmp_path, model_cache, jobs):
     steps, per_step = 30, 16  # SMALL: 4 prompts x 4 samples
-    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", wait=False, models=model_cache)
+    p, rd = submit(tmp_path, f"run.steps={steps}", "run.checkpoint_every=0", "rollout.pull_batch=2", wait=False,
+                   models=model_cache)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     job = job_id_of(rd)
     jobs.append(job)
     wait_until(lambda: _steps_done(rd) >= 2, 300, "2 GRPO steps")
-    reg = _kill_rank(rd, 3)  # the highest rank: always a rollout rank (trainer sets are prefixes, one rollout stays)
+    reg = _kill_while_generating(rd, 3)  # the highest rank: always a rollout rank (trainer sets are prefixes)
     assert reg["node"] == "gpu2"
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") in ("completed", "failed"), 300,
