@@ -12,8 +12,8 @@ checkpoint into the run directory) and requeues the whole het job with ``scontro
 requeued job starts again with the same job id and run directory (``SLURM_RESTART_COUNT`` + 1) and resumes from
 the checkpoint. After ``slurm.max_requeues`` requeues it only checkpoints and asks the loop to stop.
 
-Site preemption (``PreemptType=preempt/partition_prio`` or ``preempt/qos``, ``PreemptMode=REQUEUE``, a
-``GraceTime``), as seen on Slurm 22.05: the moment a higher-priority job selects ours, slurmstepd sends SIGCONT +
+Site preemption (``PreemptMode=REQUEUE`` with a ``GraceTime``; seen on Slurm 22.05 with
+``PreemptType=preempt/partition_prio``, ``preempt/qos`` is expected to signal the same way): the moment a higher-priority job selects ours, slurmstepd sends SIGCONT +
 SIGTERM to EVERY process of every step of every component (not to the batch shell; no USR2 unless the site sets
 ``PreemptParameters=send_user_signal``), the job stays RUNNING with ``PreemptTime`` set, and only when the grace
 time is over do the batch shell and the tasks get SIGTERM, then SIGKILL, and Slurm requeues the job. A job that
