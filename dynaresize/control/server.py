@@ -164,7 +164,11 @@ def _child_setup() -> None:  # pragma: no cover - runs in the child
     watchdog thread ends, which it only does once that server was stopped (or when the whole process ends)."""
     os.setsid()
     if _LIBC is not None:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        # PR_SET_PDEATHSIG. SIGTERM (a clean shutdown) unless the parent blocks SIGTERM (the Slurm coordinator
+        # entry does, to take Slurm's SIGTERM itself), which the child inherits: then SIGKILL, or an orphaned
+        # server would escape Slurm's process tracking; with appendfsync always nothing acknowledged is lost
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+        _LIBC.prctl(1, signal.SIGKILL if signal.SIGTERM in blocked else signal.SIGTERM)
     if _resource is not None:
         try:
             soft, hard = _resource.getrlimit(_resource.RLIMIT_NOFILE)
@@ -297,8 +301,12 @@ class RedisServer:
         self.binary = find_redis_server(self.cfg.server_binary)
         password = self._password()
         last = ""
+        # The run's earlier port first: ranks that outlived a killed coordinator (and its server, which dies with
+        # it) keep retrying the endpoint they read at start, so a takeover must bring Redis back where it was.
+        earlier = self._earlier_port() if not self.port else None
         for _attempt in range(3):  # a free port can be taken between probing and binding: retry on a new one
-            port = self.port or free_port(self.cfg.bind)
+            port = self.port or earlier or free_port(self.cfg.bind)
+            earlier = None
             conf = self.dir / CONF_FILE
             _write_private(conf, self._conf_text(port, password))
             logpath = self.dir / LOG_FILE
@@ -364,6 +372,12 @@ class RedisServer:
         except subprocess.TimeoutExpired:
             self._kill()
         self.proc = None
+
+    def _earlier_port(self) -> int | None:
+        try:
+            return int(Endpoint.load(self.endpoint_file).port) or None
+        except (OSError, ValueError, KeyError, TypeError, RedisServerError):
+            return None
 
     def detach(self) -> None:
         """Leave the server running (this process was fenced off: a newer coordinator owns the run and its Redis).

@@ -166,6 +166,12 @@ class Coordinator:
                 self._journal_script = self.redis.register_script(_JOURNAL)
                 attached = self.resume and self._attach()
                 if self.resume and not attached:
+                    for r, pid in self._leftover_ranks().items():  # an incomplete earlier launch cannot be used
+                        log.warning("rank %d (pid %d) of the earlier launch is still alive: killed before the restart", r, pid)
+                        try:
+                            os.killpg(pid, signal.SIGKILL)
+                        except (ProcessLookupError, PermissionError):
+                            pass
                     self._rewind_batches()
                 if self.preemption is not None:
                     self.preemption.on_checkpoint(self.checkpoint)
@@ -240,6 +246,10 @@ class Coordinator:
         from dynaresize.job.launcher import LocalLauncher
 
         self.registry.unfence_all()  # a new launch: every rank slot is usable again
+        if self.state.lost:  # new processes in every slot (a restart, a resume, a requeue): nobody is lost any more
+            log.info("a new launch: rank(s) %s lost earlier are started again", format_ranks(self.state.lost))
+            self.state.lost = []
+            self._build_policy()
         for r in range(self.world):  # heartbeats of an earlier launch's processes must not count as this one's
             self.registry.forget(r)
         for j in range(self.state.step, min(self.state.step + self.bound + 1, self.cfg.run.steps)):
@@ -673,12 +683,12 @@ class Coordinator:
             raise FencedError(f"job {self.job_id}: journal not written (epoch {self.bus.epoch} is not the job's)")
 
     def _attach(self) -> bool:
-        """``--resume`` while the ranks of the run are still alive (the coordinator was killed or hung, its Redis
-        and ranks were not): take them over as they are, from the journal, instead of restarting them from the
-        last checkpoint. The new epoch (taken already) fences off the old coordinator; the step in flight is run
+        """``--resume`` while the ranks of the run are still alive (the coordinator was killed or hung, its ranks
+        were not; its Redis either still answers and was adopted, or died with it and was started again on the same
+        port from its append-only file): take the ranks over as they are, from the journal, instead of restarting
+        them from the last checkpoint. The new epoch (taken already) fences off the old coordinator; the step in flight is run
         again with the same command ids, so what the ranks already applied is answered from their stored acks."""
         from dynaresize.control.keys import Keys
-        from dynaresize.control.server import pid_alive
         from dynaresize.job.launcher import AttachedRanks
 
         raw = self.redis.get(Keys(self.job_id).journal)
@@ -691,20 +701,18 @@ class Coordinator:
         except (ValueError, TypeError, KeyError, OSError) as e:
             log.warning("journal or launch file unreadable (%s): resuming from the checkpoint", e)
             return False
-        live = self.registry.live()
         want = [r for r in range(self.world) if r not in st.lost]
+        leftovers = self._leftover_ranks()
+        # ranks whose registration expired while Redis was down (it dies with a killed coordinator and comes back
+        # with this one) register again within a heartbeat or two: give them the heartbeat deadline and some
+        deadline = time.monotonic() + (self.cfg.redis.heartbeat_s * self.cfg.redis.dead_after_heartbeats + 10 if leftovers else 0)
+        while True:
+            live = self.registry.live()
+            if all(r in live for r in want) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         if launch.get("incarnation") != st.incarnation or any(r not in live for r in want):
-            import socket
-
-            here = socket.gethostname()
-            for r, reg in live.items():  # what is left of that launch cannot be used: stop it
-                if reg.pid and reg.host == here and pid_alive(reg.pid):
-                    log.warning("rank %d (pid %d) of the earlier launch is alive but the launch is incomplete: killed", r, reg.pid)
-                    try:
-                        os.killpg(reg.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            return False
+            return False  # run() stops what is left of that launch
         st.elapsed_s, st.loop_s = max(st.elapsed_s, self.state.elapsed_s), max(st.loop_s, self.state.loop_s)
         self.state = st
         self.last = StepTimes(**j.get("last", {}))
@@ -718,6 +726,30 @@ class Coordinator:
                          epoch=self.bus.epoch)
         log.warning("attached to %d live ranks at step %d (epoch %d)", len(want), st.step, self.bus.epoch)
         return True
+
+    def _leftover_ranks(self) -> dict[int, int]:
+        """Rank processes of this run's last launch still alive on this host (from ``ranks.json``; a pid counts
+        only while its command line still names this run, so a recycled pid is never taken)."""
+        import socket
+
+        from dynaresize.control.server import pid_alive
+
+        try:
+            ranks = json.loads((self.run_dir / "ranks.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        here, out = socket.gethostname(), {}
+        for r, info in ranks.items():
+            pid = info.get("pid") if isinstance(info, dict) else None
+            if not pid or info.get("host") != here or not pid_alive(pid):
+                continue
+            try:
+                cmdline = open(f"/proc/{int(pid)}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if "dynaresize" in cmdline and self.run_dir.name in cmdline:  # --run-dir may be relative or absolute
+                out[int(r)] = int(pid)
+        return out
 
     def _restart(self, e: RanksLost) -> bool:
         """Restart every rank from the last checkpoint (local launches only; bounded by faults.max_restarts).

@@ -6,25 +6,48 @@ batch keys the coordinator writes (``dr:<job>:batch:<step>``, JSON :class:`~dyna
 
 from __future__ import annotations
 
+import logging
+import time
+import uuid
+
 import redis
 
 from dynaresize.job.batching import TrainBatch
 from dynaresize.job.workqueue import RolloutQueue, SampleResult, WorkItem
 
+log = logging.getLogger("dynaresize.job.dataplane")
+
 
 class RedisDataPlane:
-    def __init__(self, client: redis.Redis, job_id: str):
+    """Every call waits out a Redis outage up to ``outage_s`` (the server restarted by the coordinator's watchdog,
+    or by a coordinator that takes over after the old one was killed) instead of failing the command: the client's
+    own retries cover a few seconds, a takeover can take longer. Each call is safe to repeat (a claim by its token,
+    results by HSETNX, a read)."""
+
+    def __init__(self, client: redis.Redis, job_id: str, outage_s: float = 120.0):
         self.client = client
         self.queue = RolloutQueue(client, job_id)
+        self.outage_s = outage_s
+
+    def _patient(self, fn, *args):
+        deadline = time.monotonic() + self.outage_s
+        while True:
+            try:
+                return fn(*args)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if time.monotonic() > deadline:
+                    raise
+                log.warning("Redis unreachable (%s); retrying for up to %.0f s more", e, deadline - time.monotonic())
+                time.sleep(1.0)
 
     def claim(self, step: int, rank: int, n: int) -> list[WorkItem]:
-        return self.queue.claim(step, rank, n)
+        return self._patient(self.queue.claim, step, rank, n, uuid.uuid4().hex)  # one token: a retry takes nothing new
 
     def complete(self, step: int, rank: int, results: list[SampleResult]) -> int:
-        return self.queue.complete(step, rank, results)
+        return self._patient(self.queue.complete, step, rank, results)
 
     def batch(self, key: str) -> TrainBatch:
-        raw = self.client.get(key)
+        raw = self._patient(self.client.get, key)
         if raw is None:
             raise KeyError(f"training batch {key!r} is not in Redis (expired, or never written)")
         return TrainBatch.from_json(raw)

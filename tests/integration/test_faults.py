@@ -209,3 +209,20 @@ def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_o
     assert controls(rd, "fenced"), "the old coordinator's refused send is in the log"
     ends = [e for e in events(rd) if e.get("type") == "run_end"]
     assert len(ends) == 1 and ends[0]["status"] == "completed", "the fenced coordinator wrote no run_end"
+
+
+def test_a_killed_coordinator_is_replaced_and_its_ranks_outlive_it(tmp_path, model_cache):
+    """SIGKILL of the coordinator: its redis-server dies with it (parent-death signal, no orphans); the ranks live
+    on, retrying Redis. `--resume` brings Redis back on the same port from its append-only file (journal and
+    registry included) and takes the ranks over; a command interrupted by the outage is waited out, not failed."""
+    steps = 6
+    a = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=19", "policy.enabled=false", wait=False)
+    rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
+    wait_for(lambda: n_batches(rd) >= 2, "step 2", a)
+    pids = {r: pid_of(rd, r) for r in range(4)}
+    os.killpg(a.pid, signal.SIGKILL)  # the coordinator's own session: ranks and Redis run in theirs
+    a.communicate(timeout=60)
+    run(tmp_path, model_cache, resume=rd)
+    assert_nothing_lost(rd, steps)
+    assert {r: pid_of(rd, r) for r in range(4)} == pids, "the same rank processes finished the run"
+    assert len(controls(rd, "attach")) == 1
