@@ -451,7 +451,7 @@ class Coordinator:
             return max([a.acked_at for a in acked], default=time.time()) - (time.time() - (time.monotonic() - t0))
         self._results[j] = self.queue.results(j)  # read once: the tokens now, the training batch next step
         self.last.tokens_generated = sum(len(r.response_ids) for r in self._results[j])
-        return max(a.acked_at for a in acked) - (time.time() - (time.monotonic() - t0))
+        return max([a.acked_at for a in acked], default=time.time()) - (time.time() - (time.monotonic() - t0))
 
     def _await_rollout(self, cmd, ranks, j: int) -> list:
         """Acks of one generate command. A rollout rank lost meanwhile is fenced off and removed (``faults.shrink``):
@@ -703,6 +703,10 @@ class Coordinator:
             return False
         want = [r for r in range(self.world) if r not in st.lost]
         leftovers = self._leftover_ranks()
+        if self.launcher_factory is not None or set(leftovers) != set(want):
+            # only local ranks whose processes are seen alive are taken over; a Slurm requeue starts every rank
+            # anew (and right after a Redis restart stale heartbeats still look fresh, so they prove nothing)
+            return False
         # ranks whose registration expired while Redis was down (it dies with a killed coordinator and comes back
         # with this one) register again within a heartbeat or two: give them the heartbeat deadline and some
         deadline = time.monotonic() + (self.cfg.redis.heartbeat_s * self.cfg.redis.dead_after_heartbeats + 10 if leftovers else 0)
@@ -786,7 +790,7 @@ class Coordinator:
 
     def _call(self, kind: str, ranks, payload: dict):
         """Send a command and wait for every rank's ack, watching the ranks' liveness while waiting."""
-        ranks = list(ranks)
+        ranks = [r for r in ranks if r not in self.state.lost]
         return self._await(self._send(kind, ranks, payload), ranks, kind)
 
     def _send(self, kind: str, ranks, payload: dict):
