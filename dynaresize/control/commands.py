@@ -343,7 +343,13 @@ class CommandReceiver:
             return
         self.max_epoch = cmd.epoch
         if cmd.command_id in self._uncommitted:  # applied before the connection broke: commit, never re-apply
-            self._commit(entry_id, cmd.command_id, self._uncommitted.pop(cmd.command_id), store=True)
+            raw_ack = self._uncommitted.pop(cmd.command_id)
+            try:  # under the epoch of this copy: a coordinator that took over meanwhile resent it with the same id
+                raw_ack = encode(decode(Ack, raw_ack, self.cfg.max_message_bytes).model_copy(update={"epoch": cmd.epoch}),
+                                 self.cfg.max_message_bytes)
+            except WireError as e:
+                log.warning("rank %d: uncommitted ack of %s unreadable (%s); committed as it is", self.rank, cmd.command_id, e.reason)
+            self._commit(entry_id, cmd.command_id, raw_ack, store=True)
             return
         prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:

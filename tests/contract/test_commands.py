@@ -242,3 +242,31 @@ def test_commit_lost_to_a_connection_error_does_not_reapply(client, cfg, job_id)
     drain(recv, h)  # the entry is read again (cursor not advanced): its ack is committed, the handler not re-run
     assert len(h.seen) == 1
     assert bus.await_acks(cmd.command_id, [0], 1).acks[0].result == {"n": 1}
+
+
+def test_a_commit_lost_while_the_coordinator_was_replaced_is_acked_under_the_new_epoch(client, cfg, job_id):
+    """The rank finished a command but could not commit its ack (Redis down, taking the coordinator with it); the
+    new coordinator resends that command under its epoch with the same id. The rank rejects the old copy as stale
+    and answers the new one with the result it already has, under the new epoch (else the new coordinator, which
+    ignores older epochs, would wait for ever), and never runs it twice."""
+    old = CommandBus(client("coord-old"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    cmd = old.send(CommandKind.TRAIN, [0], {"step": 2})
+    h = Recorder()
+    real_commit, calls = recv._commit, []
+
+    def flaky_commit(*a, **kw):
+        calls.append(a)
+        if len(calls) == 1:
+            raise redis.ConnectionError("Redis went away after the handler ran")
+        return real_commit(*a, **kw)
+
+    recv._commit = flaky_commit
+    with pytest.raises(redis.ConnectionError):
+        recv.process(h)
+    new = CommandBus(client("coord-new"), job_id, cfg)
+    new.send(CommandKind.TRAIN, [0], {"step": 2}, command_id=cmd.command_id)
+    drain(recv, h)
+    assert len(h.seen) == 1, "applied once"
+    ack = new.await_acks(cmd.command_id, [0], 1).acks[0]
+    assert ack.ok and ack.epoch == new.epoch and ack.result == {"n": 1}
