@@ -61,9 +61,19 @@ def _wait(pred, timeout_s: float, what: str):
 
 
 def test_coordinator_sigterm_preempted_or_not() -> None:
-    """Real SIGTERMs to this process: with the job preempted it becomes checkpoint + requeue (past max_requeues)
+    """Real SIGTERMs to a fresh process: with the job preempted it becomes checkpoint + requeue (past max_requeues)
     and a child started after install() (like redis-server) survives it; otherwise it reaches the main thread's
-    own handler (the coordinator's: stop after the step)."""
+    own handler (the coordinator's: stop after the step).
+
+    A fresh interpreter, as the coordinator entry is: threads that other tests left in the pytest process were
+    started before install() blocked SIGTERM, so the kernel could hand a process-directed SIGTERM to one of them."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    code = "import test_signals; test_signals._coordinator_sigterm_preempted_or_not(); print('ok')"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]
+
+
+def _coordinator_sigterm_preempted_or_not() -> None:
     assert threading.current_thread() is threading.main_thread()
     preempted: list[str | None] = ["2026-11-30T04:20:46"]
     calls: list[str] = []
