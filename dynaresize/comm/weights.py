@@ -76,40 +76,12 @@ def broadcast_weights(
 
     On receivers ``named`` gives the expected names, shapes and dtypes (their own model's tensors).
     """
-    me = dist.get_rank()
-    header = torch.zeros(4, dtype=torch.int64, device=device)
-    total = sum(t.numel() for _, t in named)
-    if me == src:
-        header.copy_(torch.tensor([version, len(named), total, structure_hash(named)], dtype=torch.int64))
-    dist.broadcast(header, src=src, group=group)
-    version_in, n, numel, shash = (int(x) for x in header.tolist())
-    if me != src:
-        if n != len(named) or numel != total:
-            raise WeightSyncError(
-                f"weight sync v{version_in} from rank {src}: sender has {n} tensors / {numel} elements, "
-                f"rank {me} expects {len(named)} / {total}"
-            )
-        if shash != structure_hash(named):
-            raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
-    sink = sink or _copy_into(named)
-    moved = 0
-    for idx in buckets(named, bucket_bytes):
-        dtype = named[idx[0]][1].dtype
-        count = sum(named[i][1].numel() for i in idx)
-        if me == src:
-            flat = torch.cat([named[i][1].detach().reshape(-1).to(device) for i in idx])
-        else:
-            flat = torch.empty(count, dtype=dtype, device=device)
-        dist.broadcast(flat, src=src, group=group)
-        moved += flat.numel() * flat.element_size()
-        if me != src:
-            items, off = [], 0
-            for i in idx:
-                name, t = named[i]
-                items.append((name, flat[off : off + t.numel()].view(t.shape)))
-                off += t.numel()
-            sink(items)
-    return version_in, moved
+
+    def move(t: torch.Tensor) -> int:
+        dist.broadcast(t, src=src, group=group)
+        return t.numel() * t.element_size()
+
+    return _transfer(named, src, move, bucket_bytes, version, sink, device)
 
 
 def send_weights_p2p(
@@ -129,19 +101,39 @@ def send_weights_p2p(
     gloo keeps working pairwise after a peer died (checked on CPU); NCCL p2p on a communicator with a dead member
     is UNVERIFIED.
     """
-    me = dist.get_rank()
     peers = [r for r in members if r != src]
+
+    def move(t: torch.Tensor) -> int:
+        if dist.get_rank() != src:
+            dist.recv(t, src=src)
+            return t.numel() * t.element_size()
+        for r in peers:
+            dist.send(t, dst=r)
+        return t.numel() * t.element_size() * len(peers)
+
+    return _transfer(named, src, move, bucket_bytes, version, sink, device)
+
+
+def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucket_bytes: int, version: int,
+              sink: Sink | None, device: torch.device | str) -> tuple[int, int]:
+    """A header (version, count, size, structure hash), then the tensors in flat buckets, each moved from ``src``
+    to the others by ``move`` (a broadcast, or point-to-point sends); receivers check the header against their own
+    tensors and hand each bucket to ``sink``."""
+    me = dist.get_rank()
     header = torch.zeros(4, dtype=torch.int64, device=device)
     total = sum(t.numel() for _, t in named)
     if me == src:
         header.copy_(torch.tensor([version, len(named), total, structure_hash(named)], dtype=torch.int64))
-        for r in peers:
-            dist.send(header, dst=r)
-    else:
-        dist.recv(header, src=src)
+    move(header)
     version_in, n, numel, shash = (int(x) for x in header.tolist())
-    if me != src and (n != len(named) or numel != total or shash != structure_hash(named)):
-        raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
+    if me != src:
+        if n != len(named) or numel != total:
+            raise WeightSyncError(
+                f"weight sync v{version_in} from rank {src}: sender has {n} tensors / {numel} elements, "
+                f"rank {me} expects {len(named)} / {total}"
+            )
+        if shash != structure_hash(named):
+            raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
     sink = sink or _copy_into(named)
     moved = 0
     for idx in buckets(named, bucket_bytes):
@@ -149,17 +141,14 @@ def send_weights_p2p(
         count = sum(named[i][1].numel() for i in idx)
         if me == src:
             flat = torch.cat([named[i][1].detach().reshape(-1).to(device) for i in idx])
-            for r in peers:
-                dist.send(flat, dst=r)
-                moved += flat.numel() * flat.element_size()
-            continue
-        flat = torch.empty(count, dtype=dtype, device=device)
-        dist.recv(flat, src=src)
-        moved += flat.numel() * flat.element_size()
-        items, off = [], 0
-        for i in idx:
-            name, t = named[i]
-            items.append((name, flat[off : off + t.numel()].view(t.shape)))
-            off += t.numel()
-        sink(items)
+        else:
+            flat = torch.empty(count, dtype=dtype, device=device)
+        moved += move(flat)
+        if me != src:
+            items, off = [], 0
+            for i in idx:
+                name, t = named[i]
+                items.append((name, flat[off : off + t.numel()].view(t.shape)))
+                off += t.numel()
+            sink(items)
     return version_in, moved

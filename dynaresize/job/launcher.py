@@ -39,6 +39,15 @@ def worker_argv(run_dir: Path, rank: int, world: int, master_port: int, job_id: 
     ]
 
 
+def log_tail(run_dir: Path, rank: int, lines: int = 20) -> str:
+    """The last lines of a rank's log (``<run_dir>/logs/rank<r>.log``), for the error that names a dead rank."""
+    path = Path(run_dir) / "logs" / f"rank{rank}.log"
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
 @dataclass
 class LocalLauncher:
     """Worker processes on this machine; their output goes to ``<run_dir>/logs/rank<r>.log``."""
@@ -69,11 +78,7 @@ class LocalLauncher:
         return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
-        path = self.run_dir / "logs" / f"rank{rank}.log"
-        try:
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.run_dir, rank, lines)
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Wait for the ranks to exit (they were told to shut down), then terminate, then kill what is left."""
@@ -121,11 +126,7 @@ class AttachedRanks:
         return {r: -1 for r, pid in self.pids.items() if not pid_alive(pid)}
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
-        path = self.run_dir / "logs" / f"rank{rank}.log"
-        try:
-            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        return log_tail(self.run_dir, rank, lines)
 
     def stop(self, grace_s: float = 20.0) -> None:
         from dynaresize.control.server import pid_alive
