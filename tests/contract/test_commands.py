@@ -223,11 +223,8 @@ def test_a_retried_claim_recognises_itself(client, cfg, job_id):
     assert bus.await_acks(cmd.command_id, [0], 1).acks[0].ok
 
 
-def test_commit_lost_to_a_connection_error_does_not_reapply(client, cfg, job_id):
-    bus = CommandBus(client("coord"), job_id, cfg)
-    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
-    cmd = bus.send(CommandKind.TRAIN, [0])
-    h = Recorder()
+def lose_first_commit(recv: CommandReceiver) -> None:
+    """The receiver's next commit fails as if Redis went away after the handler ran; later ones go through."""
     real_commit, calls = recv._commit, []
 
     def flaky_commit(*a, **kw):
@@ -237,6 +234,14 @@ def test_commit_lost_to_a_connection_error_does_not_reapply(client, cfg, job_id)
         return real_commit(*a, **kw)
 
     recv._commit = flaky_commit
+
+
+def test_commit_lost_to_a_connection_error_does_not_reapply(client, cfg, job_id):
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    cmd = bus.send(CommandKind.TRAIN, [0])
+    h = Recorder()
+    lose_first_commit(recv)
     with pytest.raises(redis.ConnectionError):
         recv.process(h)
     drain(recv, h)  # the entry is read again (cursor not advanced): its ack is committed, the handler not re-run
@@ -253,15 +258,7 @@ def test_a_commit_lost_while_the_coordinator_was_replaced_is_acked_under_the_new
     recv = CommandReceiver(client("rank"), job_id, 0, cfg)
     cmd = old.send(CommandKind.TRAIN, [0], {"step": 2})
     h = Recorder()
-    real_commit, calls = recv._commit, []
-
-    def flaky_commit(*a, **kw):
-        calls.append(a)
-        if len(calls) == 1:
-            raise redis.ConnectionError("Redis went away after the handler ran")
-        return real_commit(*a, **kw)
-
-    recv._commit = flaky_commit
+    lose_first_commit(recv)
     with pytest.raises(redis.ConnectionError):
         recv.process(h)
     new = CommandBus(client("coord-new"), job_id, cfg)
