@@ -360,12 +360,9 @@ class RedisServer:
         if self.proc is None:
             return
         if self.proc.poll() is None and self.endpoint is not None:
-            try:
-                c = client_for(self.endpoint, self.cfg.model_copy(update={"retries": 0}), "shutdown")
-                c.shutdown()
-                c.close()
-            except redis.RedisError as e:
-                log.warning("redis SHUTDOWN failed (%s); sending SIGTERM", e)
+            err = self._send_shutdown()
+            if err is not None:
+                log.warning("redis SHUTDOWN failed (%s); sending SIGTERM", err)
                 self.proc.terminate()
         try:
             self.proc.wait(timeout=timeout)
@@ -418,14 +415,21 @@ class RedisServer:
         log.warning("redis-server of this run still running (pid %d, port %d): adopted", pid, ep.port)
         return ep
 
-    def _stop_adopted(self, timeout: float) -> None:
-        pid, self.adopted_pid = self.adopted_pid, None
+    def _send_shutdown(self) -> redis.RedisError | None:
+        """SHUTDOWN (the append-only file is flushed); the error when it could not be sent."""
         try:
             c = client_for(self.endpoint, self.cfg.model_copy(update={"retries": 0}), "shutdown")
             c.shutdown()
             c.close()
+            return None
         except redis.RedisError as e:
-            log.warning("redis SHUTDOWN of the adopted server failed (%s); sending SIGTERM", e)
+            return e
+
+    def _stop_adopted(self, timeout: float) -> None:
+        pid, self.adopted_pid = self.adopted_pid, None
+        err = self._send_shutdown()
+        if err is not None:
+            log.warning("redis SHUTDOWN of the adopted server failed (%s); sending SIGTERM", err)
             try:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
