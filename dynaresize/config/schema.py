@@ -15,7 +15,7 @@ from dynaresize.control.config import RedisConfig
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.sim.config import SimConfig
 from dynaresize.slurm.config import SlurmConfig
-from dynaresize.tasks.config import TaskConfig
+from dynaresize.tasks.config import RewardConfig, TaskConfig
 from dynaresize.worker.config import ModelConfig, RolloutConfig, StagingConfig, TrainConfig
 
 
@@ -90,7 +90,8 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training engine and RL loss")
     staging: StagingConfig = Field(default_factory=StagingConfig, description="Bounded state staging to node-local disk")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="RL task: generated prompts or a dataset")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function, run on the rollout ranks")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")

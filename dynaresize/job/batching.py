@@ -1,4 +1,5 @@
-"""From generated samples to a training batch: rewards, group-relative advantages, staleness check.
+"""From generated samples to a training batch: rewards (scored on the rollout ranks), group-relative advantages,
+staleness check.
 
 The coordinator does this once per step, in sample order (prompt, index), so the batch is the same whichever ranks
 generated it and however many trainers will split it. The batch goes to trainers as JSON under one Redis key;
@@ -30,13 +31,46 @@ def sample_seed(seed: int, step: int, prompt: int, index: int) -> int:
 
 
 def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int) -> tuple[list[WorkItem], list[str]]:
-    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompt texts."""
-    texts = [task.prompt(seed, step, p) for p in range(prompts)]
+    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompts' plain texts. A prompt is
+    rendered by :func:`~dynaresize.models.hf.render_prompt` (chat messages through the model's chat template); each
+    item carries what its reward needs (data source, ground truth, extra info) to the rollout rank that scores it."""
+    from dynaresize.models.hf import prompt_text, render_prompt
+    from dynaresize.tasks.base import sample_of
+
+    samples = [sample_of(task, seed, step, p, prompts) for p in range(prompts)]
     items = []
-    for p, text in enumerate(texts):
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i)) for i in range(group)]
-    return items, texts
+    for p, smp in enumerate(samples):
+        ids = render_prompt(tokenizer, smp.prompt)
+        items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i), info=smp.to_info()) for i in range(group)]
+    return items, [prompt_text(smp.prompt) for smp in samples]
+
+
+def val_seed(seed: int, prompt: int, index: int) -> int:
+    """Seed of validation response ``index`` to validation prompt ``prompt``: the same draws at every pass."""
+    return sample_seed(seed, -1, prompt, index)
+
+
+def val_items(samples, tokenizer, seed: int, version: int, k: int) -> list[WorkItem]:
+    """A validation pass: ``k`` items per validation sample, keyed ``<version>.<prompt>.<index>``."""
+    from dynaresize.models.hf import render_prompt
+
+    items = []
+    for p, smp in enumerate(samples):
+        ids = render_prompt(tokenizer, smp.prompt)
+        items += [WorkItem(version, p, i, list(ids), val_seed(seed, p, i), info=smp.to_info()) for i in range(k)]
+    return items
+
+
+def reward_errors(samples: list[SampleResult]) -> list[str]:
+    """The reward failures the rollout ranks reported (each text names its sample key), in sample order."""
+    return [s.extra["reward_error"] for s in samples if s.extra.get("reward_error")]
+
+
+def reward_of(s: SampleResult) -> float:
+    """The score the rollout rank gave sample ``s`` (every rank scores what it generates)."""
+    if not isinstance(s.extra.get("reward"), (int, float)):
+        raise RuntimeError(f"sample {s.key}: no reward in its result (rank {s.rank} did not score it)")
+    return float(s.extra["reward"])
 
 
 def check_staleness(step: int, samples: list[SampleResult], bound: int) -> None:
@@ -78,20 +112,17 @@ class TrainBatch:
 
 
 def build_batch(
-    step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
-    group: int, bound: int, scale_by_std: bool = True,
+    step: int, items: list[WorkItem], samples: list[SampleResult], group: int, bound: int, scale_by_std: bool = True,
 ) -> TrainBatch:
-    """Score every sample, compute advantages per prompt group, and check the staleness bound."""
+    """Collect every sample's reward (given by the rank that generated it), compute advantages per prompt group,
+    and check the staleness bound."""
     by_key = {s.key: s for s in samples}
     missing = [it.key for it in items if it.key not in by_key]
     if missing:
         raise RuntimeError(f"batch {step}: {len(missing)} samples missing, e.g. {missing[:5]}")
     ordered = [by_key[it.key] for it in items]
     check_staleness(step, ordered, bound)
-    rewards = []
-    for it, s in zip(items, ordered):
-        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        rewards.append(float(task.reward(texts[it.prompt], text)))
+    rewards = [reward_of(s) for s in ordered]  # scored on the rollout ranks
     adv = group_advantages(torch.tensor(rewards), group, scale_by_std=scale_by_std)
     return TrainBatch(
         step=step,
