@@ -11,7 +11,7 @@ text naming the sample key, which the coordinator reports (``reward.on_error: ze
 from __future__ import annotations
 
 import importlib
-import math
+from math import isfinite  # (not `import math`: the submodule dynaresize.rewards.math would shadow it)
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -60,7 +60,7 @@ class Reward:
             return Scored(0.0, f"sample {key}: reward {self.name} raised {type(e).__name__}: {str(e)[:200]}")
         if isinstance(value, dict) and "score" in value:
             value = value["score"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not isfinite(float(value)):
             return Scored(0.0, f"sample {key}: reward {self.name} returned {repr(value)[:80]}, not a finite number")
         return Scored(float(value))
 
