@@ -559,6 +559,11 @@ class Coordinator:
         """Batch j's work items and prompt texts, built (prompts sampled, tokenised) once per step."""
         if j not in self._items:
             self._items[j] = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step, self.group)
+            if j == self.state.step and not getattr(self, "_shown_prompt", False):  # what the model is really given
+                self._shown_prompt = True
+                first = self._items[j][0][0]
+                self.events.emit("control", what="prompt_rendered", reason=self.tokenizer.decode(first.prompt_ids),
+                                 key=first.key, tokens=len(first.prompt_ids))
         return self._items[j]
 
     def make_batch(self, k: int) -> TrainBatch:

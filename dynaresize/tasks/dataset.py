@@ -137,6 +137,16 @@ def read_records(files: list[str], what: str) -> tuple[list[Sample], str | None]
     return out, chat
 
 
+def record_index(n: int, shuffle: bool, seed: int, step: int, index: int, per_step: int) -> int:
+    """Which of ``n`` records is sample ``index`` of step ``step``: a pure function (see the module docstring)."""
+    epoch, i = divmod(step * per_step + index, n)
+    if not shuffle:
+        return i
+    perm = list(range(n))
+    random.Random(f"dataset:{seed}:{epoch}").shuffle(perm)
+    return perm[i]
+
+
 class DatasetTask:
     """Training and validation records from files (see the module docstring for the layout and the order)."""
 
@@ -152,13 +162,7 @@ class DatasetTask:
 
     def position(self, seed: int, step: int, index: int, per_step: int) -> int:
         """The training record behind sample ``index`` of step ``step`` (its row across train_files)."""
-        n = len(self.train)
-        epoch, i = divmod(step * per_step + index, n)
-        if not self.cfg.shuffle:
-            return i
-        perm = list(range(n))
-        random.Random(f"dataset:{seed}:{epoch}").shuffle(perm)
-        return perm[i]
+        return record_index(len(self.train), self.cfg.shuffle, seed, step, index, per_step)
 
     def sample(self, seed: int, step: int, index: int, per_step: int) -> Sample:
         return self.train[self.position(seed, step, index, per_step)]
