@@ -1,7 +1,7 @@
 """Rewards: a function picked by import path, called as verl's ``compute_score``, guarded so it never takes a rank down.
 
-``load_reward(cfg)`` returns a :class:`Reward` for the root config: ``reward.function`` (``"module:function"``) when
-set, else the task's own reward (:class:`dynaresize.tasks.base.TaskReward`). Rollout ranks call it on every
+``load_reward(cfg)`` returns a :class:`Reward` for the root config: ``reward.function`` (``"module:function"``, or
+``"path/to/file.py:function"`` for a file outside any package, relative to the working directory) when set, else the task's own reward (:class:`dynaresize.tasks.base.TaskReward`). Rollout ranks call it on every
 response they generate (``Reward.score``); a function that raises or returns something that is not a finite number
 (a ``bool`` is not one either; a verl-style ``{"score": x, ...}`` dict is read as ``x``) gives score 0 and an error
 text naming the sample key, which the coordinator reports (``reward.on_error: zero``) or fails the run with
@@ -34,7 +34,9 @@ def resolve_function(path: str, what: str = "reward.function") -> Callable[..., 
         raise ConfigError(f"{what} = {path!r}: expected 'module:function' (e.g. 'dynaresize.rewards.math:compute_score') "
                           f"or one of {sorted(BUILTIN_REWARDS)}")
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: Any = _load_file(module_name) if module_name.endswith(".py") else importlib.import_module(module_name)
+    except ConfigError:
+        raise
     except Exception as e:  # noqa: BLE001 - an import that fails in any way is one clear message
         raise ConfigError(f"{what} = {path!r}: cannot import module {module_name!r}: {type(e).__name__}: {e}") from None
     for part in attr.split("."):
@@ -44,6 +46,23 @@ def resolve_function(path: str, what: str = "reward.function") -> Callable[..., 
     if not callable(obj):
         raise ConfigError(f"{what} = {path!r}: {attr!r} is a {type(obj).__name__}, not a function")
     return obj
+
+
+def _load_file(file: str):
+    """A reward module given as a file (``path/to/my_reward.py:compute_score``, verl's custom_reward_function.path)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    p = Path(file).expanduser().resolve()
+    if not p.is_file():
+        raise ConfigError(f"reward.function = '{file}:...': no such file {p}")
+    name = f"dynaresize_user_reward_{abs(hash(str(p)))}"
+    spec = importlib.util.spec_from_file_location(name, p)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 class Reward:

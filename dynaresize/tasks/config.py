@@ -52,7 +52,7 @@ class RewardConfig(Section):
     """Which function scores a response (on the rollout ranks) and what a failing one does."""
 
     function: str | None = Field(
-        None, description="'module:function' called as verl's compute_score(data_source, solution_str, ground_truth, "
+        None, description="'module:function' or 'path/to/file.py:function', called as verl's compute_score(data_source, solution_str, ground_truth, "
         "extra_info) -> float; built in: dynaresize.rewards.math:compute_score. Unset: the task's own reward"
     )
     on_error: Literal["zero", "fail"] = Field(

@@ -187,6 +187,15 @@ def test_reward_by_import_path_gets_verls_arguments():
     assert Reward(verl_dict, "v").score("k", {}, "x").score == 0.25  # verl's dict form: its "score"
 
 
+def test_reward_from_a_file_path(tmp_path, monkeypatch):
+    (tmp_path / "my_score.py").write_text("def compute_score(ds, sol, gt, extra):\n    return float(sol == gt)\n")
+    monkeypatch.chdir(tmp_path)  # relative to the working directory, like verl's custom_reward_function.path
+    r = load_reward(load_config(None, ["reward.function=my_score.py:compute_score"]))
+    assert r.score("k", {"ground_truth": "7"}, "7").score == 1.0
+    with pytest.raises(ConfigError, match="reward.function = 'nope.py:...': no such file"):
+        resolve_function("nope.py:f")
+
+
 @pytest.mark.parametrize(
     ("fn", "needle"),
     [
