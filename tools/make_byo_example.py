@@ -3,16 +3,15 @@
 What it makes (deterministic for a seed): ``train.parquet`` and ``val.parquet`` under ``--out`` (default
 ``runs/data/byo-example``, the paths ``configs/byo-example.yaml`` reads), one row per problem::
 
-    prompt        [{"role": "user", "content": "Ann has 3 pens and buys 4 more. How many pens does Ann have now?
+    prompt        [{"role": "user", "content": "Ann has 3 pens and buys 2 more. How many pens does Ann have now?
                     Put the final answer in \\boxed{}."}]
     data_source   "byo_arith"
-    reward_model  {"style": "rule", "ground_truth": "7"}
-    extra_info    {"split": "train", "index": 12, "answer": "3+4=7. \\boxed{7}"}
+    reward_model  {"style": "rule", "ground_truth": "5"}
+    extra_info    {"split": "train", "index": 12, "answer": "\\boxed{5}"}
 
-``extra_info.answer`` is what the tiny model's supervised warm-start imitates (a worked equation, then the boxed
-result); the built-in math reward (``dynaresize.rewards.math:compute_score``) scores the boxed number. Single-digit
-operands, addition and subtraction (never below zero), eight names, eight objects, three phrasings of each
-operation. Validation problems are drawn apart from the training ones (no prompt appears in both).
+``extra_info.answer`` is what the tiny model's supervised warm-start imitates; the built-in math reward
+(``dynaresize.rewards.math:compute_score``) scores the boxed number. A first operand 0..9, a second 1..3, addition
+and subtraction (never below zero), eight names, eight objects, three phrasings of each operation. Validation problems are drawn apart from the training ones (no prompt appears in both).
 
     .venv/bin/python tools/make_byo_example.py                 # then: .venv/bin/dynaresize run configs/byo-example.yaml
     .venv/bin/python tools/make_byo_example.py --out /tmp/arith --train 500 --val 32 --jsonl
@@ -29,20 +28,20 @@ NAMES = ("Ann", "Ben", "Cara", "Dan", "Eva", "Finn", "Gus", "Hana")
 THINGS = ("apple", "pen", "book", "coin", "cup", "egg", "hat", "key")
 ADD = ("{n} has {a} {t}s and buys {b} more.", "{n} has {a} {t}s and finds {b} more.", "{n} has {a} {t}s and gets {b} more.")
 SUB = ("{n} has {a} {t}s and gives away {b}.", "{n} has {a} {t}s and loses {b}.", "{n} has {a} {t}s and sells {b}.")
+MAX_STEP = 3  # the second operand: 1..3 (a tiny model learns it within minutes; 0..9 took it far longer)
 QUESTION = " How many {t}s does {n} have now? Put the final answer in \\boxed{{}}."
 
 
 def problem(rng: random.Random) -> tuple[str, int, str]:
     """(question, result, worked answer) of one random problem."""
     n, t = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = rng.randrange(10), rng.randrange(10)
-    if rng.random() < 0.5:
-        text, result, eq = rng.choice(ADD), a + b, f"{a}+{b}={a + b}"
+    a, b = rng.randrange(10), rng.randrange(1, MAX_STEP + 1)
+    if rng.random() < 0.5 or a < b:
+        text, result = rng.choice(ADD), a + b
     else:
-        a, b = max(a, b), min(a, b)
-        text, result, eq = rng.choice(SUB), a - b, f"{a}-{b}={a - b}"
+        text, result = rng.choice(SUB), a - b
     question = text.format(n=n, a=a, b=b, t=t) + QUESTION.format(n=n, t=t)
-    return question, result, f"{eq}. \\boxed{{{result}}}"
+    return question, result, f"\\boxed{{{result}}}"
 
 
 def records(n: int, split: str, rng: random.Random, exclude: set[str]) -> list[dict]:
