@@ -129,6 +129,7 @@ class PipelineScheduler:
         self.switching: set[int] = set()  # ranks leaving their role or running switch ops
         self.waiting: set[int] = set()
         self.restarting = False
+        self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -210,10 +211,11 @@ class PipelineScheduler:
             b = self.batches[j]
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
             if b.unclaimed and usable:
-                got = b.claim(r.capacity)
+                share = -(-b.groups // max(1, self.n_rollout))  # a claim takes at most an even share of a batch
+                got = b.claim(min(r.capacity, share))
                 for g in got:
                     b.owner[g] = rank
-                r.capacity -= len(got)
+                r.capacity = 0 if len(got) == share else r.capacity - len(got)  # it asks again when it wants more
                 r.inflight += len(got)
                 r.inflight_version = b.version
                 out.append(Assign(rank, j, got, b.version))
@@ -400,6 +402,8 @@ class PipelineScheduler:
         r = self.ranks[rank]
         if r.role is None:
             return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
         r.role = None
         r.leaving = False
         r.versions.clear()
@@ -416,6 +420,7 @@ class PipelineScheduler:
         if r.lost:
             return
         if r.role is Role.ROLLOUT:
+            self.n_rollout += 1
             r.versions = {self.produced}  # a former trainer holds the newest weights
             self._release(out)
         else:
@@ -433,6 +438,8 @@ class PipelineScheduler:
             self.restarting = True
             out.append(Restart(rank, f"trainer rank {rank} lost: every rank restarts from the newest checkpoint"))
             return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
         returned = False
         for b in self.batches[self.produced:]:  # batches before it are complete
             mine = sorted(g for g, owner in b.owner.items() if owner == rank)
