@@ -69,6 +69,7 @@ class _Batch:
     cursor: int = 0  # next group never handed out
     returned: list[int] = field(default_factory=list)  # groups of lost ranks, handed out again first
     owner: dict[int, int] = field(default_factory=dict)  # group -> rank, while in flight
+    held: dict[int, int] = field(default_factory=dict)  # rank -> groups of this batch it has in flight
     done: set[int] = field(default_factory=set)
     ready: list[int] = field(default_factory=list)  # complete groups not yet given to the trainers
     trained: int = 0  # groups given to the trainers
@@ -145,6 +146,11 @@ class PipelineScheduler:
     def role(self, rank: int) -> Role | None:
         return self.ranks[rank].role
 
+    def accepting(self, rank: int) -> bool:
+        """Whether a rollout rank takes new work (not lost, not draining for a switch)."""
+        r = self.ranks[rank]
+        return r.role is Role.ROLLOUT and not r.lost and not r.leaving
+
     def trainers(self) -> tuple[int, ...]:
         return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost)
 
@@ -210,12 +216,13 @@ class PipelineScheduler:
         while r.capacity > 0 and j <= last and self._open(j):
             b = self.batches[j]
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
-            if b.unclaimed and usable:
-                share = -(-b.groups // max(1, self.n_rollout))  # a claim takes at most an even share of a batch
-                got = b.claim(min(r.capacity, share))
+            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
+            if b.unclaimed and usable and room > 0:
+                got = b.claim(min(r.capacity, room))
                 for g in got:
                     b.owner[g] = rank
-                r.capacity = 0 if len(got) == share else r.capacity - len(got)  # it asks again when it wants more
+                b.held[rank] = b.held.get(rank, 0) + len(got)
+                r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
                 r.inflight += len(got)
                 r.inflight_version = b.version
                 out.append(Assign(rank, j, got, b.version))
@@ -238,6 +245,7 @@ class PipelineScheduler:
                 return  # a late report of a rank already fenced off: its groups were handed out again
             stray = sorted(set(groups) - set(mine))
             raise ScheduleError(f"rank {rank} reported groups {stray} of batch {batch} it was not given")
+        b.held[rank] -= len(mine)
         for g in mine:
             del b.owner[g]
             b.done.add(g)
@@ -445,6 +453,7 @@ class PipelineScheduler:
             mine = sorted(g for g, owner in b.owner.items() if owner == rank)
             for g in mine:
                 del b.owner[g]
+            b.held.pop(rank, None)
             if mine:
                 b.returned = sorted(b.returned + mine)
                 self.first_open = min(self.first_open, b.index)

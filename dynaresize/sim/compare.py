@@ -161,7 +161,7 @@ def compare(s: Setup, samples: bool = True) -> dict:
                      overhead_s=0.0, critical_s=0.0, hidden=None))
     summary = dict(
         best_static_split=best.name.split()[-1], best_static_throughput=best.throughput,
-        dynaresize_throughput=dyn.throughput, oracle_throughput=samples / orc,
+        dynaresize_throughput=dyn.throughput, oracle_throughput=n_samples / orc,
         gain_vs_best_static=best.total_s / dyn.total_s - 1, time_change_vs_best_static=dyn.total_s / best.total_s - 1,
         fraction_of_oracle=orc / dyn.total_s, overhead_hidden_fraction=dyn.hidden_fraction, switches=dyn.switches,
         naive_gain_vs_best_static=best.total_s / naive.total_s - 1, naive_overhead_hidden_fraction=naive.hidden_fraction,

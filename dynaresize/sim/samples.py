@@ -177,7 +177,7 @@ class _BatchInfo:
     groups: int
     u: float
     cap: int
-    prefill_per_group: float
+    prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
     train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
     samples: int
     tokens_generated: int
@@ -208,7 +208,6 @@ class SamplePipeline:
         self.overlap, self.claim_groups, self.record = overlap_fraction, claim_groups, record_versions
         sim = table.sim
         self.w = sim.rollout.iteration_fixed_s
-        self.G = sim.workload.responses_per_prompt
         self.sync_s = costs.weight_sync_s()
         self.train_cfg = sim.train
         self.info: dict[int, _BatchInfo] = {}
@@ -241,16 +240,17 @@ class SamplePipeline:
         if bi is None:
             ph = self.tab.physics(j)
             b = ph.batch
-            G = self.G
-            n_groups = len(b.lengths) // G
-            L = b.lengths[: n_groups * G]
+            G = b.group_size
+            n_groups = b.prompts_generated
+            L = b.lengths
             per_group_tokens = L.reshape(n_groups, G).sum(axis=1)
             if self.tab.sim.workload.trained_tokens == "sequence":
-                per_group_tokens = per_group_tokens + G * b.prompt_mean
-            share = per_group_tokens / per_group_tokens.sum()
+                per_group_tokens = per_group_tokens + G * b.prompt_lengths
+            per_group_tokens = per_group_tokens * b.kept.reshape(n_groups, G)[:, 0]  # dropped groups train nothing
+            share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
             train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
-            prefill_rate = self.tab.sim.rollout.prefill_tokens_per_s
-            bi = _BatchInfo(L, G, n_groups, ph.u, ph.cap, b.prompt_mean / prefill_rate, train_gpu_s, b.samples,
+            prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
+            bi = _BatchInfo(L, G, n_groups, ph.u, ph.cap, prefill, train_gpu_s, b.samples,
                             b.tokens_generated, b.tokens_trained, ph.tail_s)
             self.info[j] = bi
         return bi
@@ -272,8 +272,8 @@ class SamplePipeline:
             self.push(max(nxt, t), self.READY, rank, dr.token)
 
     def _claim_at(self, dr: DecodeRank) -> float:
-        if self.core.role(dr.rank) is not Role.ROLLOUT:
-            return math.inf
+        if not self.core.accepting(dr.rank):
+            return math.inf  # draining for a switch: only its completions matter
         if dr.rank in self.core.waiting and dr.active > 0:
             return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
         if dr.rank in self.core.waiting:
@@ -282,6 +282,10 @@ class SamplePipeline:
 
     def _claim_seqs(self, dr: DecodeRank) -> int:
         return max(1, min(dr.slots, self.G * self.claim_groups))
+
+    @property
+    def G(self) -> int:
+        return self._batch(0).group_size
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> SampleRunResult:
@@ -384,7 +388,7 @@ class SamplePipeline:
             self.busy_start[rank] = t
         else:
             dr.slots = min(dr.slots, bi.cap)
-        dr.admit(t, bi.lengths[idx], bi.u, [(batch, g) for g in groups], G, bi.prefill_per_group * len(groups))
+        dr.admit(t, bi.lengths[idx], bi.u, [(batch, g) for g in groups], G, float(bi.prefill_s[list(groups)].sum()))
         key = (rank, batch)
         if key not in self.rank_batch:
             self.rank_batch[key] = [t, t]
@@ -430,15 +434,18 @@ class SamplePipeline:
                 if b == batch:
                     self.emit(a, EventType.STAGE, step=b, stage="rollout", ranks=str(rank), start=round(a, 6),
                               end=round(e, 6), version=max(0, b - self.s))
-        busy = sum(e - a for (rank, b), (a, e) in self.rank_batch.items() if b == batch)
+        spans = [e - a for (rank, b), (a, e) in self.rank_batch.items() if b == batch]
         for key in [k for k in self.rank_batch if k[1] == batch]:
             del self.rank_batch[key]
         topo = self.topology_at_step.get(batch, self.core.topology())
         self.res.topologies.append(str(topo))
         if self.policy is not None and self.mech.resize and batch < self.K - 1:
+            # capacity, not overlapping wall time: with the barrier the pool waits for its slowest rank (the longest
+            # busy span); without it a rank that finishes early moves on, so the pool's capacity is the mean span
             n_r = max(1, topo.n_rollout)
+            roll = sum(spans) / n_r if self.mech.continuous_rollout else max(spans, default=0.0)
             obs = Observation(
-                step=batch, topology=self.core.topology(), rollout_s=bi.tail_s + busy / n_r,
+                step=batch, topology=self.core.topology(), rollout_s=roll,
                 train_s=self.train_busy.get(batch, 0.0), rollout_tail_s=bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
