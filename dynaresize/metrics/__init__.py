@@ -110,7 +110,10 @@ class WandbLogger:
         self._run.log(_finite(metrics), step=int(step))
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        wandb.teardown()  # waits for W&B's service process to write the run's records out
 
 
 class Loggers:
