@@ -658,7 +658,7 @@ class Coordinator:
         self.events.emit("step_end", step=k, samples=len(batch.keys), tokens_generated=self.last.tokens_generated,
                          tokens_trained=batch.tokens, reward_mean=round(reward, 6), loss=round(self._loss, 8),
                          rollout_s=round(self.last.rollout_s, 4), train_s=round(self.last.train_s, 4), sync_s=round(self.last.sync_s, 4),
-                         **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items()})
+                         **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items() if n != "reward_mean"})
         self._log_metrics(k, batch, stats)
         with open(self.run_dir / "batches.jsonl", "a") as f:
             f.write(json.dumps({"step": k, "keys": batch.keys, "versions": batch.versions, "rewards": batch.rewards,
