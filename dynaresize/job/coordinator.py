@@ -116,6 +116,7 @@ class Coordinator:
         self._results: dict[int, list] = {}  # step -> generated samples, from the end of its rollout to its batch
         self._filled: set[int] = set()  # steps whose dynamic-sampling rounds are all generated (dynaresize.job.filtering)
         self._stats = None  # BatchStats of the last batch (reward shaping, dynamic sampling)
+        self._train_results: list[dict] = []  # the trainers' ack results of the last step (loss metrics)
         self.restarts = 0  # automatic restarts of the ranks in this process (faults.max_restarts)
         self._ctx, self._seq = "start", {}  # where in the schedule commands are sent from (their ids, see _send)
 
@@ -544,7 +545,7 @@ class Coordinator:
             ro = self.cfg.rollout
             self._fill(k, {"step": k, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
                            "temperature": ro.temperature, "top_p": ro.top_p})
-            items, texts = self._work(k)
+            items, texts = self._work(k)  # with the rounds' prompts
             results = self.queue.results(k)
         try:
             batch, self._stats = self.assembler.build(k, items, texts, results)
@@ -680,10 +681,8 @@ class Coordinator:
         from dynaresize.metrics import step_metrics
 
         if self.metrics is not None:
-            self.metrics.log(k, step_metrics(
-                batch, getattr(self, "_train_results", []), self.last, self.state, n_rollout=len(self._rollouts()),
-                max_tokens=self.cfg.rollout.max_tokens, eos_id=getattr(self.tokenizer, "eos_token_id", None),
-                stats=stats if self.assembler.filtering else {k: v for k, v in stats.items() if not k.startswith("groups_") and k != "rounds"}))
+            self.metrics.log(k, step_metrics(batch, self._train_results, self.last, self.state, n_rollout=len(self._rollouts()),
+                                             max_tokens=self.cfg.rollout.max_tokens, eos_id=self.tokenizer.eos_token_id, stats=stats))
 
     def roles(self) -> str:
         return "".join("x" if r in self.state.lost else "T" if r < self.state.n_train else "R" for r in range(self.world))

@@ -39,14 +39,16 @@ class BatchStats:
     score_mean: float  # mean task score of the trained samples (before shaping)
     reward_mean: float  # mean reward the advantages came from (after shaping)
     overlong_penalty_mean: float  # mean overlong penalty of the trained samples (0 when shaping is off)
-    groups_generated: int  # prompt groups generated for the step (all rounds)
-    groups_dropped: int  # groups looked at and dropped (all rewards equal)
-    groups_kept: int  # informative groups trained on
-    groups_filler: int  # dropped groups trained on to keep the batch size (on_unfilled=pad)
-    rounds: int  # extra generation rounds (0: the first generation was enough, or filtering is off)
+    # dynamic sampling only (None when it is off):
+    groups_generated: int | None = None  # prompt groups generated for the step (all rounds)
+    groups_dropped: int | None = None  # groups looked at and dropped (all rewards equal)
+    groups_kept: int | None = None  # informative groups trained on
+    groups_filler: int | None = None  # dropped groups trained on to keep the batch size (on_unfilled=pad)
+    rounds: int | None = None  # extra generation rounds (0: the first generation was enough)
 
     def as_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
+        """The fields that apply (what the step_end event and the metric loggers get)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 @dataclass
@@ -124,11 +126,9 @@ class BatchAssembler:
                             self.scale_by_std, scored={k: scored[k][1] for k in (it.key for it in trained)})
         scores = [scored[it.key][0] for it in trained]
         n = max(1, len(trained))
-        stats = BatchStats(
-            score_mean=sum(scores) / n, reward_mean=sum(batch.rewards) / n,
-            overlong_penalty_mean=sum(r - s for r, s in zip(batch.rewards, scores)) / n,
-            groups_generated=len(texts), groups_dropped=len(sel.dropped), groups_kept=len(sel.kept),
-            groups_filler=len(sel.filler), rounds=self.rounds_of(len(texts)),
-        )
+        counts = dict(groups_generated=len(texts), groups_dropped=len(sel.dropped), groups_kept=len(sel.kept),
+                      groups_filler=len(sel.filler), rounds=self.rounds_of(len(texts))) if self.filtering else {}
+        stats = BatchStats(score_mean=sum(scores) / n, reward_mean=sum(batch.rewards) / n,
+                           overlong_penalty_mean=sum(r - s for r, s in zip(batch.rewards, scores)) / n, **counts)
         self._scores.pop(step, None)
         return batch, stats

@@ -194,3 +194,32 @@ def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cac
     assert [v for _, v in tb["roles/n_train"]] == [2, 2, 1, 3, 3]
     assert all(v > 0 for _, v in tb["loss/kl"][1:])  # the KL to the reference grows once the policy moved
     assert {"dynamic_sampling/groups_dropped", "response/length_mean", "throughput/tokens_per_s", "switches/count"} <= set(tb)
+
+
+def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache):
+    """SIGTERM mid-run with dynamic sampling on, then --resume: the extra rounds are replayed from the stored
+    samples (nothing generated twice) and every step trains on the groups an uninterrupted run trains on."""
+    steps, seed = 6, 13
+    run(tmp_path / "ref", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO)
+    p = run(tmp_path / "cut", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO, wait=False)
+    deadline, rd = time.monotonic() + 400, None
+    while time.monotonic() < deadline:
+        dirs = [d for d in (tmp_path / "cut").iterdir() if d.is_dir()] if (tmp_path / "cut").exists() else []
+        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
+            rd = dirs[0]
+            break
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(0.2)
+    assert rd is not None, "the run never reached step 2"
+    os.killpg(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 130, out[-4000:]
+    run(tmp_path / "cut", model_cache, resume=rd)
+    ref, cut = batches(run_dir_of(tmp_path / "ref")), batches(rd)
+    assert [b["step"] for b in cut] == list(range(steps))
+    assert [b["keys"] for b in cut] == [b["keys"] for b in ref]
+    for d in (run_dir_of(tmp_path / "ref"), rd):
+        events = [json.loads(l) for l in (d / "events.jsonl").read_text().splitlines()]
+        generated = sum(e.get("samples", 0) for e in events if e["type"] == "stage" and e["stage"] == "rollout")
+        planned = sum(e["groups_generated"] for e in events if e["type"] == "step_end") * G
+        assert generated == planned, d  # every sample of every round generated exactly once

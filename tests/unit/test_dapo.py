@@ -210,7 +210,8 @@ def test_without_filtering_every_group_is_trained_in_prompt_order():
     samples = results_of(items, {})
     assert a.next_round(1, items, ["p0", "p1"], samples) == 0
     batch, stats = a.build(1, items, ["p0", "p1"], list(reversed(samples)))
-    assert batch.keys == ["1.0.0", "1.0.1", "1.1.0", "1.1.1"] and stats.rounds == 0
+    assert batch.keys == ["1.0.0", "1.0.1", "1.1.0", "1.1.1"]
+    assert stats.rounds is None and set(stats.as_dict()) == {"score_mean", "reward_mean", "overlong_penalty_mean"}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,3 +242,42 @@ def test_bad_algorithm_and_metrics_configs(tmp_path, content, named, says):
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith(f"invalid config: {f}: {named}: "), msg
     assert says in msg
+
+
+# ----------------------------------------------------------------------------------------------------------
+# KL to the reference policy
+
+
+class BigramLM(torch.nn.Module):
+    """A tiny causal LM: logits of the next token from the current one (an embedding table), HF-style output."""
+
+    def __init__(self, vocab: int = 6, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.table = torch.nn.Embedding(vocab, vocab)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        return type("Out", (), {"logits": self.table(input_ids)})()
+
+
+def test_with_reference_fills_ref_logprobs_and_adds_the_k3_kl():
+    from dynaresize.rl import collate, sequence_logprobs
+    from dynaresize.rl.reference import WithReference, frozen
+
+    policy, ref = BigramLM(seed=1), frozen(BigramLM(seed=2))
+    batch = collate([[1, 2], [3]], [[4, 5, 0], [2]], pad_id=0, old_logprobs=[[-1.0] * 3, [-1.0]], advantages=[1.0, -1.0])
+    mask = batch["response_mask"]
+    with torch.no_grad():
+        logp = sequence_logprobs(policy, batch["input_ids"], batch["attention_mask"], mask)
+        ref_lp = sequence_logprobs(ref, batch["input_ids"], batch["attention_mask"], mask)
+    d = (ref_lp - logp) * mask
+    want_kl = float(((torch.exp(d) - d - 1) * mask).sum() / mask.sum())
+    loss_fn = GrpoLoss(kl_coef=0.1)
+    loss, m = WithReference(loss_fn, ref)(policy, batch)
+    assert m["kl"] == pytest.approx(want_kl, rel=1e-5) and m["kl"] > 0
+    no_kl, _ = GrpoLoss(kl_coef=0.0)(policy, batch)
+    assert float(loss.detach() - no_kl.detach()) == pytest.approx(0.1 * want_kl, rel=1e-4)
+    loss.backward()  # the gradient reaches the policy, never the frozen reference
+    assert policy.table.weight.grad is not None and ref.table.weight.grad is None
+    _, same = WithReference(loss_fn, frozen(BigramLM(seed=1)))(BigramLM(seed=1), batch)
+    assert same["kl"] == 0.0  # at the start the policy is the reference
