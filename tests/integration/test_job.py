@@ -223,3 +223,20 @@ def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache
         generated = sum(e.get("samples", 0) for e in events if e["type"] == "stage" and e["stage"] == "rollout")
         planned = sum(e["groups_generated"] for e in events if e["type"] == "step_end") * G
         assert generated == planned, d  # every sample of every round generated exactly once
+
+
+def test_dynamic_sampling_that_cannot_fill_a_batch_fails_clearly(tmp_path, model_cache):
+    """Near-greedy sampling makes most groups' responses (and rewards) equal: with on_unfilled=fail the job stops
+    at the first batch with one message saying what was found, after generating at most max_rounds extra rounds."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", *BASE, f"run.output_dir={tmp_path}",
+            f"model.cache_dir={model_cache}", "run.steps=2", "rollout.temperature=0.01", "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_rounds=1", "algorithm.dynamic_sampling.on_unfilled=fail", "--quiet"]
+    p = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    import re
+
+    found = re.search(rf"dynaresize run: batch 0: dynamic sampling found ([0-{B - 1}]) of {B} groups with unequal rewards "
+                      rf"in {2 * B} prompts \(1 extra rounds", p.stderr)
+    assert found, p.stderr[-1500:]  # near-greedy: (almost) every group's responses are the same
+    assert "Traceback" not in p.stderr and "on_unfilled=pad" in p.stderr
