@@ -15,8 +15,9 @@ run would train on other groups than a static one. So everything here is a funct
    job with a message saying how many groups were found.
 
 The plan of step 2 is replayed from the stored samples after a resume (``RolloutQueue.extend`` adds a round at
-most once), so a resumed step generates nothing twice. Extra rounds run inside the rollout phase of their step
-(overlapping training, as round 0 does) with the same policy version.
+most once), so a resumed step generates nothing twice. Extra rounds are sent when the coordinator collects the
+rollout (in the pipelined loop: after the step's training was awaited, before the weight sync), so they use the
+policy version round 0 used; unlike round 0 they do not overlap training (they add to the step's time).
 """
 
 from __future__ import annotations
