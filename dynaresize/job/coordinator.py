@@ -848,6 +848,7 @@ class Coordinator:
         self._items.clear()
         self._results.clear()
         self._filled.clear()
+        self.assembler.forget()
         self.last = StepTimes()
         self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)  # new epoch
         self._build_policy()

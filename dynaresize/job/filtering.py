@@ -76,6 +76,10 @@ class BatchAssembler:
                    overlong=OverlongShaping.from_config(cfg), filtering=ds.enabled, max_rounds=ds.max_rounds,
                    round_prompts=ds.round_prompts or cfg.rollout.prompts_per_step, pad=ds.on_unfilled == "pad")
 
+    def forget(self) -> None:
+        """Drop cached scores (a restart may generate a step's samples again)."""
+        self._scores.clear()
+
     def rounds_of(self, prompts: int) -> int:
         """Extra rounds behind a step that has ``prompts`` prompts."""
         return max(0, prompts - self.need) // max(1, self.round_prompts)
