@@ -440,10 +440,12 @@ class SamplePipeline:
         topo = self.topology_at_step.get(batch, self.core.topology())
         self.res.topologies.append(str(topo))
         if self.policy is not None and self.mech.resize and batch < self.K - 1:
-            # capacity, not overlapping wall time: with the barrier the pool waits for its slowest rank (the longest
-            # busy span); without it a rank that finishes early moves on, so the pool's capacity is the mean span
+            # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
+            # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
+            # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean
             n_r = max(1, topo.n_rollout)
-            roll = sum(spans) / n_r if self.mech.continuous_rollout else max(spans, default=0.0)
+            overlap = self.mech.continuous_rollout and self.mech.streaming_training
+            roll = sum(spans) / n_r if overlap else max(spans, default=0.0)
             obs = Observation(
                 step=batch, topology=self.core.topology(), rollout_s=roll,
                 train_s=self.train_busy.get(batch, 0.0), rollout_tail_s=bi.tail_s,
