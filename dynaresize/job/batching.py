@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.rl.dapo import OverlongShaping
 from dynaresize.rl.grpo import group_advantages
 from dynaresize.tasks.base import Task
 
@@ -30,16 +31,21 @@ def sample_seed(seed: int, step: int, prompt: int, index: int) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
-def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int) -> tuple[list[WorkItem], list[str]]:
-    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompts' plain texts. A prompt is
-    rendered by :func:`~dynaresize.models.hf.render_prompt` (chat messages through the model's chat template); each
-    item carries what its reward needs (data source, ground truth, extra info) to the rollout rank that scores it."""
+def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int, first: int = 0,
+               stride: int | None = None) -> tuple[list[WorkItem], list[str]]:
+    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompts' plain texts, for prompt indices
+    ``first .. first + prompts - 1`` (``first > 0``: an extra round of dynamic sampling). A prompt is rendered by
+    :func:`~dynaresize.models.hf.render_prompt` (chat messages through the model's chat template); each item carries
+    what its reward needs (data source, ground truth, extra info) to the rollout rank that scores it. ``stride``:
+    prompts a step may use at most (a dataset task's records per step; default ``prompts``), so extra rounds of one
+    step never take the next step's records."""
     from dynaresize.models.hf import prompt_text, render_prompt
     from dynaresize.tasks.base import sample_of
 
-    samples = [sample_of(task, seed, step, p, prompts) for p in range(prompts)]
+    per_step = stride or (first + prompts)
+    samples = [sample_of(task, seed, step, p, per_step) for p in range(first, first + prompts)]
     items = []
-    for p, smp in enumerate(samples):
+    for p, smp in enumerate(samples, start=first):
         ids = render_prompt(tokenizer, smp.prompt)
         items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i), info=smp.to_info()) for i in range(group)]
     return items, [prompt_text(smp.prompt) for smp in samples]
@@ -111,18 +117,48 @@ class TrainBatch:
         return tb
 
 
-def build_batch(
-    step: int, items: list[WorkItem], samples: list[SampleResult], group: int, bound: int, scale_by_std: bool = True,
-) -> TrainBatch:
-    """Collect every sample's reward (given by the rank that generated it), compute advantages per prompt group,
-    and check the staleness bound."""
+def ordered_samples(step: int, items: list[WorkItem], samples: list[SampleResult]) -> list[SampleResult]:
+    """``samples`` in the order of ``items``; every item must have its sample."""
     by_key = {s.key: s for s in samples}
     missing = [it.key for it in items if it.key not in by_key]
     if missing:
         raise RuntimeError(f"batch {step}: {len(missing)} samples missing, e.g. {missing[:5]}")
-    ordered = [by_key[it.key] for it in items]
+    return [by_key[it.key] for it in items]
+
+
+def score_samples(
+    items: list[WorkItem], ordered: list[SampleResult], texts: list[str], task: Task, tokenizer,
+    overlong: OverlongShaping | None = None,
+) -> tuple[list[float], list[float]]:
+    """``(scores, rewards)`` per sample: the score the rollout rank gave it (``reward_of``; a result without one, as
+    hand-built ones in tests, is scored here by the task's own reward), and the reward the advantage is computed from
+    (the score plus the overlong penalty when shaping is on, else the score itself)."""
+    scores, rewards = [], []
+    for it, s in zip(items, ordered):
+        if "reward" in s.extra:
+            score = reward_of(s)
+        else:
+            score = float(task.reward(texts[it.prompt], tokenizer.decode(s.response_ids, skip_special_tokens=True)))
+        scores.append(score)
+        rewards.append(score + overlong.penalty(len(s.response_ids)) if overlong is not None else score)
+    return scores, rewards
+
+
+def build_batch(
+    step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
+    group: int, bound: int, scale_by_std: bool = True, overlong: OverlongShaping | None = None,
+    scored: dict[str, float] | None = None,
+) -> TrainBatch:
+    """Score every sample, compute advantages per prompt group, and check the staleness bound.
+
+    ``texts`` is indexed by prompt index; ``scored`` (sample key -> reward), when given, is used instead of
+    scoring again (dynamic sampling scored every group already)."""
+    ordered = ordered_samples(step, items, samples)
     check_staleness(step, ordered, bound)
-    rewards = [reward_of(s) for s in ordered]  # scored on the rollout ranks
+    if scored is None:
+        _, rewards = score_samples(items, ordered, texts, task, tokenizer, overlong)
+    else:
+        rewards = [float(scored[it.key]) for it in items]
     adv = group_advantages(torch.tensor(rewards), group, scale_by_std=scale_by_std)
     return TrainBatch(
         step=step,

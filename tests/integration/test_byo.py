@@ -10,7 +10,7 @@ a user module given by import path. The job (real Redis, 4 worker processes, Dee
 - survive a reward that raises (scored 0, reported with its sample key);
 - measure the validation reward (mean and pass@k) before the first and after the last step;
 - train on the same samples (keys, versions, rewards) and measure the same validation rewards whether the split
-  changes during the run or stays put.
+  changes during the run or stays put, with DAPO dynamic sampling on (the kept groups are chosen by prompt order).
 
 Bad set-ups (no chat template with chat data, a malformed record, a directory that is not a model) fail the CLI
 within seconds, before any rank starts, with one message naming the path, row and field.
@@ -107,6 +107,7 @@ def config(root: Path, model_dir: Path, name: str, **extra: str) -> Path:
         f"    train_files: [{root / 'train.parquet'}]", f"    val_files: [{root / 'val.parquet'}]",
         f"    val_every: 2", f"    val_samples: {VAL_K}",
         "reward: {function: 'my_rewards:spy', on_error: zero}",
+        "algorithm: {dynamic_sampling: {enabled: true, max_rounds: 2, round_prompts: 2}}",
         *[f"{k}: {v}" for k, v in extra.items()],
     ]
     path = root / f"{name}.yaml"
@@ -187,9 +188,10 @@ def test_byo_job_resized_and_static_train_on_the_same_samples(byo):
     # a reward that raised: scored 0, reported with its sample key, the run went on
     errors = [e for e in events if e.get("what") == "reward_error"]
     b_dyn, b_st = jsonl(d_dir / "batches.jsonl"), jsonl(s_dir / "batches.jsonl")
-    assert [e["reason"].split(":")[0] for e in errors] == [f"sample 0.0.{i}" for i in range(G)]  # step 0, prompt 0
+    assert [e["reason"].split(":")[0] for e in errors][:G] == [f"sample 0.0.{i}" for i in range(G)]  # step 0, prompt 0
     assert all("reward my_rewards:spy raised ValueError: this record is cursed" in e["reason"] for e in errors)
-    assert b_dyn[0]["rewards"][:G] == [0.0] * G
+    # dynamic sampling is on: that group's rewards are all 0, so it is dropped and a later prompt takes its place
+    assert not any(k.startswith("0.0.") for k in b_dyn[0]["keys"]) and len(b_dyn[0]["keys"]) == B * G
 
     # validation measured: versions 0, 2, 4 (every 2 steps and after the last), mean reward and pass@k
     val = jsonl(d_dir / "validation.jsonl")
