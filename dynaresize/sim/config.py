@@ -140,6 +140,25 @@ class TrainPhysicsConfig(Section):
     )
 
 
+class PipelineModelConfig(Section):
+    """Which pipeline model ``dynaresize simulate`` runs, and which barrier-free mechanisms it turns on.
+
+    ``step``: the step-level model (dynaresize/sim/engine.py, one formula per stage; fast at any scale).
+    ``samples``: the sample-level model (dynaresize/sim/samples.py): per-GPU continuous batching driven by the pure
+    scheduler core (dynaresize/schedule/), the only one that models the mechanisms below.
+    """
+
+    model: Literal["step", "samples"] = Field("step", description="step: stage-level model; samples: per-GPU continuous batching driven by the scheduler core")
+    continuous_rollout: bool = Field(
+        False, description="model=samples: no rollout barrier; a rank takes the next batch once it holds its version (simulated only; the runtime follows)"
+    )
+    streaming_training: bool = Field(
+        False, description="model=samples: trainers start on complete groups before the batch is complete, step when it is (simulated only)"
+    )
+    claim_groups: int = Field(4, ge=1, description="model=samples: groups a rollout GPU claims at a time when its KV slots free up (ASSUMPTION)")
+    stream_chunks: int = Field(8, ge=1, description="model=samples: streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready")
+
+
 class SimConfig(Section):
     steps: int = Field(200, ge=2, description="RL steps to simulate")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
@@ -155,6 +174,7 @@ class SimConfig(Section):
         0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
         "command round trips; dynaresize calibrate measures it)"
     )
+    pipeline: PipelineModelConfig = Field(default_factory=PipelineModelConfig, description="Pipeline model and barrier-free mechanisms")
     write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
     compare_static_max: int = Field(
         64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
