@@ -12,17 +12,18 @@ tests/unit/test_policy.py and test_policy_noise.py):
 
 1. **cooldown**: for ``cooldown_steps`` steps after a resize, signals are ignored (the stages are settling).
 2. **revert** (prediction-error guard): within ``payback_horizon_steps`` clean steps of a move, go back to the split
-   just left if it measured faster (corrected for the drift of tokens per step) than this one measures, by more than
-   the noise (``noise_z`` standard errors, with the back-off of rule 6) and ``min_relative_gain``.
+   just left if, each corrected by the model's measured error there (mean measured / predicted period), it is faster
+   than this one by more than the noise (``noise_z`` standard errors, with the back-off of rule 6) and
+   ``min_relative_gain``.
 3. **imbalance threshold**: a step signals only if |rollout - train| / max > ``imbalance_threshold``.
 4. **consecutive signals**: ``consecutive_signals`` signals in a row, in the same direction, are required.
 5. **minimum dwell**: a topology is kept at least ``min_dwell_steps`` steps.
-6. **best split**: predicted periods are E[max(rollout, train)] with the measured noise; a split left before (and
-   measured on >= 3 clean steps, while the workload stayed within ``memory_tolerance``) is never predicted faster
-   than it measured. Candidates whose predicted saving per step is within ``noise_z`` standard errors of that
-   prediction are out; ``noise_z`` is multiplied by 1 + the resizes of the last ``backoff_steps`` steps (back-off).
-   Of the rest, the largest net gain horizon x saving - cost (or the nearest to the current split within
-   ``near_best_fraction`` of the best saving); hold if none.
+6. **best split**: predicted periods are E[max(rollout, train)] with the measured noise; a split left before (its
+   error measured on >= 3 clean steps, and the model's prediction for it within ``memory_tolerance`` of the one when
+   it was left) is never predicted faster than the model's error there says. Candidates whose predicted saving per
+   step is within ``noise_z`` standard errors of that prediction are out; ``noise_z`` is multiplied by 1 + the
+   resizes of the last ``backoff_steps`` steps (back-off). Of the rest, the largest net gain horizon x saving - cost
+   (or the nearest to the current split within ``near_best_fraction`` of the best saving); hold if none.
 7. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (0: off).
 8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
@@ -45,7 +46,6 @@ from dynaresize.policy.types import Action, Decision, Estimates, LeftSplit, Obse
 
 
 MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
-HERE_ALPHA = 0.05  # the measured period on a split: a running mean, then an EWMA over ~40 steps (drift: tokens correct it)
 
 
 class ResizePolicy:
@@ -110,26 +110,24 @@ class ResizePolicy:
 
     # --- helpers (pure) -------------------------------------------------------------------------------------------
     def _observe(self, state: PolicyState, obs: Observation) -> PolicyState:
-        """Track the workload (tokens per step, any split) and, over the clean steps on the current split, the mean
-        and variance of the measured period (running means, then EWMAs of weight HERE_ALPHA)."""
-        tokens = float(obs.tokens_generated + obs.tokens_trained)
-        recent = tokens if state.tokens_recent <= 0 else state.tokens_recent + 0.1 * (tokens - state.tokens_recent)
-        state = replace(state, tokens_recent=recent)
-        if obs.mixed:
+        """Track how far off the model is on the current split: measured period / the period it predicted before
+        seeing this step (a running mean over the clean steps, the newest 10 weighing most)."""
+        if obs.mixed or state.estimates is None:
             return state
-        x, n = obs.period_s, state.here_steps + 1
-        if state.here_period_s is None:
-            return replace(state, here_period_s=x, here_period_var=0.0, here_tokens=tokens, here_steps=n)
-        a = max(1.0 / n, HERE_ALPHA)
-        d = x - state.here_period_s
-        return replace(state, here_period_s=state.here_period_s + a * d, here_period_var=(1 - a) * (state.here_period_var + a * d * d),
-                       here_tokens=state.here_tokens + a * (tokens - state.here_tokens), here_steps=n)
+        pred = self.model.period_s(state.estimates, obs.topology)
+        if pred <= 0:
+            return state
+        x = obs.period_s / pred
+        n = state.here_steps + 1
+        if state.here_ratio is None:
+            return replace(state, here_ratio=x, here_ratio_var=0.0, here_steps=n)
+        a = max(1.0 / n, 0.1)
+        d = x - state.here_ratio
+        return replace(state, here_ratio=state.here_ratio + a * d, here_ratio_var=(1 - a) * (state.here_ratio_var + a * d * d),
+                       here_steps=n)
 
-    def _memory(self, state: PolicyState, left: tuple[LeftSplit, ...], est: Estimates) -> dict[Topology, tuple[float, LeftSplit]]:
-        """Splits left whose memory is still valid -> (their measured period corrected for the workload's drift since).
-
-        Drift is measured in tokens per step (split-independent), or, without token counts, by how far the model's
-        prediction for the split moved; a memory expires when that moved more than memory_tolerance."""
+    def _memory(self, left: tuple[LeftSplit, ...], est: Estimates) -> dict[Topology, tuple[float, LeftSplit]]:
+        """Splits left whose memory is still valid -> (the model's period corrected by its error there, the memory)."""
         tol = self.cfg.memory_tolerance
         out: dict[Topology, tuple[float, LeftSplit]] = {}
         if tol <= 0:
@@ -137,12 +135,9 @@ class ResizePolicy:
         for m in left:
             if m.steps < MEMORY_MIN_STEPS:
                 continue
-            if m.tokens > 0 and state.tokens_recent > 0:
-                ratio = state.tokens_recent / m.tokens
-            else:
-                ratio = self.model.period_s(est, m.topology) / m.predicted_s if m.predicted_s > 0 else math.inf
-            if abs(ratio - 1.0) <= tol:
-                out[m.topology] = (m.measured_s * ratio, m)
+            pred = self.model.period_s(est, m.topology)
+            if m.predicted_s > 0 and abs(pred / m.predicted_s - 1.0) <= tol:
+                out[m.topology] = (pred * m.ratio, m)
         return out
 
     def _noise(self, est: Estimates, now_fn, per_fn) -> np.ndarray | float:
@@ -181,7 +176,7 @@ class ResizePolicy:
             return m.periods(est, nr, nt, tail)
 
         now, per = now_fn(), per_fn()
-        memory = self._memory(state, state.left, est)
+        memory = self._memory(state.left, est)
         for i, c in enumerate(cands):
             if c in memory:  # never predicted faster than it was measured
                 per[i] = max(per[i], memory[c][0])
@@ -202,20 +197,20 @@ class ResizePolicy:
         return cands[i], float(gain[i]), float(costs[i])
 
     def _revert(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[PolicyState, Decision] | None:
-        """Prediction-error guard: within payback_horizon_steps of a move, go back to the split just left when it
-        measured faster (corrected for drift) than this one measures, by more than the noise and min_relative_gain:
-        the move did not deliver what the model predicted."""
+        """Prediction-error guard: within payback_horizon_steps of a move, go back to the split just left when, each
+        corrected by the model's measured error there, it is faster than this one by more than the noise (and
+        min_relative_gain): the move did not deliver."""
         cfg = self.cfg
-        if not state.left or state.here_period_s is None or not MEMORY_MIN_STEPS <= state.here_steps <= cfg.payback_horizon_steps:
+        if not state.left or state.here_ratio is None or not max(MEMORY_MIN_STEPS, cfg.min_dwell_steps) <= state.here_steps <= cfg.payback_horizon_steps:
             return None  # a guard for the move just made: judged on its first steps, then the normal rules apply
         last = state.left[-1]
-        mem = self._memory(state, (last,), est).get(last.topology)
+        mem = self._memory((last,), est).get(last.topology)
         if mem is None or last.topology.total != cur.total:
             return None
         then, m = mem
-        here = state.here_period_s
-        floor = max(0.0, est.tail_var)  # a few steps do not show the noise: at least the tail's
-        noise = math.sqrt(max(state.here_period_var, floor) / state.here_steps + max(m.measured_var, floor) / m.steps)
+        here = self.model.period_s(est, cur) * state.here_ratio
+        floor = max(0.0, est.tail_var) / here ** 2 if here > 0 else 0.0  # a few steps do not show the noise: the tail's
+        noise = here * math.sqrt(max(state.here_ratio_var, floor) / state.here_steps + max(m.ratio_var, floor) / m.steps)
         gain_s = here - then
         if gain_s <= max(self._z(state, step) * noise, cfg.min_relative_gain * here, 0.0):
             return None
@@ -223,18 +218,17 @@ class ResizePolicy:
         saving = gain_s * horizon
         if cfg.payback_check and saving <= cost * cfg.payback_margin:
             return None
-        reason = f"revert: {last.topology} measured {then:.1f}s/step < {here:.1f}s/step here ({cur})"
+        reason = f"revert: {last.topology} measures {then:.1f}s/step < {here:.1f}s/step here ({cur})"
         return self._resize(state, est, cur, last.topology, reason, cost, 0.0, saving, step)
 
     def _resize(self, state: PolicyState, est: Estimates, cur: Topology, target: Topology, reason: str, cost: float,
                 imb: float, saving: float, step: int) -> tuple[PolicyState, Decision]:
         left = tuple(x for x in state.left if x.topology not in (cur, target))
-        if state.here_period_s is not None and state.here_steps > 0:
-            left = left + (LeftSplit(cur, state.here_period_s, state.here_period_var, state.here_tokens, self.model.period_s(est, cur),
-                                     state.here_steps),)
+        if state.here_ratio is not None and state.here_steps > 0:
+            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self.model.period_s(est, cur), state.here_steps),)
         new_state = replace(
             state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=self.cfg.cooldown_steps,
-            history=(state.history + (str(cur),))[-8:], here_period_s=None, here_period_var=0.0, here_tokens=0.0, here_steps=0, left=left[-4:],
+            history=(state.history + (str(cur),))[-8:], here_ratio=None, here_ratio_var=0.0, here_steps=0, left=left[-4:],
             resized_at=(state.resized_at + (step,))[-4:],
         )
         plan = self.costs.plan(cur, target)

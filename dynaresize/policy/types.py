@@ -105,13 +105,12 @@ class Estimates:
 
 @dataclass(frozen=True, slots=True)
 class LeftSplit:
-    """A split the policy left, and what was measured there."""
+    """A split the policy left, and how far off the model was there: measured period / predicted period."""
 
     topology: Topology
-    measured_s: float  # mean measured period over the clean steps spent there (the newest ~10 weigh most)
-    measured_var: float  # its step-to-step variance, s^2
-    tokens: float  # mean tokens (generated + trained) per step over the same steps: the workload it was measured on
-    predicted_s: float  # the model's period for it when it was left (drift correction when tokens are not reported)
+    ratio: float  # mean of measured / predicted period over the clean steps spent there (the model's error there)
+    ratio_var: float  # variance of that ratio from step to step
+    predicted_s: float  # the model's period for it when it was left (the memory expires when this moves too far)
     steps: int  # clean steps measured
 
 
@@ -125,10 +124,8 @@ class PolicyState:
     steps_since_resize: int = 10**9
     cooldown_left: int = 0
     history: tuple[str, ...] = field(default=())  # topologies left, newest last (kept short; for diagnostics)
-    here_period_s: float | None = None  # mean measured period of the clean steps on the current split
-    here_period_var: float = 0.0  # its step-to-step variance, s^2
-    here_tokens: float = 0.0  # mean tokens per step over the same steps
+    here_ratio: float | None = None  # mean measured / predicted period of the clean steps on the current split
+    here_ratio_var: float = 0.0  # its step-to-step variance
     here_steps: int = 0  # clean steps measured on the current split
-    tokens_recent: float = 0.0  # mean tokens per step of the latest steps (any split; the workload now)
     left: tuple[LeftSplit, ...] = field(default=())  # splits left (newest last, at most 4), for the memory guard
     resized_at: tuple[int, ...] = field(default=())  # steps of the latest resizes (at most 4), for the back-off
