@@ -49,13 +49,14 @@ See docs/schedule.md for the state diagram.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.types import PolicyState
 from dynaresize.schedule.types import (
-    Action, Assign, Decided, Event, GroupsDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
     version_of,
 )
@@ -131,6 +132,8 @@ class PipelineScheduler:
         self.waiting: set[int] = set()
         self.restarting = False
         self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
+        self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # gradient helper rank -> (batch, groups)
+        self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -189,8 +192,12 @@ class PipelineScheduler:
                 self._switch_done(rank, out)
             case RankLost(rank):
                 self._lost(rank, out)
-            case StepMeasured(obs, steps_left):
+            case StepMeasured(obs, steps_left, per_group):
+                if per_group > 0:
+                    self.gpu_s_per_group = per_group
                 self._measured(obs, steps_left, out)
+            case HelpDone(rank, batch):
+                self._help_done(rank, batch, out)
             case _:
                 raise ScheduleError(f"unknown event {ev!r}")
         return out
@@ -206,7 +213,7 @@ class PipelineScheduler:
 
     def _assign(self, rank: int, out: list[Action]) -> None:
         r = self.ranks[rank]
-        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0:
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
             self.waiting.discard(rank)
             return
         while self.first_open < self.cfg.steps and not self.batches[self.first_open].unclaimed:
@@ -229,6 +236,8 @@ class PipelineScheduler:
             j += 1
         if r.capacity > 0:
             self.waiting.add(rank)
+            if r.inflight == 0:
+                self._offer_help(rank, out)
         else:
             self.waiting.discard(rank)
 
@@ -259,6 +268,7 @@ class PipelineScheduler:
             self._prune_and_send(out)
             self._release(out)
         self._try_train(out)
+        self._offer_help_all(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
 
@@ -337,11 +347,73 @@ class PipelineScheduler:
             self._trainers_leave_now(out)
             self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
             self.t_started = True
-        chunk = tuple(b.ready)
-        b.ready.clear()
+        take = len(b.ready)
+        if self.mech.gradient_helpers:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
+            take = min(take, max(1, -(-b.groups // self.cfg.train_chunks)))
+        chunk = tuple(b.ready[:take])
+        del b.ready[:take]
         b.trained += len(chunk)
         self.t_busy = True
         out.append(Train(k, chunk, self.t_ranks, first))
+        self._offer_help_all(out)
+
+    def _offer_help_all(self, out: list[Action]) -> None:
+        if self.mech.gradient_helpers and self.batches[min(self.produced, self.cfg.steps - 1)].ready:
+            for rank in sorted(self.waiting):
+                self._offer_help(rank, out)
+
+    def _offer_help(self, rank: int, out: list[Action]) -> None:
+        """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
+        waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
+        batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s``. The share balances
+        the trainers' rest against the helper's groups plus its cost."""
+        c, k = self.cfg, self.produced
+        g = self.gpu_s_per_group
+        if not self.mech.gradient_helpers or k >= c.steps or g <= 0 or not self.t_started:
+            return
+        r, b = self.ranks[rank], self.batches[k]
+        if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
+            return
+        last = min(c.steps - 1, self.produced + self.s)
+        if any(self.batches[j].unclaimed and self.batches[j].version in r.versions for j in range(self.first_open, last + 1)):
+            return  # generation comes first: it waits for its even share of a batch, not for a version
+        nt = len(self.t_ranks)
+        trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
+        n = len(b.ready)
+        m = min(n, int((n * g / trate - c.helper_cost_s) / (g / trate + g / c.helper_rate)))
+        if m < 1:
+            return
+        saving = n * g / trate - max((n - m) * g / trate, m * g / c.helper_rate + c.helper_cost_s)
+        if saving <= (c.helper_margin - 1.0) * c.helper_cost_s:
+            return
+        groups = tuple(b.ready[-m:])
+        del b.ready[-m:]
+        b.trained += m
+        self.helping[rank] = (k, groups)
+        self.waiting.discard(rank)
+        r.capacity = 0
+        out.append(Help(rank, k, groups))
+
+    def _help_done(self, rank: int, batch: int, out: list[Action]) -> None:
+        got = self.helping.pop(rank, None)
+        if got is None or got[0] != batch:
+            if self.ranks[rank].lost:
+                return
+            raise ScheduleError(f"rank {rank} finished helping batch {batch} it was not helping")
+        self._maybe_step(out)
+        r = self.ranks[rank]
+        if r.leaving and r.inflight == 0:
+            self._start_switch(rank, out)
+
+    def _maybe_step(self, out: list[Action]) -> None:
+        """The optimizer step once every group went through forward/backward, the helpers' included."""
+        k = self.produced
+        if self.t_busy or k >= self.cfg.steps:
+            return
+        b = self.batches[k]
+        if b.trained == b.groups and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
+            self.t_busy = True
+            out.append(Step(k, self.t_ranks))
 
     def _chunk_done(self, batch: int, out: list[Action]) -> None:
         if batch != self.produced or not self.t_busy:
@@ -349,8 +421,7 @@ class PipelineScheduler:
         self.t_busy = False
         b = self.batches[batch]
         if b.trained == b.groups:
-            self.t_busy = True
-            out.append(Step(batch, self.t_ranks))
+            self._maybe_step(out)
         else:
             self._try_train(out)
 
@@ -395,7 +466,7 @@ class PipelineScheduler:
                 self.switching.add(rank)
                 self.waiting.discard(rank)
                 r.capacity = 0
-                if r.inflight == 0:
+                if r.inflight == 0 and rank not in self.helping:
                     self._start_switch(rank, out)
         else:  # trainers at the border become rollout ranks after the step they are in
             movers = [i for i in self.trainers() if not self.ranks[i].leaving][delta:]
@@ -459,6 +530,13 @@ class PipelineScheduler:
                 self.first_open = min(self.first_open, b.index)
                 returned = True
         r.inflight, r.capacity, r.inflight_version = 0, 0, None
+        helped = self.helping.pop(rank, None)
+        if helped is not None:  # its gradient is lost: the trainers compute those groups again
+            hb = self.batches[helped[0]]
+            hb.ready.extend(helped[1])
+            hb.trained -= len(helped[1])
+            self._try_train(out)
+            self._maybe_step(out)
         if returned:
             self._assign_waiting(out)
 

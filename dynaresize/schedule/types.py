@@ -39,10 +39,12 @@ class Mechanisms:
     continuous_rollout: bool = False  # a rollout rank takes the next batch as soon as it holds its version
     streaming_training: bool = False  # trainers start on complete groups before the batch is complete
     resize: bool = True  # consult the resize policy (False: hold the initial split whatever the policy says)
+    gradient_helpers: bool = False  # idle rollout ranks holding the training version compute gradients of the batch
 
     @property
     def label(self) -> str:
-        parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training)) if on]
+        parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training),
+                                 ("helpers", self.gradient_helpers)) if on]
         return "+".join(parts) or "barrier"
 
 
@@ -55,6 +57,11 @@ class SchedulerConfig:
     mechanisms: Mechanisms = Mechanisms()
     stream_min_groups: int = 1  # streaming: the least number of complete groups a training chunk starts with
     max_versions_per_rank: int = 2  # weight buffers per rollout rank (the one decoding + one received in the background)
+    train_chunks: int = 8  # with gradient helpers: the trainers take a batch in chunks of 1/train_chunks of its groups
+    helper_rate: float = 0.9  # a gradient helper's forward/backward rate relative to one trainer GPU (ASSUMPTION)
+    helper_cost_s: float = 1.0  # a helper's own overhead per chunk: leave decoding, send its gradient, come back
+    helper_margin: float = 1.5  # a helper joins only when its predicted saving exceeds its cost times this
+    train_scaling_per_doubling: float = 0.95  # data-parallel efficiency kept per doubling of trainers
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_train < self.n_ranks:
@@ -123,13 +130,26 @@ class RankLost:
 
 @dataclass(frozen=True, slots=True)
 class StepMeasured:
-    """The driver's measurement of a finished step, for the resize policy (sent after ``OptimizerStepDone``)."""
+    """The driver's measurement of a finished step, for the resize policy (sent after ``OptimizerStepDone``).
+
+    ``train_gpu_s_per_group``: the step's training compute per group on one GPU (trainers' compute time x trainers x
+    their efficiency / groups); the gradient helpers' cost check prices the next batch with it (0: unknown)."""
 
     observation: Observation
     steps_left: int = 0
+    train_gpu_s_per_group: float = 0.0
 
 
-Event = RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
+@dataclass(frozen=True, slots=True)
+class HelpDone:
+    """Gradient helper ``rank`` finished forward/backward over its groups of ``batch`` and sent the gradient."""
+
+    rank: int
+    batch: int
+
+
+Event = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
+         | HelpDone)
 
 
 # --- actions (core -> driver) --------------------------------------------------------------------------------------
@@ -151,6 +171,17 @@ class Train:
     groups: tuple[int, ...]
     ranks: tuple[int, ...]
     first: bool  # the first chunk of this batch (the trainer set is fixed from here to the optimizer step)
+
+
+@dataclass(frozen=True, slots=True)
+class Help:
+    """Idle rollout rank ``rank`` computes the gradient of ``groups`` of ``batch`` with the version it holds, which
+    is the version ``T_batch`` trains from (it generated the next batch with it), and sends it to the trainers; the
+    optimizer step waits for it. The loss stays normalised over the whole batch (the gradients add up)."""
+
+    rank: int
+    batch: int
+    groups: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +227,7 @@ class Restart:
     reason: str
 
 
-Action = Assign | Train | Step | SendWeights | Switch | Decided | Restart
+Action = Assign | Train | Help | Step | SendWeights | Switch | Decided | Restart
 
 
 class ScheduleError(RuntimeError):

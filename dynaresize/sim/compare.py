@@ -13,7 +13,8 @@ Rows of ``compare`` (all measured side by side in one call):
 - sample-level (``samples=True``; per-GPU continuous batching driven by the scheduler core):
   ``best static (samples)``, the baseline split again at sample level (how far the two models agree);
   ``best static +cont+stream``, the baseline split with continuous rollout and streaming training, no resizing;
-  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``: resizing with each mechanism added in turn;
+  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``, ``dyn +cont+stream+helpers``: resizing
+  with each mechanism added in turn (helpers: idle rollout ranks compute gradients of the batch in training);
 - ``oracle (barrier)`` and ``bound``.
 """
 
@@ -79,7 +80,8 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates) if mech.resize else None
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
-                          sim.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions).run()
+                          sim.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
+                          p.helper_rate, p.helper_cost_s).run()
 
 
 def oracle_total(s: Setup) -> float:
@@ -123,6 +125,7 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn barrier (samples)", "barrier", Mechanisms(False, False, True)),
     ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
     ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
+    ("dyn +cont+stream+helpers", "gradient_helpers", Mechanisms(True, True, True, True)),
 )
 
 
@@ -171,7 +174,7 @@ def compare(s: Setup, samples: bool = True) -> dict:
         bound_work_s=bound.work_s, bound_chain_s=bound.chain_s,
     )
     if samples:
-        allm = mech_runs["streaming_training"]
+        allm = mech_runs["gradient_helpers"]
         sb, sc = extra[0], extra[1]
         summary.update(
             samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower

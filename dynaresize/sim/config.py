@@ -157,6 +157,14 @@ class PipelineModelConfig(Section):
     )
     claim_groups: int = Field(4, ge=1, description="model=samples: groups a rollout GPU claims at a time when its KV slots free up (ASSUMPTION)")
     stream_chunks: int = Field(8, ge=1, description="model=samples: streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready")
+    gradient_helpers: bool = Field(
+        False, description="model=samples: idle rollout ranks holding the version a batch trains from compute gradients of its groups (simulated only)"
+    )
+    helper_rate: float = Field(0.9, gt=0, le=1, description="model=samples: a gradient helper's forward/backward rate relative to one trainer GPU (ASSUMPTION)")
+    helper_cost_s: float = Field(
+        1.2, ge=0, description="model=samples: a helper's overhead per help: engine sleep and wake (DESIGN: level 1 0.1-6 s) plus one "
+        "gradient send (as a weight sync) (ASSUMPTION)"
+    )
 
 
 class SimConfig(Section):

@@ -43,7 +43,7 @@ import numpy as np
 from dynaresize.events import Event, EventType, format_ranks, make_event
 from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostModel, Topology
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
+    Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
 )
 from dynaresize.sim.engine import RunResult
@@ -191,17 +191,18 @@ class SampleRunResult(RunResult):
     busy_rollout_gpu_s: float = 0.0
     busy_train_gpu_s: float = 0.0
     gpus: int = 0
+    helps: int = 0  # gradient helps by rollout ranks
 
 
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
-    READY, GROUP, TRAIN, STEP, WEIGHTS, SWITCH = range(6)
+    READY, GROUP, TRAIN, STEP, WEIGHTS, SWITCH, HELP = range(7)
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
                  overlap_fraction: float = 0.9, claim_groups: int = 4, stream_chunks: int = 8,
-                 record_versions: bool = False):
+                 record_versions: bool = False, helper_rate: float = 0.9, helper_cost_s: float = 1.2):
         self.name, self.tab, self.costs, self.log = name, table, costs, log
         self.N, self.K, self.s = initial.total, table.steps, staleness
         self.initial, self.mech, self.policy = initial, mechanisms, policy
@@ -213,8 +214,12 @@ class SamplePipeline:
         self.info: dict[int, _BatchInfo] = {}
         groups = tuple(self._batch(j).groups for j in range(self.K))
         stream_min = max(1, min(groups) // max(1, stream_chunks))
-        self.core = PipelineScheduler(SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min),
-                                      policy if mechanisms.resize else None)
+        self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
+        self.core = PipelineScheduler(
+            SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min, helper_rate=helper_rate,
+                            helper_cost_s=helper_cost_s, train_scaling_per_doubling=sim.train.scaling_per_doubling,
+                            train_chunks=stream_chunks),
+            policy if mechanisms.resize else None)
         self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
         self.heap: list = []
         self.seq = 0
@@ -272,8 +277,8 @@ class SamplePipeline:
             self.push(max(nxt, t), self.READY, rank, dr.token)
 
     def _claim_at(self, dr: DecodeRank) -> float:
-        if not self.core.accepting(dr.rank):
-            return math.inf  # draining for a switch: only its completions matter
+        if not self.core.accepting(dr.rank) or dr.rank in self.core.helping:
+            return math.inf  # draining for a switch, or helping the trainers: only its completions matter
         if dr.rank in self.core.waiting and dr.active > 0:
             return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
         if dr.rank in self.core.waiting:
@@ -313,6 +318,11 @@ class SamplePipeline:
                 self.do(t, self.core.handle(WeightsArrived(key, payload)))
             elif kind == self.SWITCH:
                 self._switch_done(t, key, payload)
+            elif kind == self.HELP:
+                self.do(t, self.core.handle(HelpDone(key, payload)))
+                if self.core.accepting(key):
+                    self.do(t, self.core.handle(RankReady(key, self._capacity(self.ranks[key]))))
+                    self._schedule_rank(key, t)
         if not self.core.finished:
             raise RuntimeError(f"{self.name}: the simulated pipeline stalled at t={t:.1f}s before step {self.core.produced}")
         r = self.res
@@ -361,6 +371,15 @@ class SamplePipeline:
                     self._assign(t, rank, batch, groups, version)
                 case Train(batch, groups, ranks, first):
                     self._train(t, batch, groups, ranks, first)
+                case Help(rank, batch, groups):
+                    bi = self._batch(batch)
+                    dur = self.helper_cost_s + float(bi.train_per_group[list(groups)].sum()) / self.helper_rate
+                    self.res.busy_rollout_gpu_s += dur
+                    self.res.helps += 1
+                    if self.log:
+                        self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=str(rank), start=round(t, 6),
+                                  end=round(t + dur, 6), samples=len(groups) * bi.group_size, helper=True)
+                    self.push(t + dur, self.HELP, rank, batch)
                 case Step(batch, ranks):
                     dur = self.train_cfg.step_overhead_s
                     self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
@@ -439,19 +458,24 @@ class SamplePipeline:
             del self.rank_batch[key]
         topo = self.topology_at_step.get(batch, self.core.topology())
         self.res.topologies.append(str(topo))
-        if self.policy is not None and self.mech.resize and batch < self.K - 1:
-            # capacity, not overlapping wall time: with the barrier the pool waits for its slowest rank (the longest
-            # busy span); without it a rank that finishes early moves on, so the pool's capacity is the mean span
-            n_r = max(1, topo.n_rollout)
-            roll = sum(spans) / n_r if self.mech.continuous_rollout else max(spans, default=0.0)
+        if batch < self.K - 1:
+            # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
+            # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
+            # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean.
+            # Training: the trainers' compute for the whole batch (helpers' groups included) on their set.
+            n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
+            overlap = self.mech.continuous_rollout and self.mech.streaming_training
+            roll = sum(spans) / n_r if overlap else max(spans, default=0.0)
+            eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
+            train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
-                step=batch, topology=self.core.topology(), rollout_s=roll,
-                train_s=self.train_busy.get(batch, 0.0), rollout_tail_s=bi.tail_s,
+                step=batch, topology=self.core.topology(), rollout_s=roll, train_s=train, rollout_tail_s=bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != self.core.topology(),
             )
-            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1)))
+            per_group = float(bi.train_per_group.sum()) / bi.groups  # the step's training per group on one GPU
+            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group)))
         self.info.pop(batch - 2, None)
 
     # --- switches -------------------------------------------------------------------------------------------------
