@@ -17,6 +17,8 @@ key                            type      meaning
 ``dr:<job>:wake``              channel   pub/sub wake-up; message = rank-set string of the ranks to wake
 ``dr:<job>:fenced``            set       ranks the coordinator declared lost: their heartbeats, claims and
                                          results are refused until the next launch of the ranks
+``dr:<job>:launch``            string    the ranks' current launch (set by the coordinator before it starts
+                                         them, never lowered): a registration of another launch is refused
 ``dr:<job>:journal``           string    the coordinator's state after its last finished step (JSON; written
                                          only by the current epoch): what a coordinator that takes over reads
 =============================  ========  =====================================================================
@@ -65,6 +67,10 @@ class Keys:
     @property
     def fenced(self) -> str:
         return f"{self.ns}:fenced"
+
+    @property
+    def launch(self) -> str:
+        return f"{self.ns}:launch"
 
     @property
     def journal(self) -> str:

@@ -245,7 +245,8 @@ class Coordinator:
     def start_ranks(self) -> None:
         from dynaresize.job.launcher import LocalLauncher
 
-        self.registry.unfence_all()  # a new launch: every rank slot is usable again
+        # a new launch: every rank slot is usable again, and processes of an earlier launch are refused
+        self.registry.begin_launch(self.state.incarnation, self.world)
         if self.state.lost:  # new processes in every slot (a restart, a resume, a requeue): nobody is lost any more
             log.info("a new launch: rank(s) %s lost earlier are started again", format_ranks(self.state.lost))
             self.state.lost = []
