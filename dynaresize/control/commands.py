@@ -31,6 +31,11 @@ Rank side, :class:`CommandReceiver`:
   its stored ack is re-sent (``replayed=true``); then run the handler and commit, in one MULTI, the stored ack,
   the cursor and ``XADD dr:<job>:ack:<id>``. A crash between claim and commit leaves ``started``: after a restart
   that command answers an error ("interrupted") instead of running twice (at most once).
+- A commit that fails (connection error, timeout, ``-OOM``, ``-MISCONF``, ``-READONLY``, a Redis restart: any of
+  them, any number of times) leaves the applied command's ack in memory (``_uncommitted``) until a commit
+  succeeds; the entry is read again from the unmoved cursor and only committed, never handed to the handler
+  again (the claim would not stop it: a claim of this receiver recognises itself). Proved by the property test
+  ``tests/contract/test_at_most_once_faults.py`` (a fault-injecting proxy in front of redis-server).
 
 Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
 harmless: a duplicate command entry is skipped by its id, a duplicate ack is de-duplicated by rank, and
@@ -342,14 +347,17 @@ class CommandReceiver:
                          cmd.command_id, cmd.epoch)
             return
         self.max_epoch = cmd.epoch
-        if cmd.command_id in self._uncommitted:  # applied before the connection broke: commit, never re-apply
-            raw_ack = self._uncommitted.pop(cmd.command_id)
+        if cmd.command_id in self._uncommitted:  # applied before a commit failed: commit, never re-apply
+            raw_ack = self._uncommitted[cmd.command_id]
             try:  # under the epoch of this copy: a coordinator that took over meanwhile resent it with the same id
                 raw_ack = encode(decode(Ack, raw_ack, self.cfg.max_message_bytes).model_copy(update={"epoch": cmd.epoch}),
                                  self.cfg.max_message_bytes)
             except WireError as e:
                 log.warning("rank %d: uncommitted ack of %s unreadable (%s); committed as it is", self.rank, cmd.command_id, e.reason)
+            # kept until the commit succeeded: a commit failing again (connection, -OOM, READONLY, MISCONF) must find
+            # it here next time, not the claim, which is our own "started" and would hand the command back
             self._commit(entry_id, cmd.command_id, raw_ack, store=True)
+            self._uncommitted.pop(cmd.command_id, None)
             return
         prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:
