@@ -48,6 +48,12 @@ class RedisConfig(Section):
     connect_timeout_s: float = Field(5.0, gt=0, description="redis-py socket connect timeout")
     health_check_s: int = Field(15, ge=0, description="redis-py health-check interval: an idle connection is PINGed before reuse")
     retries: int = Field(8, ge=0, description="Retries (exponential backoff, capped at 1 s) of a command after a connection error")
+    write_wait_s: float = Field(
+        60.0, ge=0, description="How long a Redis call waits while Redis refuses writes (-OOM: maxmemory reached, "
+        "-MISCONF: it cannot write to disk, -READONLY: a read-only replica) before it gives up; meanwhile silent "
+        "heartbeats are not deaths. Past it the job stops with one message naming the cause and the resume command. "
+        "0: fail at the first refusal",
+    )
     block_ms: int = Field(
         500, ge=1, description="Longest server-side block of one blocking read (XREAD BLOCK, pub/sub wait); below socket_timeout_s"
     )

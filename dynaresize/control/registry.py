@@ -25,6 +25,11 @@ Protocol (keys in ``keys.py``):
   retries with a backoff of up to ``BACKOFF_CAP_S``. So a rank is only reported dead when it has also been silent
   for ``dead_after_s`` since the server came back plus that backoff (server uptime from ``INFO server``, read only
   when some rank looks dead). A rank that died during the outage is reported that much later.
+- Nor is Redis refusing writes (``-OOM`` at ``maxmemory``, ``-MISCONF`` after a failed save, ``-READONLY`` on a
+  replica): the ranks' heartbeats fail then, for a Redis reason. When some rank looks dead the registry writes a
+  probe key (which waits while writes are refused, up to ``redis.write_wait_s``, then raises
+  :class:`~.server.RedisRefusesWrites` naming the cause) and reads the server's count of refused writes
+  (``INFO errorstats``); a rank is only dead when it was also silent for ``dead_after_s`` since the last refusal.
 
 Every write here is idempotent under redis-py's retry-on-connection-error (a retried register recognises its own
 process token and answers the same incarnation; a retried heartbeat refreshes twice).
@@ -35,6 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -183,6 +189,8 @@ class Registry:
         self._dead = client.register_script(_DEAD)
         self._fence = client.register_script(_FENCE)
         self._begin_launch = client.register_script(_BEGIN_LAUNCH)
+        self._refused_count: int | None = None  # Redis's count of refused writes at the last look (INFO errorstats)
+        self._refused_at: float | None = None  # monotonic time at which that count was last seen to grow
 
     def register(self, reg: Registration) -> Registration:
         """Store ``reg`` and return it with its new incarnation. Raises :class:`RegistrationRefused` (one line
@@ -271,6 +279,8 @@ class Registry:
 
     def liveness(self) -> Liveness:
         """One script (one round trip, atomic, retried as a whole after a connection error)."""
+        if self._refused_count is None:
+            self._refused_count = self._refusals()
         rank_prefix = self.keys.rank(0)[: -len("0")]
         now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s, rank_prefix])
         now = float(now_s)
@@ -289,14 +299,40 @@ class Registry:
         return Liveness(now, live, dead_ages)
 
     def _silent_since_restart(self, dead: dict[int, float]) -> dict[int, float]:
-        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up and reachable (see the
-        module docstring); the others are neither live nor dead yet."""
+        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up, reachable and accepting
+        writes (see the module docstring); the others are neither live nor dead yet."""
+        writable_for = self._writable_for()  # blocks while Redis refuses writes (up to redis.write_wait_s)
         try:
             uptime = float(self.r.info("server")["uptime_in_seconds"])
         except (redis.ResponseError, KeyError, TypeError, ValueError):
-            return dead  # INFO not allowed (an external server with ACLs): no allowance for restarts
-        reachable_for = uptime - BACKOFF_CAP_S
-        return {r: age for r, age in dead.items() if min(age, reachable_for) > self.cfg.dead_after_s}
+            uptime = float("inf")  # INFO not allowed (an external server with ACLs): no allowance for restarts
+        since = min(uptime, writable_for) - BACKOFF_CAP_S
+        return {r: age for r, age in dead.items() if min(age, since) > self.cfg.dead_after_s}
+
+    def _refusals(self) -> int | None:
+        """How many writes Redis refused so far (``INFO errorstats``: OOM, MISCONF, READONLY, and ERR, which is how
+        Redis 6.2 counts a refusal inside a script, e.g. a heartbeat; the control plane sends nothing else that
+        fails with ERR); None if unknown."""
+        try:
+            stats = self.r.info("errorstats")
+        except (redis.ResponseError, KeyError, TypeError, ValueError):
+            return None
+        return sum(int(v.get("count", 0)) for k, v in stats.items() if isinstance(v, dict)
+                   and k.removeprefix("errorstat_") in ("OOM", "MISCONF", "READONLY", "ERR"))
+
+    def _writable_for(self) -> float:
+        """Seconds since Redis last refused a write, as far as this registry saw (inf: not since it started
+        looking). Heartbeats refused by Redis are not a rank's silence: a probe write waits while writes are
+        refused (and raises :class:`~.server.RedisRefusesWrites` past ``redis.write_wait_s``), and refusals
+        counted by the server since the last look (``INFO errorstats``) restart the clock."""
+        self.r.set(self.keys.ns + ":writable", 1, px=60_000)
+        n = self._refusals()
+        now = time.monotonic()
+        if n is not None and self._refused_count is not None and n != self._refused_count:
+            self._refused_at = now
+        if n is not None:
+            self._refused_count = n
+        return float("inf") if self._refused_at is None else now - self._refused_at
 
     def live(self) -> dict[int, Registration]:
         return self.liveness().live
@@ -304,6 +340,8 @@ class Registry:
     def dead(self) -> dict[int, float]:
         """``liveness().dead`` without reading and decoding every live rank's registration (one small script, then
         the same allowance for a Redis restart), so cheap to poll at thousands of ranks."""
+        if self._refused_count is None:  # the first look: how many refusals there were before (not this run's)
+            self._refused_count = self._refusals()
         now_s, dead = self._dead(keys=[self.keys.live], args=[self.cfg.dead_after_s])
         now = float(now_s)
         ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}

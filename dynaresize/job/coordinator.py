@@ -46,6 +46,7 @@ import redis
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
+from dynaresize.control.server import RedisRefusesWrites
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, build_batch, work_items
 from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
@@ -191,6 +192,10 @@ class Coordinator:
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
                     status, checkpoint = "interrupted", False
+                except RedisRefusesWrites as e:  # a Redis problem, not a rank's: stop cleanly, say why and how to go on
+                    checkpoint, self._writes_refused = False, True
+                    raise JobError(f"{e}; the run stopped at step {self.state.step} (the last checkpoint is where a "
+                                   "resume starts; fix Redis first)") from None
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
@@ -286,7 +291,8 @@ class Coordinator:
         try:
             if checkpoint and not (set(self.launcher.dead()) - set(self.state.lost)):
                 self.checkpoint()
-            self.bus.send("shutdown", self._alive(), {})
+            if not getattr(self, "_writes_refused", False):  # else it would wait for Redis once more: just stop them
+                self.bus.send("shutdown", self._alive(), {})
         except Exception as e:  # the ranks are stopped below either way
             log.warning("could not shut the ranks down cleanly: %s", e)
         self.launcher.stop()
