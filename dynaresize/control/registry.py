@@ -320,12 +320,17 @@ class Registry:
         return sum(int(v.get("count", 0)) for k, v in stats.items() if isinstance(v, dict)
                    and k.removeprefix("errorstat_") in ("OOM", "MISCONF", "READONLY", "ERR"))
 
+    def check_writable(self) -> None:
+        """One probe write: returns once Redis accepts writes; raises :class:`~.server.RedisRefusesWrites` naming
+        the cause when it refused them for ``redis.write_wait_s`` (a Redis problem, not a rank's)."""
+        self.r.set(self.keys.ns + ":writable", 1, px=60_000)
+
     def _writable_for(self) -> float:
         """Seconds since Redis last refused a write, as far as this registry saw (inf: not since it started
         looking). Heartbeats refused by Redis are not a rank's silence: a probe write waits while writes are
         refused (and raises :class:`~.server.RedisRefusesWrites` past ``redis.write_wait_s``), and refusals
         counted by the server since the last look (``INFO errorstats``) restart the clock."""
-        self.r.set(self.keys.ns + ":writable", 1, px=60_000)
+        self.check_writable()
         n = self._refusals()
         now = time.monotonic()
         if n is not None and self._refused_count is not None and n != self._refused_count:

@@ -822,6 +822,7 @@ class Coordinator:
             if not res.missing:
                 self._require(res, what, ranks)
                 return res
+            self.registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
             exited = self.launcher.dead() if hasattr(self.launcher, "dead") else {}
             gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
             silent = self.registry.dead()
