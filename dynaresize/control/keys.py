@@ -12,6 +12,11 @@ key                            type      meaning
 ``dr:<job>:inc:<r>``           string    incarnation counter of rank r (INCR on every register)
 ``dr:<job>:cmd:<r>``           stream    commands for rank r, field ``m`` = JSON :class:`~.wire.Command`
 ``dr:<job>:cursor:<r>``        string    id of the last stream entry rank r has finished with (its own cursor)
+``dr:<job>:bcast``             stream    job-wide broadcast commands: ``m`` = JSON command, ``r`` = its targets
+                                         (rank set); one entry per command whatever the number of targets
+``dr:<job>:bcursor:<r>``       string    id of the last broadcast entry for rank r that it has finished with
+``dr:<job>:cmdid``             string    id of the last command entry written (a job-wide increasing stream id,
+                                         shared by both kinds of streams so that ranks merge them in order)
 ``dr:<job>:applied:<r>``       hash      command_id -> JSON ack (or a "started" marker): at-most-once apply
 ``dr:<job>:ack:<command_id>``  stream    acks of one command, field ``m`` = JSON :class:`~.wire.Ack`; EXPIREs
 ``dr:<job>:wake``              channel   pub/sub wake-up; message = rank-set string of the ranks to wake
@@ -88,6 +93,17 @@ class Keys:
     @property
     def cmd_prefix(self) -> str:
         return f"{self.ns}:cmd:"
+
+    @property
+    def broadcast(self) -> str:
+        return f"{self.ns}:bcast"
+
+    def broadcast_cursor(self, r: int) -> str:
+        return f"{self.ns}:bcursor:{int(r)}"
+
+    @property
+    def cmd_last_id(self) -> str:
+        return f"{self.ns}:cmdid"
 
     def cursor(self, r: int) -> str:
         return f"{self.ns}:cursor:{int(r)}"

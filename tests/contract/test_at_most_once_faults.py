@@ -144,8 +144,10 @@ def run_example(srv: RedisServer, tmp: Path, cfg: RedisConfig, job: str, command
     assert set(applied) == want, f"never applied: {want - set(applied)}"
 
 
-def test_every_command_applied_exactly_once_and_acked_under_random_redis_failures(tmp_path, redis_binary):
-    cfg = _cfg(redis_binary)
+@pytest.mark.parametrize("fanout", ["per_rank", "broadcast"])
+def test_every_command_applied_exactly_once_and_acked_under_random_redis_failures(tmp_path, redis_binary, fanout):
+    # broadcast: a command for 2 or more ranks goes to the job's broadcast stream, one for 1 rank to its own stream
+    cfg = _cfg(redis_binary).model_copy(update={"broadcast_min_ranks": 0 if fanout == "per_rank" else 2})
     totals: Counter = Counter()
     with RedisServer(cfg, tmp_path / "run", supervise=True) as srv:
         counter = iter(range(10**9))
@@ -159,7 +161,7 @@ def test_every_command_applied_exactly_once_and_acked_under_random_redis_failure
             run_example(srv, tmp_path, cfg, f"amo-{next(counter)}", commands, seed, rate, totals)
 
         prop()
-    print("\nat-most-once under faults:", json.dumps(dict(sorted(totals.items()))))
+    print(f"\nat-most-once under faults ({fanout}):", json.dumps(dict(sorted(totals.items()))))
     assert totals["failure_points"] > EXAMPLES, "the harness must really inject faults"
     assert totals["duplicates"] == 0 and totals["lost"] == 0
 
