@@ -5,9 +5,12 @@ Coordinator side, :class:`CommandBus`:
 - On creation it takes a new **epoch**: ``INCR dr:<job>:epoch``. A later coordinator incarnation does the same, which
   fences the older one out twice over: its :meth:`CommandBus.send` fails with :class:`FencedError` (the send script
   checks the epoch key before writing), and ranks reject any of its commands still in flight (stale epoch).
-- :meth:`CommandBus.send` runs one Lua script: check the epoch, ``XADD dr:<job>:cmd:<r> MAXLEN ~ N * m <json>`` for
-  every target rank (given as one rank-set string such as ``"0-1023"``), then ``PUBLISH dr:<job>:wake <rank-set>``.
-  One round trip and one short request for any number of ranks.
+- :meth:`CommandBus.send` runs one Lua script: check the epoch, take the next **job-wide stream id** (server TIME in
+  ms, strictly above the last one, kept in ``dr:<job>:cmdid``), then write the command under that id: for
+  ``redis.broadcast_min_ranks`` (default 2) or more targets ONE ``XADD dr:<job>:bcast MAXLEN ~ N <id> m <json> r
+  <rank-set>`` (the job-wide **broadcast stream**: one write whatever the number of ranks), else ``XADD
+  dr:<job>:cmd:<r>`` for each target; then ``PUBLISH dr:<job>:wake <rank-set>``. One round trip and one short
+  request for any number of ranks.
 - :meth:`CommandBus.await_acks` reads ``dr:<job>:ack:<command_id>`` with ``XREAD BLOCK`` (each block shorter than
   the socket timeout) until every wanted rank answered or the timeout passed, and returns the acks by rank and the
   ranks that did not answer. Acks of an older epoch are ignored: a coordinator that took over resends the pending
@@ -17,8 +20,11 @@ Coordinator side, :class:`CommandBus`:
 
 Rank side, :class:`CommandReceiver`:
 
-- Reads its own stream from its own **cursor** (``dr:<job>:cursor:<r>``: the id of the last entry it finished),
-  so a rank that was disconnected, or restarted, gets every command it missed, in order.
+- Reads its own stream from its own **cursor** (``dr:<job>:cursor:<r>``: the id of the last entry it finished) and
+  the broadcast stream from its broadcast cursor (``dr:<job>:bcursor:<r>``) in one XREAD, and merges the two by id
+  (the ids are job-wide increasing, so the merge is the send order; a read that filled its COUNT bounds what is
+  taken). Broadcast entries whose rank set does not name the rank are skipped. So a rank that was disconnected,
+  or restarted, gets every command it missed, in order.
 - Pub/sub is only the wake-up (a message published while the rank reconnects is lost, the stream entry is not):
   a rank waits on ``dr:<job>:wake`` for at most ``block_ms`` and then reads the stream anyway; if its pub/sub
   connection is broken it falls back to ``XREAD BLOCK block_ms``.
