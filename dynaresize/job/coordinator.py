@@ -840,6 +840,10 @@ class Coordinator:
         bad = {r: a.error for r, a in res.acks.items() if not a.ok}
         if bad:
             r, err = next(iter(sorted(bad.items())))
+            if (err or "").startswith(RedisRefusesWrites.__name__):  # the rank's Redis writes were refused: not the rank's fault
+                self._writes_refused = True
+                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); the run stopped at step "
+                               f"{self.state.step} (the last checkpoint is where a resume starts; fix Redis first)")
             raise JobError(f"{what} failed on rank {r}: {err}")
 
     def _hidden_by_switch(self) -> dict[str, float]:
