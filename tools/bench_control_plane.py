@@ -12,7 +12,8 @@ Measured:
 - ``fanout_ms``: one ``CommandBus.send`` to all N ranks: the command is durable (one entry in the job's broadcast
   stream; with ``--compare`` also the per-rank fan-out, one entry in every rank's stream) and the wake-up is
   published (one Lua script, one round trip), while the N ranks wake up and compete for the CPUs;
-- ``fanout_idle_ms``: the same send to N streams of another job that nobody reads (the fan-out's own cost);
+- ``fanout_idle_ms``: the same send to N ranks of another job once the rank processes have exited (the fan-out's
+  own cost: the server's work and one round trip, without N ranks waking up and competing for the CPUs);
 - ``delivery_ms``: from the send until a rank's handler runs (per rank; includes Python thread wake-up);
 - ``acks_ms``: from the send until ``await_acks`` holds all N acks.
 
@@ -145,6 +146,7 @@ def main() -> int:
         time.sleep(1.0)  # let every receiver subscribe and settle
 
         everyone = list(range(args.ranks))
+        load_start = os.getloadavg()[0]
         modes = {"per_rank": 0, "broadcast": cfg.broadcast_min_ranks} if args.compare else {"broadcast": cfg.broadcast_min_ranks}
         buses = {m: CommandBus(coord, JOB, cfg.model_copy(update={"broadcast_min_ranks": n}), epoch=bus.epoch)
                  for m, n in modes.items()}
@@ -163,7 +165,13 @@ def main() -> int:
                     g["missing"] += len(res.missing)
                     g["delivery"] += [a.result["delivery_ms"] for a in res.acks.values() if a.result]
                 time.sleep(args.gap)
-        # the same send to N ranks of another job nobody reads: the cost of the fan-out itself, ranks idle
+        bus.request(CommandKind.SHUTDOWN, everyone, timeout=30)
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+        # the same send to N ranks of another job, once the ranks have exited: the fan-out's own cost
+        time.sleep(2.0)
         quiet_epoch = int(coord.incr(f"dr:{JOB}-quiet:epoch"))
         quiet = {m: CommandBus(coord, JOB + "-quiet", cfg.model_copy(update={"broadcast_min_ranks": n}), epoch=quiet_epoch)
                  for m, n in modes.items()}
@@ -174,15 +182,10 @@ def main() -> int:
                 if i >= 2:
                     got[m]["idle"].append((time.perf_counter() - t) * 1000)
                 time.sleep(args.gap)
-        bus.request(CommandKind.SHUTDOWN, everyone, timeout=30)
-        for proc in procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
         coord.close()
 
     out = {"ranks": args.ranks, "procs": args.procs, "rounds": args.rounds, "cores": os.cpu_count(),
-           "load1": round(os.getloadavg()[0], 1), "appendfsync": cfg.appendfsync, "register_s": round(register_s, 3)}
+           "load1_start": round(load_start, 1), "load1_end": round(os.getloadavg()[0], 1), "appendfsync": cfg.appendfsync, "register_s": round(register_s, 3)}
     for m, g in got.items():
         pre = "" if m == "broadcast" else "per_rank_"
         for name, xs in (("fanout", g["fanout"]), ("fanout_idle", g["idle"]), ("delivery", g["delivery"]), ("acks", g["acks"])):
@@ -190,10 +193,11 @@ def main() -> int:
             out[f"{pre}{name}_p99_ms"] = round(pct(xs, 99), 3)
         out[f"{pre}missing_acks"] = g["missing"]
     print(f"control plane: {args.ranks} ranks in {args.procs} processes, {args.rounds} commands per mode, "
-          f"{os.cpu_count()} cores (load {out['load1']}), appendfsync {cfg.appendfsync}")
+          f"{os.cpu_count()} cores (load {out['load1_start']} at the start, {out['load1_end']} at the end), "
+          f"appendfsync {cfg.appendfsync}")
     print(f"{'metric':<48} {'mode':<10} {'p50':>10} {'p99':>10} {'mean':>10}")
     for name, key in (("fan-out: send() to all ranks (ms)", "fanout"),
-                      ("fan-out, ranks idle (other job) (ms)", "idle"),
+                      ("fan-out, ranks gone (the send's own cost) (ms)", "idle"),
                       ("delivery: send -> rank handler runs (ms)", "delivery"),
                       ("acks: send -> all acks collected (ms)", "acks")):
         for m, g in got.items():
