@@ -46,6 +46,7 @@ import redis
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
+from dynaresize.control.server import RedisRefusesWrites
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, work_items
 from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
@@ -198,6 +199,10 @@ class Coordinator:
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
                     status, checkpoint = "interrupted", False
+                except RedisRefusesWrites as e:  # a Redis problem, not a rank's: stop cleanly, say why and how to go on
+                    checkpoint, self._writes_refused = False, True
+                    raise JobError(f"{e}; the run stopped at step {self.state.step} (the last checkpoint is where a "
+                                   "resume starts; fix Redis first)") from None
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
@@ -254,7 +259,8 @@ class Coordinator:
     def start_ranks(self) -> None:
         from dynaresize.job.launcher import LocalLauncher
 
-        self.registry.unfence_all()  # a new launch: every rank slot is usable again
+        # a new launch: every rank slot is usable again, and processes of an earlier launch are refused
+        self.registry.begin_launch(self.state.incarnation, self.world)
         if self.state.lost:  # new processes in every slot (a restart, a resume, a requeue): nobody is lost any more
             log.info("a new launch: rank(s) %s lost earlier are started again", format_ranks(self.state.lost))
             self.state.lost = []
@@ -294,7 +300,8 @@ class Coordinator:
         try:
             if checkpoint and not (set(self.launcher.dead()) - set(self.state.lost)):
                 self.checkpoint()
-            self.bus.send("shutdown", self._alive(), {})
+            if not getattr(self, "_writes_refused", False):  # else it would wait for Redis once more: just stop them
+                self.bus.send("shutdown", self._alive(), {})
         except Exception as e:  # the ranks are stopped below either way
             log.warning("could not shut the ranks down cleanly: %s", e)
         self.launcher.stop()
@@ -888,6 +895,7 @@ class Coordinator:
             if not res.missing:
                 self._require(res, what, ranks)
                 return res
+            self.registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
             exited = self.launcher.dead() if hasattr(self.launcher, "dead") else {}
             gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
             silent = self.registry.dead()
@@ -905,6 +913,10 @@ class Coordinator:
         bad = {r: a.error for r, a in res.acks.items() if not a.ok}
         if bad:
             r, err = next(iter(sorted(bad.items())))
+            if (err or "").startswith(RedisRefusesWrites.__name__):  # the rank's Redis writes were refused: not the rank's fault
+                self._writes_refused = True
+                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); the run stopped at step "
+                               f"{self.state.step} (the last checkpoint is where a resume starts; fix Redis first)")
             raise JobError(f"{what} failed on rank {r}: {err}")
 
     def _hidden_by_switch(self) -> dict[str, float]:

@@ -125,7 +125,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from dynaresize.comm import groups as G
     from dynaresize.control.commands import CommandReceiver
-    from dynaresize.control.registry import Heartbeater, Registry
+    from dynaresize.control.registry import Heartbeater, Registry, RegistrationRefused
     from dynaresize.control.server import connect
     from dynaresize.control.wire import RankState, Registration
     from dynaresize.engines.trainer_deepspeed import preload
@@ -144,9 +144,13 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         node=os.environ.get("SLURMD_NODENAME"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_id=int(os.environ["SLURM_LOCALID"]) if os.environ.get("SLURM_LOCALID", "").isdigit() else None,
         het_group=int(os.environ["DYNARESIZE_HET_GROUP"]) if os.environ.get("DYNARESIZE_HET_GROUP", "").isdigit() else None,
+        launch=int(launch.get("incarnation", 0)),
     )
     hb = Heartbeater(Registry(client, job_id, cfg.redis), reg, events=events)
-    hb.start()
+    try:
+        hb.start()
+    except RegistrationRefused as e:  # an earlier launch's process, or the rank is held by a live one: leave at once
+        return _refused(e.reason, events, client)
 
     # model loading overlaps communicator creation
     model_dir = launch["model_dir"]
@@ -213,7 +217,26 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    if hb.superseded:
+        return _refused(hb.refused or f"rank {rank} superseded", None, client)
     return 0
+
+
+REFUSED_EXIT = 3  # exit status of a rank process refused its rank (registration refused, or superseded)
+
+
+def _refused(reason: str, events, client) -> int:
+    """One clear line on stderr (and in the rank log), then leave: the rank belongs to another process."""
+    log.error("%s", reason)
+    print(f"dynaresize worker: {reason}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.emit("control", what="refused", reason=reason)
+        events.close()
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    return REFUSED_EXIT
 
 
 if __name__ == "__main__":
