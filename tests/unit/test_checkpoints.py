@@ -234,10 +234,12 @@ def test_resume_with_no_intact_checkpoint_is_refused_by_the_command(tmp_path, ca
     """`dynaresize run --resume` says what is damaged and stops before starting anything (exit 1)."""
     from dynaresize.cli import main
     from dynaresize.config.loader import load_config, write_resolved
+    from dynaresize.rundir import write_marker
 
     root = Path(__file__).resolve().parents[2]
     write_resolved(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]),
                    tmp_path)
+    write_marker(tmp_path)
     _write(tmp_path, 2)
     bad = tmp_path / "checkpoints" / "step-2" / "rank0-weights" / "data.bin"
     _flip(bad, 7)
