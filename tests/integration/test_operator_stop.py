@@ -1,0 +1,139 @@
+"""An operator's stop of a local run: SIGTERM (or SIGINT) sent to EVERY process of the job at once, as ``pkill``
+or a ``kill`` of the whole process list does. Real processes throughout: the coordinator, its redis-server, 4 worker
+ranks with DeepSpeed on CPU.
+
+The ranks defer the signal until the coordinator's shutdown, the redis-server (started with both signals blocked)
+keeps serving, the step in flight finishes and every rank is checkpointed; nothing is restarted while the run
+stops, the exit says why it stopped, and ``--resume`` then trains no step twice and loses none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from test_job import B, G, batches, run  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model_cache(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("models"))
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def job_processes(root: int) -> dict[int, str]:
+    """The process ``root`` and all its descendants, with their command lines."""
+    kids, out, todo = _children(), {}, [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            out[pid] = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        todo += kids.get(pid, [])
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def started():
+    """Processes a test saw; whatever of them a failed test left running is killed, by pid."""
+    pids: set[int] = set()
+    yield pids
+    for pid in pids:
+        if alive(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def controls(run_dir: Path, what: str) -> list[dict]:
+    out = []
+    for line in (run_dir / "events.jsonl").read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if e.get("type") == "control" and e.get("what") == what:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_trains_no_step_twice(
+        tmp_path, model_cache, started, sig):
+    steps = 6
+    p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=5", "policy.enabled=false", wait=False)
+    started.add(p.pid)
+    deadline = time.monotonic() + 400
+    rd = None
+    while time.monotonic() < deadline:
+        dirs = [d for d in tmp_path.iterdir() if d.is_dir()] if tmp_path.exists() else []
+        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
+            rd = dirs[0]
+            break
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(0.1)
+    assert rd is not None, "the run never reached step 2"
+    procs = job_processes(p.pid)
+    started.update(procs)
+    ranks = [pid for pid, cmd in procs.items() if "dynaresize.worker.main" in cmd]
+    servers = [pid for pid, cmd in procs.items() if "redis-server" in cmd]
+    assert len(ranks) == 4 and len(servers) == 1, procs
+    for pid in procs:  # every process of the job, at once
+        os.kill(pid, sig)
+    out, _ = p.communicate(timeout=300)
+    name = signal.Signals(sig).name
+    assert p.returncode == 130, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
+    done = len(batches(rd))
+    assert 2 <= state["step"] == done < steps, (state, done)
+    tag = Path(state["checkpoint"]).name
+    assert f"stopped: {name} (an operator's stop) during step " in out and f"checkpoint {tag} written" in out, out[-3000:]
+    assert f"resume with: dynaresize run --resume {rd}" in out
+    [stop] = controls(rd, "operator_stop")
+    assert f"checkpoint {tag} written" in stop["reason"] and "a resume trains no step twice" in stop["reason"]
+    assert not controls(rd, "restart") and not controls(rd, "redis_restarted"), "nothing restarted while stopping"
+    for r in range(4):
+        log = (rd / "logs" / f"rank{r}.log").read_text(errors="replace")
+        assert f"{name}: this rank keeps serving until the coordinator's shutdown" in log, log[-2000:]
+    gone = time.monotonic() + 30
+    while any(alive(pid) for pid in procs) and time.monotonic() < gone:
+        time.sleep(0.2)
+    assert not [pid for pid in procs if alive(pid)], "a process of the job outlived the stop"
+
+    run(tmp_path, model_cache, resume=rd)
+    got = batches(rd)
+    assert [b["step"] for b in got] == list(range(steps)), "every step once: none trained twice, none lost"
+    for b in got:
+        assert sorted(b["keys"]) == sorted(f"{b['step']}.{q}.{i}" for q in range(B) for i in range(G))
+    assert not controls(rd, "rewind"), "the resume started from the stop's checkpoint, not an older one"
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == steps
