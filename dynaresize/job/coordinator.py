@@ -692,10 +692,12 @@ class Coordinator:
         try:
             return self._await(cmd, ranks, "stage_state")
         except RanksLost:
+            self._ckpt_tag = None  # left incomplete (a resume sets it aside): not a stop's abandoned checkpoint
             raise  # a rank died or went silent: handled as before (restart, or the job fails)
         except JobError:
             failed = self._staging_failures(cmd, ranks)
             if not failed:
+                self._ckpt_tag = None
                 raise  # a rank failed for another reason than staging: as before
             self._checkpoint_failed(tag, failed)
             return None
