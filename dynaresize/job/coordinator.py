@@ -252,11 +252,14 @@ class Coordinator:
         if not path.exists():
             return
         keep, dropped = [], []
-        for line in path.read_text().splitlines():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by the stop
+            except (ValueError, KeyError, TypeError):  # a line cut by a hard stop: named, dropped
+                reason = f"{path} line {n} is not a complete record (cut by a hard stop?): dropped ({line[:60]!r})"
+                log.warning("resume: %s", reason)
+                self.events.emit("control", what="damaged_record", reason=reason)
+                continue
             (keep if step < self.state.step else dropped).append(line if step < self.state.step else step)
         if dropped:
             self.events.emit("control", what="rewind", reason=f"steps {min(dropped)}..{max(dropped)} ran after the last "

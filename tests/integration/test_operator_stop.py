@@ -137,3 +137,62 @@ def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_train
     assert not controls(rd, "rewind"), "the resume started from the stop's checkpoint, not an older one"
     summary = json.loads((rd / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == steps
+
+
+def test_a_second_signal_abandons_the_stops_checkpoint_cleanly(tmp_path, model_cache, started):
+    """The second SIGTERM arrives while the stop's checkpoint waits for a rank (rank 3 hangs in the middle of
+    staging, through the fault matrix's test hook): the checkpoint is abandoned (logged, its directory removed once
+    the ranks have exited), the ranks are still shut down, nothing is restarted, and the resume says which steps
+    it trains again and loses none."""
+    steps = 5
+    env = {"DYNARESIZE_TEST_STOP_AT": ",".join(f"3:stage_state.weights@step-{k}" for k in range(1, steps)),
+           "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:  # no periodic checkpoint: the stop's is the only one; 60 s of heartbeat deadline for the hung rank
+        p = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=9", "policy.enabled=false",
+                "redis.dead_after_heartbeats=120", wait=False)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    started.add(p.pid)
+    deadline = time.monotonic() + 400
+    rd = None
+    while time.monotonic() < deadline and rd is None:
+        dirs = [d for d in (tmp_path / "runs").iterdir()] if (tmp_path / "runs").exists() else []
+        if dirs and (dirs[0] / "batches.jsonl").exists() and (dirs[0] / "ranks.json").exists():
+            rd = dirs[0]
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(0.1)
+    assert rd is not None
+    procs = job_processes(p.pid)
+    started.update(procs)
+    rank3 = int(json.loads((rd / "ranks.json").read_text())["3"]["pid"])
+    os.kill(p.pid, signal.SIGTERM)  # the first: finish the step, then checkpoint
+    marker = tmp_path / "markers" / "rank3-stage_state.weights"
+    while not (marker.exists() and open(f"/proc/{rank3}/stat").read().rsplit(")", 1)[1].split()[0] == "T"):
+        assert p.poll() is None and time.monotonic() < deadline, "rank 3 never hung in the stop's checkpoint"
+        time.sleep(0.05)
+    os.kill(p.pid, signal.SIGTERM)  # the second, during the checkpoint
+    time.sleep(1)
+    os.kill(rank3, signal.SIGCONT)  # it finishes what it was staging, then takes the shutdown
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 130, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    [ab] = controls(rd, "checkpoint_abandoned")
+    assert "abandoned (a second stop signal cut it short); resume point stays none" in ab["reason"], ab
+    tag = ab["reason"].split()[1]
+    assert not (rd / "checkpoints" / tag).exists(), "the abandoned checkpoint's directory is removed"
+    assert "stopped: SIGTERM (an operator's stop)" in out and "a resume starts from the start" in out, out[-3000:]
+    assert not controls(rd, "restart") and not controls(rd, "redis_restarted")
+    gone = time.monotonic() + 30
+    while any(alive(pid) for pid in procs) and time.monotonic() < gone:
+        time.sleep(0.2)
+    assert not [pid for pid in procs if alive(pid)], "a process of the job outlived the stop"
+    trained = len(batches(rd))
+
+    run(tmp_path / "runs", model_cache, resume=rd)
+    got = batches(rd)
+    assert [b["step"] for b in got] == list(range(steps)), "every step once in the record: none lost"
+    [rw] = controls(rd, "rewind")
+    assert f"steps 0..{trained - 1} ran after the last checkpoint" in rw["reason"], rw

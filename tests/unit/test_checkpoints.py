@@ -341,3 +341,22 @@ def test_a_resume_leaves_a_checkpoint_another_coordinator_may_be_writing_in_plac
     notes = [e["reason"] for e in read_events(tmp_path, ReadStats()) if e.get("what") == "checkpoint_skipped"]
     assert any(n.startswith("step-6 skipped: ") and f"left in place: coordinator pid {writer.pid}" in n for n in notes), notes
     assert any(n.startswith("step-4 skipped: ") and "set aside as checkpoints/damaged/step-4.1" in n for n in notes), notes
+
+
+def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_path):
+    from dynaresize.config.loader import load_config
+    from dynaresize.events import EventLog
+    from dynaresize.job.coordinator import Coordinator
+
+    root = Path(__file__).resolve().parents[2]
+    coord = Coordinator(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]), tmp_path)
+    coord.state.step = 2
+    lines = [json.dumps({"step": k, "keys": []}) for k in range(3)]
+    (tmp_path / "batches.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2] + "\n" + '{"step": 3, "ke')
+    with EventLog(tmp_path / "events.jsonl") as coord.events:
+        coord._rewind_batches()
+    assert (tmp_path / "batches.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
+    reasons = [e["reason"] for e in events if e.get("type") == "control"]
+    assert any(r.startswith(f"{tmp_path / 'batches.jsonl'} line 4 is not a complete record") for r in reasons), reasons
+    assert any("steps 2..2 ran after the last checkpoint (step 2)" in r for r in reasons), reasons
