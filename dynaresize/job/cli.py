@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
             bar.close()
     _print_summary(summary)
     stop = summary.get("operator_stop")
-    if stop:  # the real cause of the early end, and the way on
+    if stop and summary["status"] != "completed":  # the real cause of the early end, and the way on
         print(f"stopped: {stop['text']}\nresume with: dynaresize run --resume {run_dir}", file=sys.stderr)
     return 0 if summary["status"] == "completed" else 130
 
