@@ -203,3 +203,20 @@ def test_a_run_directory_from_before_the_marker_is_still_resumable(tmp_path):
         require_run_dir(rd)
     (rd / "events.jsonl").write_text(json.dumps({"v": 1, "type": "run_start", "run_id": rd.name}) + "\n")
     assert require_run_dir(rd) == rd
+
+
+def test_a_slurm_job_reuses_only_a_run_directory_dynaresize_created(tmp_path):
+    """``entry prepare`` after a requeue: the job index names the run directory; one that is not a run directory
+    (the index edited by hand to point at the user's folder) is not written into: a new run directory is made."""
+    from dynaresize.slurm.rundir import JOBS_INDEX, prepare_in_job
+
+    over = [f"run.output_dir={tmp_path / 'runs'}"]
+    first = prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41")
+    assert prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41") == first  # the requeue
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("extends: x.yaml\n")
+    (tmp_path / "runs" / JOBS_INDEX / "41").write_text(f"{mine}\n")
+    again = prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41")
+    assert again not in (mine, first) and (again / ".dynaresize-run.json").exists()
+    assert (mine / "config.yaml").read_text() == "extends: x.yaml\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
