@@ -90,12 +90,14 @@ class OperatorStop:
     checkpoint: str | None = None  # the checkpoint the stop wrote (tag)
     abandoned: str | None = None  # why the checkpoint in progress was abandoned (a second signal)
 
-    def describe(self, resume_point: str | None) -> str:
-        head = f"{self.signal} (an operator's stop) during step {self.at_step}: the step in flight finished"
+    def describe(self, step: int, resume_point: str | None) -> str:
+        """One line: the stop, where the run ended (``step``: the next step to train) and what a resume does."""
+        head = f"{self.signal} (an operator's stop) during step {self.at_step}: stopped before step {step}"
         if self.checkpoint:
-            return f"{head}, checkpoint {self.checkpoint} written, ranks shut down; a resume trains no step twice"
+            return (f"{head}, checkpoint {self.checkpoint} written, ranks shut down; a resume continues at step {step} "
+                    f"and trains no step twice")
         why = self.abandoned or "no checkpoint could be taken"
-        return f"{head}; {why}; a resume starts from {resume_point or 'the start'} and trains the steps after it again"
+        return f"{head}, ranks shut down; {why}; a resume starts from {resume_point or 'the start'} (the steps after it are trained again)"
 
 
 @dataclass
@@ -227,6 +229,8 @@ class Coordinator:
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
                     status, checkpoint = "interrupted", False
+                    if self.operator_stop is not None:
+                        self.operator_stop.abandoned = "a second signal stopped it at once, without a checkpoint"
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
@@ -335,7 +339,7 @@ class Coordinator:
         self.launcher.stop()
         self._abandon_checkpoint_in_progress()
         if self.operator_stop is not None:
-            text = self.operator_stop.describe(self.state.checkpoint)
+            text = self.operator_stop.describe(self.state.step, self.state.checkpoint)
             log.warning("%s", text)
             self.events.emit("control", what="operator_stop", reason=text)
 
@@ -1000,7 +1004,8 @@ class Coordinator:
             "policy": "dynamic" if self.cfg.policy.enabled else "static",
         }
         if self.operator_stop is not None:
-            out["operator_stop"] = {**asdict(self.operator_stop), "text": self.operator_stop.describe(self.state.checkpoint)}
+            out["operator_stop"] = {**asdict(self.operator_stop),
+                                    "text": self.operator_stop.describe(self.state.step, self.state.checkpoint)}
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(self.run_dir / "summary.json")

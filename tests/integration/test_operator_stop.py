@@ -119,7 +119,8 @@ def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_train
     assert f"stopped: {name} (an operator's stop) during step " in out and f"checkpoint {tag} written" in out, out[-3000:]
     assert f"resume with: dynaresize run --resume {rd}" in out
     [stop] = controls(rd, "operator_stop")
-    assert f"checkpoint {tag} written" in stop["reason"] and "a resume trains no step twice" in stop["reason"]
+    assert f"stopped before step {done}, checkpoint {tag} written" in stop["reason"], stop
+    assert f"a resume continues at step {done} and trains no step twice" in stop["reason"], stop
     assert not controls(rd, "restart") and not controls(rd, "redis_restarted"), "nothing restarted while stopping"
     for r in range(4):
         log = (rd / "logs" / f"rank{r}.log").read_text(errors="replace")

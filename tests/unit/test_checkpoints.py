@@ -360,3 +360,17 @@ def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_pat
     reasons = [e["reason"] for e in events if e.get("type") == "control"]
     assert any(r.startswith(f"{tmp_path / 'batches.jsonl'} line 4 is not a complete record") for r in reasons), reasons
     assert any("steps 2..2 ran after the last checkpoint (step 2)" in r for r in reasons), reasons
+
+
+def test_an_operator_stop_names_its_signal_where_it_ended_and_what_a_resume_does():
+    from dynaresize.job.coordinator import OperatorStop
+
+    done = OperatorStop("SIGTERM", 3, checkpoint="step-4")
+    assert done.describe(4, "checkpoints/step-4") == (
+        "SIGTERM (an operator's stop) during step 3: stopped before step 4, checkpoint step-4 written, ranks shut "
+        "down; a resume continues at step 4 and trains no step twice")
+    cut = OperatorStop("SIGINT", 3, abandoned="checkpoint step-4 abandoned (a second stop signal cut it short)")
+    assert cut.describe(4, "checkpoints/step-2").endswith(
+        "ranks shut down; checkpoint step-4 abandoned (a second stop signal cut it short); a resume starts from "
+        "checkpoints/step-2 (the steps after it are trained again)")
+    assert "a resume starts from the start" in OperatorStop("SIGTERM", 0).describe(0, None)
