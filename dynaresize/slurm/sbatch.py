@@ -6,7 +6,10 @@ Layout of the script::
     #SBATCH hetjob
     #SBATCH <component 1's resources>
     RUN_DIR=... PY=(...)                       # the only lines that differ from slurm/dynaresize.sbatch
-    <LAUNCH_BODY>                              # one `srun --het-group=i` per component, USR2 forwarding, wait
+    <LAUNCH_BODY>                              # the Python check on every task (`srun ... python -c 'import
+                                               # dynaresize, torch'`: a failure and its fix go to the main
+                                               # output, exit 2), one `srun --het-group=i` per component, USR2
+                                               # forwarding, wait
 
 :data:`LAUNCH_BODY` is shared verbatim with the hand-written ``slurm/dynaresize.sbatch`` (a unit test checks it),
 so a user's ``sbatch slurm/dynaresize.sbatch CONFIG`` and ``dynaresize submit CONFIG`` launch the same way.
