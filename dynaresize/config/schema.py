@@ -12,7 +12,9 @@ from pydantic import Field, model_validator
 
 from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
+from dynaresize.metrics.config import MetricsConfig
 from dynaresize.policy.config import PolicyConfig
+from dynaresize.rl.config import AlgorithmConfig
 from dynaresize.sim.config import SimConfig
 from dynaresize.slurm.config import SlurmConfig
 from dynaresize.tasks.config import TaskConfig
@@ -89,6 +91,8 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Policy model")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training engine and RL loss")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="DAPO options: dynamic sampling, overlong reward shaping")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric loggers: TensorBoard, W&B offline (JSONL always)")
     staging: StagingConfig = Field(default_factory=StagingConfig, description="Bounded state staging to node-local disk")
     task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
@@ -106,4 +110,19 @@ class Config(Section):
                     f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _algorithm_fits_the_rollout(self) -> "Config":
+        ds, ov, ro = self.algorithm.dynamic_sampling, self.algorithm.overlong, self.rollout
+        if ds.enabled and ro.group_size < 2:
+            raise RuleError(
+                ("algorithm", "dynamic_sampling", "enabled"), True,
+                f"dynamic sampling drops groups whose rewards are all equal: it needs rollout.group_size >= 2, got {ro.group_size}",
+            )
+        if ov.enabled and ov.buffer >= ro.max_tokens:
+            raise RuleError(
+                ("algorithm", "overlong", "buffer"), ov.buffer,
+                f"the overlong interval must be shorter than rollout.max_tokens={ro.max_tokens}; allowed: 1..{ro.max_tokens - 1}",
+            )
         return self

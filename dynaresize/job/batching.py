@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.rl.dapo import OverlongShaping
 from dynaresize.rl.grpo import group_advantages
 from dynaresize.tasks.base import Task
 
@@ -29,11 +30,12 @@ def sample_seed(seed: int, step: int, prompt: int, index: int) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
-def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int) -> tuple[list[WorkItem], list[str]]:
-    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompt texts."""
-    texts = [task.prompt(seed, step, p) for p in range(prompts)]
+def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int, first: int = 0) -> tuple[list[WorkItem], list[str]]:
+    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompt texts, for prompt indices
+    ``first .. first + prompts - 1`` (``first > 0``: an extra round of dynamic sampling)."""
+    texts = [task.prompt(seed, step, p) for p in range(first, first + prompts)]
     items = []
-    for p, text in enumerate(texts):
+    for p, text in enumerate(texts, start=first):
         ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i)) for i in range(group)]
     return items, texts
@@ -77,21 +79,45 @@ class TrainBatch:
         return tb
 
 
-def build_batch(
-    step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
-    group: int, bound: int, scale_by_std: bool = True,
-) -> TrainBatch:
-    """Score every sample, compute advantages per prompt group, and check the staleness bound."""
+def ordered_samples(step: int, items: list[WorkItem], samples: list[SampleResult]) -> list[SampleResult]:
+    """``samples`` in the order of ``items``; every item must have its sample."""
     by_key = {s.key: s for s in samples}
     missing = [it.key for it in items if it.key not in by_key]
     if missing:
         raise RuntimeError(f"batch {step}: {len(missing)} samples missing, e.g. {missing[:5]}")
-    ordered = [by_key[it.key] for it in items]
-    check_staleness(step, ordered, bound)
-    rewards = []
+    return [by_key[it.key] for it in items]
+
+
+def score_samples(
+    items: list[WorkItem], ordered: list[SampleResult], texts: list[str], task: Task, tokenizer,
+    overlong: OverlongShaping | None = None,
+) -> tuple[list[float], list[float]]:
+    """``(scores, rewards)`` per sample: the task's score of the decoded response, and the reward the advantage is
+    computed from (the score plus the overlong penalty when shaping is on, else the score itself)."""
+    scores, rewards = [], []
     for it, s in zip(items, ordered):
         text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        rewards.append(float(task.reward(texts[it.prompt], text)))
+        score = float(task.reward(texts[it.prompt], text))
+        scores.append(score)
+        rewards.append(score + overlong.penalty(len(s.response_ids)) if overlong is not None else score)
+    return scores, rewards
+
+
+def build_batch(
+    step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
+    group: int, bound: int, scale_by_std: bool = True, overlong: OverlongShaping | None = None,
+    scored: dict[str, float] | None = None,
+) -> TrainBatch:
+    """Score every sample, compute advantages per prompt group, and check the staleness bound.
+
+    ``texts`` is indexed by prompt index; ``scored`` (sample key -> reward), when given, is used instead of
+    scoring again (dynamic sampling scored every group already)."""
+    ordered = ordered_samples(step, items, samples)
+    check_staleness(step, ordered, bound)
+    if scored is None:
+        _, rewards = score_samples(items, ordered, texts, task, tokenizer, overlong)
+    else:
+        rewards = [float(scored[it.key]) for it in items]
     adv = group_advantages(torch.tensor(rewards), group, scale_by_std=scale_by_std)
     return TrainBatch(
         step=step,

@@ -49,6 +49,15 @@ def main(args: argparse.Namespace) -> int:
             print("dynaresize run: CONFIG is required (e.g. configs/quickstart.yaml), or --resume RUN_DIR", file=sys.stderr)
             return 2
         cfg = load_config(args.config, args.overrides)
+        run_dir = None
+    from dynaresize.metrics import MissingLoggerError, check_available
+
+    try:  # a logger asked for whose package is missing: refused before anything is created
+        check_available(cfg.metrics)
+    except MissingLoggerError as e:
+        print(f"dynaresize run: {e}", file=sys.stderr)
+        return 2
+    if run_dir is None:
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
     from dynaresize.control.commands import FencedError

@@ -52,7 +52,8 @@ from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
 from dynaresize.events import EventLog, Role, format_ranks
-from dynaresize.job.batching import TrainBatch, build_batch, work_items
+from dynaresize.job.batching import TrainBatch, work_items
+from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
 from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
 
 log = logging.getLogger("dynaresize.job")
@@ -137,6 +138,9 @@ class Coordinator:
         self.t_start = time.monotonic()
         self._items: dict[int, tuple] = {}  # step -> (work items, prompt texts) until its batch is built
         self._results: dict[int, list] = {}  # step -> generated samples, from the end of its rollout to its batch
+        self._filled: set[int] = set()  # steps whose dynamic-sampling rounds are all generated (dynaresize.job.filtering)
+        self._stats = None  # BatchStats of the last batch (reward shaping, dynamic sampling)
+        self._train_results: list[dict] = []  # the trainers' ack results of the last step (loss metrics)
         self.restarts = 0  # automatic restarts of the ranks in this process (faults.max_restarts)
         self._ctx, self._seq = "start", {}  # where in the schedule commands are sent from (their ids, see _send)
         self.operator_stop: OperatorStop | None = None  # set by the first SIGTERM/SIGINT
@@ -185,10 +189,13 @@ class Coordinator:
         status = "failed"
         fenced = False
         self.launcher = None
+        self.metrics = None
         try:
+            self.metrics = self._open_metrics()
             self.task = load_task(self.cfg.task)
             self.model_dir = ensure_model(self.cfg)
             self.tokenizer = load_tokenizer(self.model_dir)
+            self.assembler = BatchAssembler.from_config(self.cfg, self.task, self.tokenizer)
             self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
             with _shielded(RedisServer(self.cfg.redis, self.run_dir, supervise=True,  # a crash comes back (AOF)
@@ -244,6 +251,8 @@ class Coordinator:
                     if not fenced:
                         self.stop_ranks(checkpoint=checkpoint)
         finally:
+            if self.metrics is not None:
+                self.metrics.close()
             if not fenced:
                 self.events.emit("run_end", status=status, steps=self.state.step)
             self.events.close()
@@ -533,6 +542,8 @@ class Coordinator:
             acked += self._await_rollout(cmd, ranks, j)
         if self.queue.done(j) < self.queue.total(j) and not self._top_up(j, sent[0][0].payload):
             return max([a.acked_at for a in acked], default=time.time()) - (time.time() - (time.monotonic() - t0))
+        if self._fill(j, sent[0][0].payload):  # extra rounds ran: the rollout ended with the last of them
+            acked = []
         self._results[j] = self.queue.results(j)  # read once: the tokens now, the training batch next step
         self.last.tokens_generated = sum(len(r.response_ids) for r in self._results[j])
         return max([a.acked_at for a in acked], default=time.time()) - (time.time() - (time.monotonic() - t0))
@@ -574,6 +585,32 @@ class Coordinator:
             raise JobError(f"generate {j}: {missing} samples still missing after 3 re-dispatches")
         return True
 
+    def _fill(self, j: int, payload: dict) -> bool:
+        """Dynamic sampling: while batch j has too few groups with unequal rewards, queue an extra round of prompts
+        under step j and let the rollout ranks pull it (same policy version). A replay of the plan from the stored
+        samples (after a resume) adds and generates nothing twice. Returns whether a round was generated now."""
+        if j in self._filled or not self.assembler.filtering:
+            return False
+        ran = False
+        while True:
+            items, texts = self._work(j)
+            n = self.assembler.next_round(j, items, texts, self.queue.results(j))
+            if not n:
+                break
+            more, more_texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, n, self.group, first=len(texts))
+            self._items[j] = (items + more, texts + more_texts)
+            self.queue.extend(j, self.assembler.rounds_of(len(texts) + n), more)
+            if self.queue.done(j) < self.queue.total(j):
+                if not self._rollouts():
+                    return ran  # no rollout rank left: make_batch tops up once a trainer has moved
+                cmd = self._send("generate", self._rollouts(), {**payload, "version": self.state.version})
+                self._await_rollout(cmd, self._rollouts(), j)
+                if self.queue.done(j) < self.queue.total(j) and not self._top_up(j, payload):
+                    return ran
+                ran = True
+        self._filled.add(j)
+        return ran
+
     def _work(self, j: int):
         """Batch j's work items and prompt texts, built (prompts sampled, tokenised) once per step."""
         if j not in self._items:
@@ -588,8 +625,22 @@ class Coordinator:
                              "temperature": ro.temperature, "top_p": ro.top_p})
             self._results.pop(k, None)
         results = self._results.pop(k, None) or self.queue.results(k)  # not cached after a resume
-        batch = build_batch(k, items, results, texts, self.task, self.tokenizer, self.group, self.bound)
+        if self.assembler.filtering and k not in self._filled:  # after a resume: replay (and finish) its rounds
+            ro = self.cfg.rollout
+            self._fill(k, {"step": k, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
+                           "temperature": ro.temperature, "top_p": ro.top_p})
+            items, texts = self._work(k)  # with the rounds' prompts
+            results = self.queue.results(k)
+        try:
+            batch, self._stats = self.assembler.build(k, items, texts, results)
+        except UnfilledBatchError as e:
+            raise JobError(str(e)) from None
         self._items.pop(k, None)
+        self._filled.discard(k)
+        if self._stats.groups_filler:
+            self.events.emit("control", what="dynamic_sampling_unfilled", reason=f"batch {k}: {self._stats.groups_kept} "
+                             f"groups with unequal rewards in {self._stats.groups_generated} prompts; "
+                             f"{self._stats.groups_filler} dropped group(s) trained on to keep the batch size")
         self.redis.set(self._batch_key(k), batch.to_json(), ex=24 * 3600)
         return batch
 
@@ -611,6 +662,7 @@ class Coordinator:
         self.last.tokens_trained = batch.tokens
         losses = [float((a.result or {}).get("loss", 0.0)) for a in res.acks.values()]
         self._loss = sum(losses)  # per-rank shares of the global loss add up to it
+        self._train_results = [a.result or {} for _, a in sorted(res.acks.items())]
 
     def finish(self, k: int, gen, train, batch: TrainBatch) -> None:
         """Wait for the step's training and the overlapping rollout; record what they took."""
@@ -733,15 +785,34 @@ class Coordinator:
         self.state.rewards[str(k)] = reward
         self.state.samples += len(batch.keys)
         self.state.tokens += batch.tokens
+        stats = self._stats.as_dict() if self._stats is not None else {}
         self.events.emit("step_end", step=k, samples=len(batch.keys), tokens_generated=self.last.tokens_generated,
                          tokens_trained=batch.tokens, reward_mean=round(reward, 6), loss=round(self._loss, 8),
-                         rollout_s=round(self.last.rollout_s, 4), train_s=round(self.last.train_s, 4), sync_s=round(self.last.sync_s, 4))
+                         rollout_s=round(self.last.rollout_s, 4), train_s=round(self.last.train_s, 4), sync_s=round(self.last.sync_s, 4),
+                         **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items() if n != "reward_mean"})
+        self._log_metrics(k, batch, stats)
         with open(self.run_dir / "batches.jsonl", "a") as f:
             f.write(json.dumps({"step": k, "keys": batch.keys, "versions": batch.versions, "rewards": batch.rewards,
                                 "loss": self._loss, "n_train": self.state.n_train}, separators=(",", ":")) + "\n")
         if self.on_step:
             self.on_step({"step": k, "reward": reward, "roles": self.roles(), "switches": len(self.state.switches),
                           "rollout_s": self.last.rollout_s, "train_s": self.last.train_s})
+
+    def _open_metrics(self):
+        from dynaresize.metrics import MissingLoggerError, open_loggers
+
+        try:
+            return open_loggers(self.cfg.metrics, self.run_dir, config=self.cfg.model_dump(mode="json"), warn=log.warning)
+        except MissingLoggerError as e:
+            raise JobError(str(e)) from None
+
+    def _log_metrics(self, k: int, batch: TrainBatch, stats: dict) -> None:
+        """The step's scalars to every configured logger (``dynaresize.metrics.step_metrics`` names them)."""
+        from dynaresize.metrics import step_metrics
+
+        if self.metrics is not None:
+            self.metrics.log(k, step_metrics(batch, self._train_results, self.last, self.state, n_rollout=len(self._rollouts()),
+                                             max_tokens=self.cfg.rollout.max_tokens, eos_id=self.tokenizer.eos_token_id, stats=stats))
 
     def roles(self) -> str:
         return "".join("x" if r in self.state.lost else "T" if r < self.state.n_train else "R" for r in range(self.world))
@@ -909,6 +980,8 @@ class Coordinator:
         self._rewind_batches()
         self._items.clear()
         self._results.clear()
+        self._filled.clear()
+        self.assembler.forget()
         self.last = StepTimes()
         self.bus = CommandBus(self.redis, self.job_id, self.cfg.redis, events=self.events)  # new epoch
         self._build_policy()

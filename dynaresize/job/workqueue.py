@@ -10,7 +10,7 @@ Keys (under the job's namespace ``dr:<job>``; one set per RL step)::
     dr:<job>:wq:<step>:pending         list   work items not yet claimed (JSON)
     dr:<job>:wq:<step>:inflight:<r>    hash   sample key -> item, claimed by rank r and not yet finished
     dr:<job>:wq:<step>:results         hash   sample key -> result JSON (HSETNX: the first result wins)
-    dr:<job>:wq:<step>:meta            hash   total (items published)
+    dr:<job>:wq:<step>:meta            hash   total (items published), round:<r> (items of extra round r)
     dr:<job>:wq:<step>:lastclaim:<r>   string "<claim token>|<key>,<key>,..": rank r's last claim (see below)
 
 Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
@@ -48,6 +48,13 @@ from dynaresize.control.registry import FencedRankError
 
 _PUBLISH = """
 if redis.call('HSETNX', KEYS[1], 'total', ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
+return #ARGV - 1
+"""
+_EXTEND = """
+if redis.call('HEXISTS', KEYS[1], 'total') == 0 then return -1 end
+if redis.call('HSETNX', KEYS[1], 'round:' .. ARGV[1], #ARGV - 1) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], 'total', #ARGV - 1)
 for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 return #ARGV - 1
 """
@@ -164,6 +171,7 @@ class RolloutQueue:
         self.ns = Keys(job_id).ns
         self.fenced_key = Keys(job_id).fenced  # ranks declared lost: claims and results refused
         self._publish = client.register_script(_PUBLISH)
+        self._extend = client.register_script(_EXTEND)
         self._claim = client.register_script(_CLAIM)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
@@ -176,6 +184,15 @@ class RolloutQueue:
         items = list(items)
         return int(self._publish(keys=[self._k(step, "meta"), self._k(step, "pending")],
                                  args=[len(items), *[it.to_json() for it in items]]))
+
+    def extend(self, step: int, round_: int, items: Iterable[WorkItem]) -> int:
+        """Add extra round ``round_`` (>= 1) of a published step (dynamic sampling) once; the same round again (a
+        retry, a resume replaying the plan) adds nothing. Returns the items added."""
+        items = list(items)
+        n = int(self._extend(keys=[self._k(step, "meta"), self._k(step, "pending")], args=[int(round_), *[it.to_json() for it in items]]))
+        if n < 0:
+            raise RuntimeError(f"step {step}: extra round {round_} before the step was published")
+        return n
 
     def claim(self, step: int, rank: int, n: int, token: str | None = None) -> list[WorkItem]:
         """Take up to ``n`` unfinished items for ``rank`` (empty when nothing is left to claim, or the rank is fenced).

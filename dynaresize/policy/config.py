@@ -29,6 +29,32 @@ class PolicyConfig(Section):
         0.0, ge=0, lt=1, description="A resize must cut the predicted step time by at least this fraction (0: off; guards against noise)"
     )
     payback_check: bool = Field(True, description="Apply the payback check (false only for the greedy baseline)")
+    tail_ewma_alpha: float | None = Field(
+        0.2, gt=0, le=1, description="EWMA weight of the rollout tail (the longest response: noisy from step to step, "
+        "its mean moves slowly; null: ewma_alpha)"
+    )
+    noise_alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of the tail's and the train work's step-to-step variance")
+    tail_cv_prior: float = Field(
+        0.2, ge=0, description="Prior coefficient of variation of the tail before the variance is learned (ASSUMPTION: the "
+        "longest of a few hundred lognormal responses varies by ~20% from step to step)"
+    )
+    noise_z: float = Field(
+        2.0, ge=0, description="A resize needs a predicted saving per step above this many standard errors of that "
+        "prediction (from the measured noise; 0: off)"
+    )
+    backoff_steps: int = Field(
+        30, ge=0, description="Back-off against oscillation: a resize within this many steps of k earlier ones needs "
+        "(1 + k) x noise_z standard errors (0: off)"
+    )
+    near_best_fraction: float = Field(
+        1.0, gt=0, le=1, description="Take the candidate nearest the current split whose predicted saving per step is at "
+        "least this share of the best candidate's (1: the best; smaller: shorter moves where the model is surer)"
+    )
+    memory_tolerance: float = Field(
+        0.1, ge=0, description="A split left before is predicted no faster than it was measured (corrected for the "
+        "drift since), and is returned to when it measured faster than the current one, while the model's prediction "
+        "for it stays within this relative distance of the one when it was left (0: no memory)"
+    )
     train_scaling_per_doubling: float = Field(
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"
     )

@@ -22,13 +22,19 @@ No I/O, clock or randomness: the same observations always give the same decision
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Sequence
+
+import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
 from dynaresize.policy.predictor import StageModel
-from dynaresize.policy.types import Action, Decision, Observation, PolicyState, Topology
+from dynaresize.policy.types import Action, Decision, Estimates, LeftSplit, Observation, PolicyState, Topology
+
+
+MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
 
 
 class ResizePolicy:
@@ -38,7 +44,7 @@ class ResizePolicy:
         self.cfg = cfg
         self.costs = costs
         self.candidates = tuple(candidates)
-        self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling)
+        self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior)
         self._state = self.initial_state()
 
     def initial_state(self) -> PolicyState:
@@ -52,7 +58,7 @@ class ResizePolicy:
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         cfg, cur = self.cfg, obs.topology
         est = state.estimates if obs.mixed and state.estimates else self.model.update(state.estimates, obs)
-        state = replace(state, estimates=est, steps_since_resize=state.steps_since_resize + 1)
+        state = replace(self._observe(state, obs), estimates=est, steps_since_resize=state.steps_since_resize + 1)
         imb, direction = self.model.imbalance(est, cur)
 
         def hold(reason: str, st: PolicyState) -> tuple[PolicyState, Decision]:
@@ -62,6 +68,10 @@ class ResizePolicy:
             return hold("disabled", state)
         if state.cooldown_left > 0:
             return hold(f"cooldown ({state.cooldown_left} left)", replace(state, cooldown_left=state.cooldown_left - 1, signal_count=0))
+        horizon = cfg.payback_horizon_steps if obs.steps_left is None else min(cfg.payback_horizon_steps, obs.steps_left)
+        reverted = self._revert(state, est, cur, horizon, obs.step) if horizon > 0 else None
+        if reverted is not None:
+            return reverted
         if imb <= cfg.imbalance_threshold:
             return hold(f"balanced (imbalance {imb:.3f} <= {cfg.imbalance_threshold})", replace(state, signal_count=0, signal_dir=0))
         count = state.signal_count + 1 if direction == state.signal_dir else 1
@@ -71,32 +81,146 @@ class ResizePolicy:
         if state.steps_since_resize < cfg.min_dwell_steps:
             return hold(f"dwell ({state.steps_since_resize}/{cfg.min_dwell_steps} steps)", state)
 
+        if horizon <= 0:
+            return hold("run ends: no step left to gain on", state)
+        pick = self._choose(state, est, cur, horizon, obs.step)
+        if isinstance(pick, str):
+            return hold(pick, state)
+        target, gain_s, cost = pick
         now = self.model.period_s(est, cur)
-        best: tuple[float, Topology, float, float] | None = None  # (net, topo, saving over horizon, cost)
-        for cand in self.candidates:
-            if cand == cur or cand.total != cur.total:
-                continue
-            saving = (now - self.model.period_s(est, cand)) * cfg.payback_horizon_steps
-            if saving <= 0:
-                continue
-            cost = self.costs.critical_cost_s(cur, cand)
-            net = saving - (cost if cfg.payback_check else 0.0)
-            if best is None or net > best[0] or (net == best[0] and cand < best[1]):
-                best = (net, cand, saving, cost)
-        if best is None:
-            return hold("no faster split predicted", state)
-        _, target, saving, cost = best
-        gain = saving / cfg.payback_horizon_steps / now if now > 0 else 0.0
+        saving = gain_s * horizon
+        gain = gain_s / now if now > 0 else 0.0
         if gain < cfg.min_relative_gain:
             return hold(f"gain {gain:.3f} < min_relative_gain {cfg.min_relative_gain}", state)
         if cfg.payback_check and saving <= cost * cfg.payback_margin:
-            return hold(f"payback: saving {saving:.1f}s over {cfg.payback_horizon_steps} steps <= cost {cost:.1f}s x {cfg.payback_margin}", state)
-        plan = self.costs.plan(cur, target)
-        new_state = replace(
-            state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=cfg.cooldown_steps,
-            history=(state.history + (str(cur),))[-8:],
-        )
+            return hold(f"payback: saving {saving:.1f}s over {horizon} steps <= cost {cost:.1f}s x {cfg.payback_margin}", state)
         reason = f"{'rollout' if direction > 0 else 'train'}-bound, imbalance {imb:.3f}: {cur} -> {target}"
+        return self._resize(state, est, cur, target, reason, cost, imb, saving, obs.step)
+
+    # --- helpers (pure) -------------------------------------------------------------------------------------------
+    def _observe(self, state: PolicyState, obs: Observation) -> PolicyState:
+        """Track how far off the model is on the current split: measured period / the period it predicted before
+        seeing this step (a running mean over the clean steps, the newest 10 weighing most)."""
+        if obs.mixed or state.estimates is None:
+            return state
+        pred = self.model.period_s(state.estimates, obs.topology)
+        if pred <= 0:
+            return state
+        x = obs.period_s / pred
+        n = state.here_steps + 1
+        if state.here_ratio is None:
+            return replace(state, here_ratio=x, here_ratio_var=0.0, here_steps=n)
+        a = max(1.0 / n, 0.1)
+        d = x - state.here_ratio
+        return replace(state, here_ratio=state.here_ratio + a * d, here_ratio_var=(1 - a) * (state.here_ratio_var + a * d * d),
+                       here_steps=n)
+
+    def _memory(self, left: tuple[LeftSplit, ...], est: Estimates) -> dict[Topology, tuple[float, LeftSplit]]:
+        """Splits left whose memory is still valid -> (the model's period corrected by its error there, the memory)."""
+        tol = self.cfg.memory_tolerance
+        out: dict[Topology, tuple[float, LeftSplit]] = {}
+        if tol <= 0:
+            return out
+        for m in left:
+            if m.steps < MEMORY_MIN_STEPS:
+                continue
+            pred = self.model.period_s(est, m.topology)
+            if m.predicted_s > 0 and abs(pred / m.predicted_s - 1.0) <= tol:
+                out[m.topology] = (pred * m.ratio, m)
+        return out
+
+    def _noise(self, est: Estimates, now_fn, per_fn) -> np.ndarray | float:
+        """Standard error of the predicted per-step gain now - period(candidate), from the estimates' noise."""
+        ta, a = self.model.tail_alpha, self.cfg.ewma_alpha
+        se_tail = math.sqrt(max(0.0, est.tail_var) * ta / (2 - ta))
+        se_train = math.sqrt(max(0.0, est.train_var) * a / (2 - a))
+        total = 0.0
+        if se_tail > 0:
+            hi, lo = est.rollout_tail + se_tail, max(0.0, est.rollout_tail - se_tail)
+            total = total + ((now_fn(tail=hi) - per_fn(tail=hi)) - (now_fn(tail=lo) - per_fn(tail=lo))) ** 2 / 4
+        if se_train > 0:
+            e_hi, e_lo = replace(est, train_work=est.train_work * (1 + se_train)), replace(est, train_work=est.train_work * max(0.0, 1 - se_train))
+            total = total + ((now_fn(est=e_hi) - per_fn(est=e_hi)) - (now_fn(est=e_lo) - per_fn(est=e_lo))) ** 2 / 4
+        return np.sqrt(total)
+
+    def _z(self, state: PolicyState, step: int) -> float:
+        """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
+        cfg = self.cfg
+        recent = sum(1 for k in state.resized_at if step - k <= cfg.backoff_steps) if cfg.backoff_steps > 0 else 0
+        return cfg.noise_z * (1 + recent)
+
+    def _choose(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[Topology, float, float] | str:
+        cfg, m = self.cfg, self.model
+        cands = [c for c in self.candidates if c != cur and c.total == cur.total]
+        if not cands:
+            return "no faster split predicted"
+        nr = np.array([c.n_rollout for c in cands])
+        nt = np.array([c.n_train for c in cands])
+        cr, ct = np.array([cur.n_rollout]), np.array([cur.n_train])
+
+        def now_fn(est=est, tail=None):
+            return m.periods(est, cr, ct, tail)[0]
+
+        def per_fn(est=est, tail=None):
+            return m.periods(est, nr, nt, tail)
+
+        now, per = now_fn(), per_fn()
+        memory = self._memory(state.left, est)
+        for i, c in enumerate(cands):
+            if c in memory:  # never predicted faster than it was measured
+                per[i] = max(per[i], memory[c][0])
+        gain = now - per
+        ok = gain > 0
+        if cfg.noise_z > 0 and ok.any():
+            ok &= gain > self._z(state, step) * self._noise(est, now_fn, per_fn)
+        if not ok.any():
+            return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
+        costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
+        net = np.where(ok, gain * horizon - (costs if cfg.payback_check else 0.0), -np.inf)
+        best = int(np.argmax(net))  # ties: the first, i.e. the fewest trainers (candidates are sorted)
+        elig = np.flatnonzero(ok & (gain >= cfg.near_best_fraction * gain[best]) & (net >= 0 if cfg.payback_check else ok))
+        if len(elig) == 0:
+            elig = np.array([best])
+        dist = np.abs(nt[elig] - cur.n_train)
+        i = int(elig[np.lexsort((-gain[elig], dist))[0]])
+        return cands[i], float(gain[i]), float(costs[i])
+
+    def _revert(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[PolicyState, Decision] | None:
+        """Prediction-error guard: within payback_horizon_steps of a move, go back to the split just left when, each
+        corrected by the model's measured error there, it is faster than this one by more than the noise (and
+        min_relative_gain): the move did not deliver."""
+        cfg = self.cfg
+        if not state.left or state.here_ratio is None or not max(MEMORY_MIN_STEPS, cfg.min_dwell_steps) <= state.here_steps <= cfg.payback_horizon_steps:
+            return None  # a guard for the move just made: judged on its first steps, then the normal rules apply
+        last = state.left[-1]
+        mem = self._memory((last,), est).get(last.topology)
+        if mem is None or last.topology.total != cur.total:
+            return None
+        then, m = mem
+        here = self.model.period_s(est, cur) * state.here_ratio
+        floor = max(0.0, est.tail_var) / here ** 2 if here > 0 else 0.0  # a few steps do not show the noise: the tail's
+        noise = here * math.sqrt(max(state.here_ratio_var, floor) / state.here_steps + max(m.ratio_var, floor) / m.steps)
+        gain_s = here - then
+        if gain_s <= max(self._z(state, step) * noise, cfg.min_relative_gain * here, 0.0):
+            return None
+        cost = self.costs.critical_cost_s(cur, last.topology)
+        saving = gain_s * horizon
+        if cfg.payback_check and saving <= cost * cfg.payback_margin:
+            return None
+        reason = f"revert: {last.topology} measures {then:.1f}s/step < {here:.1f}s/step here ({cur})"
+        return self._resize(state, est, cur, last.topology, reason, cost, 0.0, saving, step)
+
+    def _resize(self, state: PolicyState, est: Estimates, cur: Topology, target: Topology, reason: str, cost: float,
+                imb: float, saving: float, step: int) -> tuple[PolicyState, Decision]:
+        left = tuple(x for x in state.left if x.topology not in (cur, target))
+        if state.here_ratio is not None and state.here_steps > 0:
+            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self.model.period_s(est, cur), state.here_steps),)
+        new_state = replace(
+            state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=self.cfg.cooldown_steps,
+            history=(state.history + (str(cur),))[-8:], here_ratio=None, here_ratio_var=0.0, here_steps=0, left=left[-4:],
+            resized_at=(state.resized_at + (step,))[-4:],
+        )
+        plan = self.costs.plan(cur, target)
         return new_state, Decision(Action.RESIZE, target, reason, plan, cost, imb, saving)
 
 
@@ -104,5 +228,5 @@ def greedy_config(cfg: PolicyConfig) -> PolicyConfig:
     """The no-hysteresis baseline: act on every imbalance at once, ignore switch costs."""
     return cfg.model_copy(update=dict(
         imbalance_threshold=0.0, consecutive_signals=1, min_dwell_steps=0, cooldown_steps=0, payback_check=False,
-        min_relative_gain=0.0,
+        min_relative_gain=0.0, noise_z=0.0, near_best_fraction=1.0, memory_tolerance=0.0, backoff_steps=0,
     ))

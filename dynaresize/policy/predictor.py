@@ -8,11 +8,20 @@ Model (the same form the simulator's physics produces, with parameters learned f
 - weight sync is added to the rollout stage; the pipeline period is max(rollout + sync, train).
 
 Work is kept in GPU-seconds, so what was learned on one split predicts every other split.
+
+Noise: the tail is the longest of a step's responses and moves by tens of % from step to step (the bulk, a sum
+over many responses, hardly moves). The model keeps an EWMA variance of the tail (and of the relative train
+work) beside the means, and predicts the period as the expectation of the max of two normal variables (Clark,
+1961): near the balance point the slower stage changes from step to step, and E[max(R, T)] > max(E[R], E[T]).
+With no noise it is the plain max.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+
+import numpy as np
 
 from dynaresize.policy.types import Estimates, Observation, Topology
 
@@ -25,12 +34,43 @@ def efficiency(n: int, per_doubling: float) -> float:
     return per_doubling ** math.log2(n) if n > 1 else 1.0
 
 
-class StageModel:
-    """Turns observations into :class:`Estimates` and estimates into predicted stage times for any topology."""
+def _phi(x: np.ndarray) -> np.ndarray:
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
 
-    def __init__(self, alpha: float, scaling_per_doubling: float):
+
+def _Phi(x: np.ndarray) -> np.ndarray:
+    """Standard normal CDF (Abramowitz & Stegun 7.1.26 for erf, |error| < 1.5e-7), vectorised."""
+    z = np.abs(x) / math.sqrt(2)
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    y = 1.0 - (((((1.061405429 * t - 1.453152027) * t) + 1.421413741) * t - 0.284496736) * t + 0.254829592) * t * np.exp(-z * z)
+    return 0.5 * (1.0 + np.sign(x) * y)
+
+
+def expected_max(mr: np.ndarray, sr: np.ndarray, mt: np.ndarray, st: np.ndarray) -> np.ndarray:
+    """E[max(R, T)] for independent R ~ N(mr, sr^2), T ~ N(mt, st^2) (Clark 1961); max(mr, mt) without noise."""
+    mr, mt = np.asarray(mr, dtype=np.float64), np.asarray(mt, dtype=np.float64)
+    s = np.sqrt(np.asarray(sr, dtype=np.float64) ** 2 + np.asarray(st, dtype=np.float64) ** 2)
+    safe = np.where(s > 0, s, 1.0)
+    d = np.clip((mr - mt) / safe, -40.0, 40.0)
+    clark = mt + (mr - mt) * _Phi(d) + s * _phi(d)
+    return np.where(s > 0, np.maximum(clark, np.maximum(mr, mt)), np.maximum(mr, mt))
+
+
+class StageModel:
+    """Turns observations into :class:`Estimates` and estimates into predicted stage times for any topology.
+
+    ``tail_alpha`` (default ``alpha``) is the EWMA weight of the tail, the noisy part; ``noise_alpha`` that of the
+    variances; both weigh the first observations equally (a running mean, 1/n) until 1/n falls below them; the tail's
+    variance starts at ``(tail_cv_prior x tail)^2``, weighted as one observation.
+    """
+
+    def __init__(self, alpha: float, scaling_per_doubling: float, tail_alpha: float | None = None, noise_alpha: float = 0.2,
+                 tail_cv_prior: float = 0.0):
         self.alpha = alpha
+        self.tail_cv_prior = tail_cv_prior
         self.per_doubling = scaling_per_doubling
+        self.tail_alpha = alpha if tail_alpha is None else tail_alpha
+        self.noise_alpha = noise_alpha
 
     def measure(self, obs: Observation) -> Estimates:
         tail = max(0.0, min(obs.rollout_tail_s, obs.rollout_s))
@@ -43,14 +83,20 @@ class StageModel:
 
     def update(self, old: Estimates | None, obs: Observation) -> Estimates:
         m = self.measure(obs)
-        if old is None:
-            return m
-        a = self.alpha
+        if old is None:  # the variance starts at its prior and is learned from there
+            return replace(m, tail_var=(self.tail_cv_prior * m.rollout_tail) ** 2)
+        n = old.observations + 1  # a running mean until the EWMA's window is reached (the prior counts as one)
+        a, ta, na = self.alpha, self.tail_alpha, self.noise_alpha
+        d_tail = m.rollout_tail - old.rollout_tail
+        d_train = m.train_work / old.train_work - 1.0 if old.train_work > 0 else 0.0
         return Estimates(
             rollout_work=ewma(old.rollout_work, m.rollout_work, a),
-            rollout_tail=ewma(old.rollout_tail, m.rollout_tail, a),
+            rollout_tail=old.rollout_tail + ta * d_tail,
             train_work=ewma(old.train_work, m.train_work, a),
             sync=ewma(old.sync, m.sync, a),
+            tail_var=(1 - na) * (old.tail_var + na * d_tail * d_tail),
+            train_var=(1 - na) * (old.train_var + na * d_train * d_train),
+            observations=n,
         )
 
     def rollout_s(self, est: Estimates, topo: Topology) -> float:
@@ -60,8 +106,23 @@ class StageModel:
         return est.train_work / (topo.n_train * efficiency(topo.n_train, self.per_doubling))
 
     def period_s(self, est: Estimates, topo: Topology) -> float:
-        """Predicted steady-state step time of the one-step-off pipeline on ``topo``."""
-        return max(self.rollout_s(est, topo), self.train_s(est, topo))
+        """Predicted steady-state step time of the one-step-off pipeline on ``topo`` (E[max] with the noise)."""
+        r, t = self.rollout_s(est, topo), self.train_s(est, topo)
+        sd = math.sqrt(max(0.0, est.tail_var) + t * t * max(0.0, est.train_var))
+        if sd <= 0:
+            return max(r, t)
+        d = min(40.0, max(-40.0, (r - t) / sd))
+        clark = t + (r - t) * 0.5 * (1.0 + math.erf(d / math.sqrt(2))) + sd * math.exp(-0.5 * d * d) / math.sqrt(2 * math.pi)
+        return max(clark, r, t)
+
+    def periods(self, est: Estimates, n_rollout: np.ndarray, n_train: np.ndarray, tail: float | None = None) -> np.ndarray:
+        """:meth:`period_s` for many splits at once; ``tail`` replaces the tail estimate (for sensitivities)."""
+        nr = np.asarray(n_rollout, dtype=np.float64)
+        nt = np.asarray(n_train, dtype=np.float64)
+        eff = np.where(nt > 1, self.per_doubling ** np.log2(np.maximum(nt, 1)), 1.0)
+        r = (est.rollout_tail if tail is None else tail) + est.rollout_work / nr + est.sync
+        t = est.train_work / (nt * eff)
+        return expected_max(r, math.sqrt(max(0.0, est.tail_var)), t, t * math.sqrt(max(0.0, est.train_var)))
 
     def imbalance(self, est: Estimates, topo: Topology) -> tuple[float, int]:
         """(|rollout - train| / max, +1 if rollout is slower else -1)."""

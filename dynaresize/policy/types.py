@@ -43,6 +43,12 @@ class Observation:
     tokens_generated: int = 0
     tokens_trained: int = 0
     mixed: bool = False  # the step overlapped a resize: its times describe no single split (not used to learn)
+    steps_left: int | None = None  # steps still to train after the next decision takes effect (None: unknown)
+
+    @property
+    def period_s(self) -> float:
+        """The step's measured pipeline period: the slower of its rollout (+ weight sync) and its training."""
+        return max(self.rollout_s + self.weight_sync_s, self.train_s)
 
 
 class Action(str, enum.Enum):
@@ -92,6 +98,20 @@ class Estimates:
     rollout_tail: float  # seconds
     train_work: float  # train_s x n_train x efficiency(n_train)
     sync: float  # seconds
+    tail_var: float = 0.0  # EWMA variance of the observed tail, s^2 (the step-to-step noise of the longest response)
+    train_var: float = 0.0  # EWMA variance of the observed train work, relative (squared fraction)
+    observations: int = 1  # observations the estimates were learned from
+
+
+@dataclass(frozen=True, slots=True)
+class LeftSplit:
+    """A split the policy left, and how far off the model was there: measured period / predicted period."""
+
+    topology: Topology
+    ratio: float  # mean of measured / predicted period over the clean steps spent there (the model's error there)
+    ratio_var: float  # variance of that ratio from step to step
+    predicted_s: float  # the model's period for it when it was left (the memory expires when this moves too far)
+    steps: int  # clean steps measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,3 +124,8 @@ class PolicyState:
     steps_since_resize: int = 10**9
     cooldown_left: int = 0
     history: tuple[str, ...] = field(default=())  # topologies left, newest last (kept short; for diagnostics)
+    here_ratio: float | None = None  # mean measured / predicted period of the clean steps on the current split
+    here_ratio_var: float = 0.0  # its step-to-step variance
+    here_steps: int = 0  # clean steps measured on the current split
+    left: tuple[LeftSplit, ...] = field(default=())  # splits left (newest last, at most 4), for the memory guard
+    resized_at: tuple[int, ...] = field(default=())  # steps of the latest resizes (at most 4), for the back-off

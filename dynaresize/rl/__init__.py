@@ -16,7 +16,8 @@ attention_mask     [N, L] long 1 on real tokens
 response_mask      [N, L] f32  1 on response tokens (the ones the loss covers)
 old_logprobs       [N, L] f32  behaviour policy's logprob of input_ids[:, t] (from the rollout), 0 elsewhere
 advantages         [N] f32     per sequence, from ``group_advantages`` (or [N, L] per token)
-ref_logprobs       [N, L] f32  optional: reference policy's logprobs; required when kl_coef > 0
+ref_logprobs       [N, L] f32  reference policy's logprobs; required when kl_coef > 0 (``WithReference``
+                               in ``dynaresize.rl.reference`` fills them from the initial policy)
 loss_denominator   [] f32      optional: the GLOBAL count (tokens for loss_norm=token, sequences for
                                loss_norm=sequence) replacing the local one, so micro-batches and ranks add up
 =================  ==========  ===========================================================================

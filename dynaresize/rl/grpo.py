@@ -12,6 +12,17 @@ Worked example (hand-computed; the same numbers are in tests/unit/test_grpo.py).
 
 With ``A = -1`` the roles swap: ratio 1.5 gives ``-min(-1.5, -1.2) = 1.5``, ratio 0.5 gives ``0.8``.
 k3 KL with ``logp - ref = 0.1``: ``exp(-0.1) + 0.1 - 1 = 0.004837``.
+
+Clip-higher (DAPO, arXiv 2503.14476, section 3.1): the ratio is clipped to ``[1 - clip_eps_low, 1 + clip_eps_high]``;
+a larger upper bound lets low-probability tokens with a positive advantage grow (against entropy collapse).
+DAPO uses ``clip_eps_low = 0.2, clip_eps_high = 0.28``. With those and ``A = 1``: ratio 1.5 gives
+``-min(1.5, 1.28) = -1.28``; with ``A = -1``: ratio 0.5 gives ``-min(-0.5, -0.8) = 0.8``, ratio 1.5 gives ``1.5``.
+Both bounds default to ``clip_eps`` (the symmetric PPO/GRPO clip).
+
+Loss normalisation (``loss_norm``): ``token`` (the default, and DAPO's "token-level policy gradient loss", section
+3.3) sums the per-token loss over every response token of the whole batch and divides by that batch's token
+count (``loss_denominator``, set by the trainer ranks to the global count); ``sequence`` averages per sequence,
+then over sequences (the original GRPO). The options of this module change neither.
 """
 
 from __future__ import annotations
@@ -81,11 +92,21 @@ class GrpoLoss:
     kl_coef: float = 0.0
     loss_norm: Literal["token", "sequence"] = "token"
     temperature: float = 1.0
+    clip_eps_low: float | None = None  # lower clip: ratio >= 1 - clip_eps_low (None: clip_eps)
+    clip_eps_high: float | None = None  # upper clip: ratio <= 1 + clip_eps_high (None: clip_eps)
 
     @classmethod
     def from_config(cls, train, temperature: float = 1.0) -> "GrpoLoss":
         """From a ``TrainConfig`` (and the rollout temperature, so logprobs match the sampling distribution)."""
-        return cls(train.clip_eps, train.kl_coef, train.loss_norm, temperature)
+        return cls(clip_eps=train.clip_eps, kl_coef=train.kl_coef, loss_norm=train.loss_norm, temperature=temperature,
+                   clip_eps_low=train.clip_eps_low, clip_eps_high=train.clip_eps_high)
+
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """``(1 - low, 1 + high)``: the ratio interval outside which the surrogate stops pulling."""
+        low = self.clip_eps if self.clip_eps_low is None else self.clip_eps_low
+        high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+        return 1 - low, 1 + high
 
     def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch["response_mask"].float()
@@ -99,7 +120,8 @@ class GrpoLoss:
         adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
         log_ratio = (logp - batch["old_logprobs"]) * mask
         ratio = torch.exp(log_ratio)
-        clipped = torch.clamp(ratio, 1 - self.clip_eps, 1 + self.clip_eps)
+        lo, hi = self.clip_range
+        clipped = torch.clamp(ratio, lo, hi)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
         clip_frac = ((ratio * adv > clipped * adv).float() * mask).sum() / mask.sum().clamp(min=1)
         kl = torch.zeros((), dtype=per_token.dtype)

@@ -30,7 +30,9 @@ from dynaresize.sim.config import SimConfig
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="experiment YAML (e.g. configs/sim/paper_8gpu.yaml)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sim.steps=500 cluster.gpus=64")
-    p.add_argument("--compare", action="store_true", help="run static splits, DynaResize, naive, greedy and the oracle")
+    p.add_argument("--compare", action="store_true", help="run static splits, DynaResize, naive, greedy, the oracle, the "
+                   "sample-level mechanisms and the bound")
+    p.add_argument("--no-samples", action="store_true", help="--compare: leave out the sample-level rows (faster at scale)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--costs", metavar="FILE", help="YAML of switch costs merged into sim.costs (from dynaresize calibrate)")
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: <run.output_dir>/<run.name>-<timestamp>)")
@@ -123,14 +125,15 @@ def _forced(cfg) -> dict[int, int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.sim.compare import compare, format_table, run_dynamic, run_static, setup
+    from dynaresize.schedule import Mechanisms
+    from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, run_static, setup
 
     cfg = load_config(args.config, args.overrides)
     if args.costs:
         cfg = apply_overrides(merge_costs(load_config(args.config), args.costs), args.overrides)
     s = setup(cfg)
     if args.compare:
-        out = compare(s)
+        out = compare(s, samples=not args.no_samples)
         print(f"{cfg.run.name}: {cfg.cluster.gpus} GPUs, {cfg.sim.steps} steps, start {s.initial} (train:rollout)")
         print(format_table(out["rows"]))
         sm = out["summary"]
@@ -146,7 +149,13 @@ def main(args: argparse.Namespace) -> int:
     log = cfg.sim.write_events
     t0 = time.perf_counter()
     forced = _forced(cfg)
-    res = run_dynamic(s, log, forced=forced) if cfg.policy.enabled else run_static(s, s.initial, log, forced=forced)
+    pm = cfg.sim.pipeline
+    if pm.model == "samples":
+        if forced:
+            raise ConfigError("policy.forced_splits: scripted resizes are a step-level feature (sim.pipeline.model=step)")
+        res = run_samples(s, s.initial, Mechanisms(pm.continuous_rollout, pm.streaming_training, cfg.policy.enabled), log)
+    else:
+        res = run_dynamic(s, log, forced=forced) if cfg.policy.enabled else run_static(s, s.initial, log, forced=forced)
     wall = time.perf_counter() - t0
     if log:
         head = make_event(EventType.RUN_START, 0.0, run_id=f"{cfg.run.name}-seed{cfg.run.seed}", source="sim", world_size=cfg.cluster.gpus,

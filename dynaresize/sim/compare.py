@@ -1,7 +1,20 @@
-"""Run one simulation or the full comparison: static splits, DynaResize (optimised / naive), greedy, oracle.
+"""Run one simulation or the full comparison: static splits, DynaResize (optimised / naive), greedy, oracle, and,
+at sample level, the barrier-free mechanisms added one at a time, against the work-conserving bound.
 
-The oracle is a bound, not a run: for every step the best candidate split with free, instant switches, perfectly
-pipelined (sum over steps of min over splits of max(rollout + sync, train), plus the first stage to fill the pipe).
+The oracle is not a run: for every step the best candidate split with free, instant switches, perfectly pipelined
+*with the step barrier* (sum over steps of min over splits of max(rollout + sync, train), plus the first stage to
+fill the pipe). Runs without the barrier can beat it; the bound (:mod:`dynaresize.sim.bound`) is what no schedule
+can beat.
+
+Rows of ``compare`` (all measured side by side in one call):
+
+- ``static T:R``: each static split with the barrier, step-level (verl's one-step-off); the best is the baseline;
+- ``dynaresize``, ``dynaresize naive``, ``greedy``: today's resizing with the barrier, step-level;
+- sample-level (``samples=True``; per-GPU continuous batching driven by the scheduler core):
+  ``best static (samples)``, the baseline split again at sample level (how far the two models agree);
+  ``best static +cont+stream``, the baseline split with continuous rollout and streaming training, no resizing;
+  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``: resizing with each mechanism added in turn;
+- ``oracle (barrier)`` and ``bound``.
 """
 
 from __future__ import annotations
@@ -12,7 +25,10 @@ from dataclasses import dataclass
 from dynaresize.config.schema import Config
 from dynaresize.policy import ResizePolicy, SwitchCostModel, Topology, from_cluster, greedy_config
 from dynaresize.policy.config import OptimizationsConfig
+from dynaresize.schedule import Mechanisms
+from dynaresize.sim.bound import bound_total
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
+from dynaresize.sim.samples import SamplePipeline, SampleRunResult
 from dynaresize.sim.stages import StageTable
 
 
@@ -56,6 +72,16 @@ def run_static(s: Setup, topo: Topology, log: bool = False, forced: dict[int, in
     return _pipe(s, name, StaticController(), s.costs, topo, log, forced).run()
 
 
+def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, name: str | None = None,
+                record_versions: bool = False) -> SampleRunResult:
+    """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy."""
+    sim, p = s.cfg.sim, s.cfg.sim.pipeline
+    policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates) if mech.resize else None
+    name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
+    return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
+                          sim.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions).run()
+
+
 def oracle_total(s: Setup) -> float:
     t, sync = s.table, s.costs.weight_sync_s()
     by_r = sorted(s.candidates, key=lambda c: c.n_rollout)
@@ -93,7 +119,14 @@ def static_choices(s: Setup) -> list[Topology]:
     return sorted(picks)
 
 
-def compare(s: Setup) -> dict:
+SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from the configured split
+    ("dyn barrier (samples)", "barrier", Mechanisms(False, False, True)),
+    ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
+    ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
+)
+
+
+def compare(s: Setup, samples: bool = True) -> dict:
     t0 = time.perf_counter()
     choices = static_choices(s)
     s.table.sweep([c.n_rollout for c in choices])
@@ -103,34 +136,70 @@ def compare(s: Setup) -> dict:
     naive = run_dynamic(s, False, naive=True, name="dynaresize naive")
     greedy = run_dynamic(s, False, greedy=True, name="greedy")
     orc = oracle_total(s)
-    samples = best.samples
+    bound = bound_total(s.table, s.cfg.sim, s.cfg.cluster.gpus, s.cfg.pipeline.staleness_bound)
+    best_topo = Topology(int(best.name.split()[-1].split(":")[0]), s.cfg.cluster.gpus - int(best.name.split()[-1].split(":")[0]))
+    extra: list[RunResult] = []
+    mech_runs: dict[str, RunResult] = {}
+    if samples:
+        extra.append(run_samples(s, best_topo, Mechanisms(False, False, False), name="best static (samples)"))
+        extra.append(run_samples(s, best_topo, Mechanisms(True, True, False), name="best static +cont+stream"))
+        for row, key, mech in SAMPLE_ROWS:
+            mech_runs[key] = run_samples(s, s.initial, mech, name=row)
+        extra.extend(mech_runs.values())
+    n_samples = best.samples
     rows = []
-    for r in statics + [dyn, naive, greedy]:
+    for r in statics + [dyn, naive, greedy] + extra:
         rows.append(dict(
             name=r.name, total_s=r.total_s, throughput=r.throughput, gain=best.total_s / r.total_s - 1,
-            of_oracle=orc / r.total_s, switches=r.switches, overhead_s=r.overhead_s, critical_s=r.critical_s,
-            hidden=r.hidden_fraction,
+            of_oracle=orc / r.total_s, of_bound=bound.total_s / r.total_s, switches=r.switches,
+            overhead_s=r.overhead_s, critical_s=r.critical_s, hidden=r.hidden_fraction,
         ))
-    rows.append(dict(name="oracle (bound)", total_s=orc, throughput=samples / orc, gain=best.total_s / orc - 1,
-                     of_oracle=1.0, switches=None, overhead_s=0.0, critical_s=0.0, hidden=None))
+    rows.append(dict(name="oracle (barrier)", total_s=orc, throughput=n_samples / orc, gain=best.total_s / orc - 1,
+                     of_oracle=1.0, of_bound=bound.total_s / orc, switches=None, overhead_s=0.0, critical_s=0.0, hidden=None))
+    rows.append(dict(name="bound", total_s=bound.total_s, throughput=n_samples / bound.total_s,
+                     gain=best.total_s / bound.total_s - 1, of_oracle=orc / bound.total_s, of_bound=1.0, switches=None,
+                     overhead_s=0.0, critical_s=0.0, hidden=None))
     summary = dict(
         best_static_split=best.name.split()[-1], best_static_throughput=best.throughput,
-        dynaresize_throughput=dyn.throughput, oracle_throughput=samples / orc,
+        dynaresize_throughput=dyn.throughput, oracle_throughput=n_samples / orc,
         gain_vs_best_static=best.total_s / dyn.total_s - 1, time_change_vs_best_static=dyn.total_s / best.total_s - 1,
         fraction_of_oracle=orc / dyn.total_s, overhead_hidden_fraction=dyn.hidden_fraction, switches=dyn.switches,
         naive_gain_vs_best_static=best.total_s / naive.total_s - 1, naive_overhead_hidden_fraction=naive.hidden_fraction,
         greedy_gain_vs_best_static=best.total_s / greedy.total_s - 1, greedy_switches=greedy.switches,
-        initial_split=str(s.initial), gpus=s.cfg.cluster.gpus, steps=s.table.steps, compare_wall_s=time.perf_counter() - t0,
+        initial_split=str(s.initial), gpus=s.cfg.cluster.gpus, steps=s.table.steps,
+        fraction_of_bound=bound.total_s / dyn.total_s, oracle_fraction_of_bound=bound.total_s / orc,
+        bound_work_s=bound.work_s, bound_chain_s=bound.chain_s,
     )
+    if samples:
+        allm = mech_runs["streaming_training"]
+        sb, sc = extra[0], extra[1]
+        summary.update(
+            samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower
+            best_static_continuous_gain=best.total_s / sc.total_s - 1,
+            all_mechanisms_gain_vs_best_static=best.total_s / allm.total_s - 1,
+            # against the same split at sample level with the barrier: the two models' difference taken out
+            all_mechanisms_gain_vs_best_static_samples=sb.total_s / allm.total_s - 1,
+            all_mechanisms_fraction_of_bound=bound.total_s / allm.total_s,
+            all_mechanisms_switches=allm.switches,
+            mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
+                                  switches=r.switches, wall_s=r.wall_s) for key, r in mech_runs.items()},
+        )
+        prev = best.total_s
+        for key, r in mech_runs.items():  # the share each mechanism adds, in the order they are turned on
+            summary["mechanisms"][key]["adds"] = prev / r.total_s - 1
+            prev = r.total_s
+    summary["compare_wall_s"] = time.perf_counter() - t0
     return dict(rows=rows, summary=summary, dynaresize=dyn)
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'run':<20} {'time_s':>11} {'samples/s':>10} {'vs_best':>8} {'%oracle':>8} {'switches':>8} {'overhead_s':>10} {'hidden':>7}"
+    head = (f"{'run':<26} {'time_s':>11} {'samples/s':>10} {'vs_best':>8} {'%oracle':>8} {'%bound':>7} {'switches':>8} "
+            f"{'overhead_s':>10} {'hidden':>7}")
     out = [head, "-" * len(head)]
     for r in rows:
         sw = "-" if r["switches"] is None else str(r["switches"])
         hid = "-" if r["hidden"] is None or not r["switches"] else f"{100 * r['hidden']:.0f}%"
-        out.append(f"{r['name']:<20} {r['total_s']:>11.0f} {r['throughput']:>10.3f} {100 * r['gain']:>+7.1f}% "
-                   f"{100 * r['of_oracle']:>7.1f}% {sw:>8} {r['overhead_s']:>10.1f} {hid:>7}")
+        ob = f"{100 * r['of_bound']:>6.1f}%" if r.get("of_bound") is not None else f"{'-':>7}"
+        out.append(f"{r['name']:<26} {r['total_s']:>11.0f} {r['throughput']:>10.3f} {100 * r['gain']:>+7.1f}% "
+                   f"{100 * r['of_oracle']:>7.1f}% {ob} {sw:>8} {r['overhead_s']:>10.1f} {hid:>7}")
     return "\n".join(out)

@@ -16,6 +16,59 @@ from dynaresize.config.base import RuleError, Section
 from dynaresize.policy.config import OptimizationsConfig, SwitchCostConfig
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO-style dynamic sampling (arXiv 2503.14476, "dynamic sampling"; verl's recipe/dapo ``filter_groups``).
+
+    Each prompt has a success probability drawn around the step's accuracy; its G responses get Bernoulli rewards;
+    a group whose rewards are all equal (all correct or all wrong) has no GRPO advantage and is dropped. Prompts are
+    generated (in rounds, or as a stream in prompt order) until the batch holds ``prompts_per_step`` kept groups,
+    the first ones in prompt order, or until ``max_oversample`` x ``prompts_per_step`` prompts were generated.
+    As accuracy rises, more groups are all-correct, so the rollout work per trained sample grows.
+    """
+
+    enabled: bool = Field(False, description="Drop groups whose rewards are all equal and generate more prompts (off: every group is kept)")
+    accuracy_start: float = Field(
+        0.3, ge=0, le=1, description="Mean per-prompt success probability at the first step (ASSUMPTION: a math RL run "
+        "starting from a base model)"
+    )
+    accuracy_end: float = Field(
+        0.8, ge=0, le=1, description="Mean per-prompt success probability at the last step (linear in between; ASSUMPTION)"
+    )
+    accuracy_by_step: list[float] = Field(
+        default_factory=list, description="Mean success probability of each step (replaces start/end; later steps keep "
+        "the last value)"
+    )
+    difficulty_concentration: float = Field(
+        2.0, gt=0, description="Per-prompt success probability ~ Beta(acc x c, (1 - acc) x c): small c = many prompts "
+        "always or never solved (ASSUMPTION)"
+    )
+    mode: Literal["rounds", "stream"] = Field(
+        "rounds", description="rounds: generate whole rounds of prompts and keep the first kept groups (verl's DAPO "
+        "recipe); stream: generate prompts in order and stop at the one that completes the batch"
+    )
+    round_prompts_factor: float = Field(
+        3.0, gt=0, description="Prompts per round (and per drawn chunk in stream mode) as a multiple of prompts_per_step "
+        "(verl recipe/dapo: gen_prompt_bsz = 3 x train_prompt_bsz)"
+    )
+    max_oversample: float = Field(
+        30.0, ge=1, description="At most this many x prompts_per_step prompts generated per step; fewer kept groups are "
+        "trained if they run out (verl recipe/dapo: max_num_gen_batches = 10 rounds of 3x; verl raises there instead)"
+    )
+    truncated_fails: bool = Field(
+        True, description="A response at max_response_tokens scores 0 (DAPO: an overlong response is punished; it has "
+        "no final answer to verify)"
+    )
+
+
+class TaskConfig(Section):
+    """One task of a mix: its own response and prompt length distributions (lognormal)."""
+
+    name: str = Field(..., min_length=1, description="Task name (for reports)")
+    response_tokens_mean: float = Field(..., gt=0, description="Mean response length of this task, tokens")
+    response_sigma: float = Field(1.0, ge=0, description="Lognormal shape of this task's response lengths")
+    prompt_tokens_mean: float | None = Field(None, gt=0, description="Mean prompt length of this task (default: workload.prompt_tokens_mean)")
+
+
 class WorkloadConfig(Section):
     prompts_per_step: int = Field(32, ge=1, description="Prompts per RL step (B)")
     responses_per_prompt: int = Field(8, ge=1, description="Responses sampled per prompt (G)")
@@ -33,6 +86,21 @@ class WorkloadConfig(Section):
     trained_tokens: Literal["sequence", "response"] = Field(
         "sequence", description="What a trained token counts: prompt + response (sequence) or the response only, as the "
         "CPU runtime logs tokens_trained (a calibrated rate is per logged token)"
+    )
+    cap_share: float = Field(
+        0.0, ge=0, lt=1, description="Share of responses that run to max_response_tokens whatever their drawn length "
+        "(degenerate repetition, unfinished reasoning; 0: off, only draws above the cap are cut; ASSUMPTION)"
+    )
+    tasks: list[TaskConfig] = Field(
+        default_factory=list, description="A task mix: each prompt belongs to one task (drawn by task_weights) and its "
+        "responses follow that task's lengths; replaces the drift (response_tokens_start/end) when set"
+    )
+    task_weights: dict[int, list[float]] = Field(
+        default_factory=dict, description="{from_step: one weight per task}: the mix from that step on (needs step 0; "
+        "weights are normalised)"
+    )
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
     )
 
 
@@ -72,6 +140,25 @@ class TrainPhysicsConfig(Section):
     )
 
 
+class PipelineModelConfig(Section):
+    """Which pipeline model ``dynaresize simulate`` runs, and which barrier-free mechanisms it turns on.
+
+    ``step``: the step-level model (dynaresize/sim/engine.py, one formula per stage; fast at any scale).
+    ``samples``: the sample-level model (dynaresize/sim/samples.py): per-GPU continuous batching driven by the pure
+    scheduler core (dynaresize/schedule/), the only one that models the mechanisms below.
+    """
+
+    model: Literal["step", "samples"] = Field("step", description="step: stage-level model; samples: per-GPU continuous batching driven by the scheduler core")
+    continuous_rollout: bool = Field(
+        False, description="model=samples: no rollout barrier; a rank takes the next batch once it holds its version (simulated only; the runtime follows)"
+    )
+    streaming_training: bool = Field(
+        False, description="model=samples: trainers start on complete groups before the batch is complete, step when it is (simulated only)"
+    )
+    claim_groups: int = Field(4, ge=1, description="model=samples: groups a rollout GPU claims at a time when its KV slots free up (ASSUMPTION)")
+    stream_chunks: int = Field(8, ge=1, description="model=samples: streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready")
+
+
 class SimConfig(Section):
     steps: int = Field(200, ge=2, description="RL steps to simulate")
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
@@ -87,6 +174,7 @@ class SimConfig(Section):
         0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
         "command round trips; dynaresize calibrate measures it)"
     )
+    pipeline: PipelineModelConfig = Field(default_factory=PipelineModelConfig, description="Pipeline model and barrier-free mechanisms")
     write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
     compare_static_max: int = Field(
         64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
@@ -99,6 +187,24 @@ class SimConfig(Section):
             if getattr(w, key) > w.max_response_tokens:
                 raise RuleError(("workload", key), getattr(w, key),
                                 f"mean response length above max_response_tokens ({w.max_response_tokens})")
+        if w.tasks:
+            if w.response_tokens_by_step:
+                raise RuleError(("workload", "tasks"), [t.name for t in w.tasks], "tasks and response_tokens_by_step exclude each other")
+            for i, t in enumerate(w.tasks):
+                if t.response_tokens_mean > w.max_response_tokens:
+                    raise RuleError(("workload", "tasks", i, "response_tokens_mean"), t.response_tokens_mean,
+                                    f"mean response length above max_response_tokens ({w.max_response_tokens})")
+            if 0 not in w.task_weights:
+                raise RuleError(("workload", "task_weights"), w.task_weights, "needs the mix from step 0 (a key 0)")
+            for step, ws in w.task_weights.items():
+                if step < 0 or len(ws) != len(w.tasks) or min(ws) < 0 or sum(ws) <= 0:
+                    raise RuleError(("workload", "task_weights", step), ws,
+                                    f"want a step >= 0 and {len(w.tasks)} weights >= 0 (one per task), not all 0")
+        elif w.task_weights:
+            raise RuleError(("workload", "task_weights"), w.task_weights, "task_weights without tasks")
+        for i, x in enumerate(w.dynamic_sampling.accuracy_by_step):
+            if not 0 <= x <= 1:
+                raise RuleError(("workload", "dynamic_sampling", "accuracy_by_step", i), x, f"{x} outside [0, 1]")
         for i, x in enumerate(w.response_tokens_by_step):
             if not 1 <= x <= w.max_response_tokens:
                 raise RuleError(("workload", "response_tokens_by_step", i), x,

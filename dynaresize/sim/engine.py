@@ -334,6 +334,7 @@ class Pipeline:
                 step=j, topology=self.topo, rollout_s=self.r_end[j] - self.r_gen[j], train_s=self.t_end[j] - self.t_start[j],
                 rollout_tail_s=self.tab.tail_s(j), weight_sync_s=self.sync_s if j - self.s >= 1 else 0.0,
                 tokens_generated=self.tab.batches[j][1], tokens_trained=self.tab.batches[j][2],
+                steps_left=self.K - 1 - k,
                 mixed=self.r_mixed[j] or self.t_n[j] + self.r_n[j] != self.N or self.t_n[j] != self.topo.n_train
                 or self.r_n[j] != self.topo.n_rollout or self.pending is not None,
             )

@@ -52,7 +52,13 @@ class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0, description="Learning rate of the RL update")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, ge=0, description="Gradient-norm clip (0 disables)")
-    clip_eps: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip epsilon")
+    clip_eps: float = Field(0.2, ge=0, description="PPO/GRPO ratio clip epsilon; the default of clip_eps_low and clip_eps_high")
+    clip_eps_low: float | None = Field(
+        None, ge=0, lt=1, description="Lower ratio clip: ratio >= 1 - clip_eps_low (null: clip_eps); DAPO clip-higher, arXiv 2503.14476"
+    )
+    clip_eps_high: float | None = Field(
+        None, ge=0, description="Upper ratio clip: ratio <= 1 + clip_eps_high (null: clip_eps); DAPO uses 0.28 with low 0.2"
+    )
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the reference policy (0 disables it)")
     loss_norm: Literal["token", "sequence"] = Field(
         "token", description="Normalise the loss over all tokens of the batch (token) or per sequence, then mean (sequence)"

@@ -110,6 +110,7 @@ class Worker:
     ops: list[dict[str, Any]] = field(default_factory=list)
     stopped: bool = False
     vllm: Any = None  # VllmRollout, created once at start-up on every rank when rollout.engine=vllm (GPU only)
+    ref_model: torch.nn.Module | None = None  # frozen reference policy for train.kl_coef > 0, loaded at first use
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -276,8 +277,24 @@ class Worker:
         if "advantages" in batch:
             from dynaresize.rl.grpo import GrpoLoss
 
-            return GrpoLoss.from_config(self.setup.train_cfg, self.setup.rollout_cfg.temperature)
+            loss = GrpoLoss.from_config(self.setup.train_cfg, self.setup.rollout_cfg.temperature)
+            if loss.kl_coef > 0:  # KL to the initial policy (dynaresize.rl.reference)
+                from dynaresize.rl.reference import WithReference
+
+                return WithReference(loss, self._reference())
+            return loss
         return token_nll_loss
+
+    def _reference(self) -> torch.nn.Module:
+        """The frozen reference policy (the run's initial model directory), loaded at the first use on this rank."""
+        if self.ref_model is None:
+            if self.setup.model_dir is None:
+                raise WorkerError("train.kl_coef > 0 needs the model directory (WorkerSetup.model_dir) for the reference policy")
+            from dynaresize.models.store import load_model
+            from dynaresize.rl.reference import frozen
+
+            self.ref_model = frozen(load_model(self.setup.model_dir)).to(self._dev)
+        return self.ref_model
 
     def _tensors_of(self, tb: Any) -> dict[str, torch.Tensor]:
         from dynaresize.rl.batch import collate
@@ -387,6 +404,8 @@ class Worker:
         if self.trainer is not None:
             self.module = self.trainer.destroy(detach=not will)
             self.trainer = None
+            if not will:
+                self.ref_model = None  # a rollout rank needs no reference policy (reloaded if it trains again)
         if self.rollout is not None and will:
             self.rollout.sleep()
             self.rollout = None

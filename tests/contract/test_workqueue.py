@@ -95,3 +95,21 @@ def test_a_claim_retried_with_its_token_takes_nothing_new(queue):
     assert len(nxt) == 3 and not {x.key for x in nxt} & {x.key for x in first} and queue.pending(4) == 6
     assert queue.release(4, rank=1) == 5
     assert queue.claim(4, rank=1, n=3, token="t1") != [], "a release ends the old claim: the token is forgotten"
+
+
+def test_an_extra_round_is_queued_once_and_counted(queue):
+    """Dynamic sampling's extra rounds (dynaresize.job.filtering): added under the same step at most once each."""
+    extra = [WorkItem(5, p, i, [1, p], seed=p * 10 + i) for p in range(3, 5) for i in range(4)]
+    with pytest.raises(RuntimeError, match="before the step was published"):
+        queue.extend(5, 1, extra)
+    queue.publish(5, items(5))
+    got = queue.claim(5, rank=1, n=100)
+    queue.complete(5, 1, [result(it, 1) for it in got])
+    assert queue.done(5) == queue.total(5) == 12
+    assert queue.extend(5, 1, extra) == 8
+    assert queue.extend(5, 1, extra) == 0  # a retry, or a resume replaying the plan: nothing twice
+    assert queue.total(5) == 20 and queue.pending(5) == 8
+    more = queue.claim(5, rank=2, n=100)
+    assert sorted(x.key for x in more) == sorted(x.key for x in extra)
+    queue.complete(5, 2, [result(it, 2) for it in more])
+    assert queue.done(5) == 20 and [(s.prompt, s.index) for s in queue.results(5)][-8:] == [(p, i) for p in (3, 4) for i in range(4)]

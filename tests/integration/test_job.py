@@ -150,3 +150,93 @@ def test_a_dead_rank_fails_the_job_clearly_and_the_run_resumes(tmp_path, model_c
     run(tmp_path, model_cache, f"run.steps={ck + 2}", resume=rd)
     got = [b["step"] for b in batches(rd)]
     assert got == list(range(ck + 2))  # the steps after the last checkpoint are trained again, once
+
+
+DAPO = ["task.params={partial_credit: false}",  # a binary reward: many groups are all 0 or all 1 and get dropped
+        "algorithm.dynamic_sampling.enabled=true", "algorithm.dynamic_sampling.max_rounds=2",
+        "algorithm.overlong.enabled=true", "algorithm.overlong.buffer=4",
+        "train.clip_eps_high=0.28", "train.kl_coef=0.01"]
+
+
+def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cache):
+    """DAPO dynamic sampling (with overlong shaping, clip-higher and KL to the reference on): a run resized twice
+    and a static run with the same seed generate the same extra rounds, keep the same groups (by prompt order),
+    and train on the same samples; the metrics reach TensorBoard."""
+    steps = 5
+    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=11",
+        "metrics.tensorboard=true", *DAPO)
+    run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", "run.seed=11", *DAPO)
+    dyn_dir, st_dir = run_dir_of(tmp_path / "dyn"), run_dir_of(tmp_path / "static")
+    dyn, st = batches(dyn_dir), batches(st_dir)
+    assert [b["n_train"] for b in dyn] == [2, 2, 1, 3, 3] and {b["n_train"] for b in st} == {2}
+    for d, s in zip(dyn, st):
+        assert len(d["keys"]) == B * G and d["keys"] == s["keys"] and d["versions"] == s["versions"]
+        assert d["rewards"] == s["rewards"]
+        assert d["loss"] == pytest.approx(s["loss"], rel=1e-3, abs=1e-5)
+    ends = {e["step"]: e for e in map(json.loads, (dyn_dir / "events.jsonl").read_text().splitlines()) if e["type"] == "step_end"}
+    st_ends = {e["step"]: e for e in map(json.loads, (st_dir / "events.jsonl").read_text().splitlines()) if e["type"] == "step_end"}
+    counts = ("groups_generated", "groups_dropped", "groups_kept", "groups_filler", "rounds")
+    assert [[ends[k][c] for c in counts] for k in range(steps)] == [[st_ends[k][c] for c in counts] for k in range(steps)]
+    assert any(ends[k]["groups_dropped"] > 0 and ends[k]["rounds"] > 0 for k in ends), ends  # the filter did work
+    for b in dyn:  # each step's trained groups: whole groups, in prompt order; groups of extra rounds among them
+        prompts = [int(key.split(".")[1]) for key in b["keys"]]
+        assert prompts == sorted(prompts) and all(prompts.count(p) == G for p in set(prompts))
+        e = ends[b["step"]]
+        assert max(prompts) < e["groups_generated"] and e["groups_kept"] + e["groups_filler"] == B
+    assert any(int(key.split(".")[1]) >= B for b in dyn for key in b["keys"])
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(dyn_dir / "tensorboard"))
+    acc.Reload()
+    tb = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    assert [s for s, _ in tb["reward/mean"]] == list(range(steps))
+    assert [v for _, v in tb["reward/mean"]] == pytest.approx([sum(b["rewards"]) / len(b["rewards"]) for b in dyn], abs=1e-6)
+    assert [v for _, v in tb["roles/n_train"]] == [2, 2, 1, 3, 3]
+    assert all(v > 0 for _, v in tb["loss/kl"][1:])  # the KL to the reference grows once the policy moved
+    assert {"dynamic_sampling/groups_dropped", "response/length_mean", "throughput/tokens_per_s", "switches/count"} <= set(tb)
+
+
+def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache):
+    """SIGTERM mid-run with dynamic sampling on, then --resume: the extra rounds are replayed from the stored
+    samples (nothing generated twice) and every step trains on the groups an uninterrupted run trains on."""
+    steps, seed = 6, 13
+    run(tmp_path / "ref", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO)
+    p = run(tmp_path / "cut", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO, wait=False)
+    deadline, rd = time.monotonic() + 400, None
+    while time.monotonic() < deadline:
+        dirs = [d for d in (tmp_path / "cut").iterdir() if d.is_dir()] if (tmp_path / "cut").exists() else []
+        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
+            rd = dirs[0]
+            break
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(0.2)
+    assert rd is not None, "the run never reached step 2"
+    os.killpg(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 130, out[-4000:]
+    run(tmp_path / "cut", model_cache, resume=rd)
+    ref, cut = batches(run_dir_of(tmp_path / "ref")), batches(rd)
+    assert [b["step"] for b in cut] == list(range(steps))
+    assert [b["keys"] for b in cut] == [b["keys"] for b in ref]
+    for d in (run_dir_of(tmp_path / "ref"), rd):
+        events = [json.loads(l) for l in (d / "events.jsonl").read_text().splitlines()]
+        generated = sum(e.get("samples", 0) for e in events if e["type"] == "stage" and e["stage"] == "rollout")
+        planned = sum(e["groups_generated"] for e in events if e["type"] == "step_end") * G
+        assert generated == planned, d  # every sample of every round generated exactly once
+
+
+def test_dynamic_sampling_that_cannot_fill_a_batch_fails_clearly(tmp_path, model_cache):
+    """Near-greedy sampling makes most groups' responses (and rewards) equal: with on_unfilled=fail the job stops
+    at the first batch with one message saying what was found, after generating at most max_rounds extra rounds."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", *BASE, f"run.output_dir={tmp_path}",
+            f"model.cache_dir={model_cache}", "run.steps=2", "rollout.temperature=0.01", "algorithm.dynamic_sampling.enabled=true",
+            "algorithm.dynamic_sampling.max_rounds=1", "algorithm.dynamic_sampling.on_unfilled=fail", "--quiet"]
+    p = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]
+    import re
+
+    found = re.search(rf"dynaresize run: batch 0: dynamic sampling found ([0-{B - 1}]) of {B} groups with unequal rewards "
+                      rf"in {2 * B} prompts \(1 extra rounds", p.stderr)
+    assert found, p.stderr[-1500:]  # near-greedy: (almost) every group's responses are the same
+    assert "Traceback" not in p.stderr and "on_unfilled=pad" in p.stderr

@@ -33,7 +33,8 @@ def ground_truth(topo: Topology, work_r: float, tail: float, work_t: float) -> t
 
 def test_worked_example_signals_dwell_resize_then_cooldown():
     # 6:2, rollout 200 s (tail 40 s + 320 GPU-s / 2), train 100 s (600 GPU-s / 6): imbalance 0.5, rollout-bound.
-    p = policy(min_dwell_steps=0)
+    # No tail noise prior: the predictions are the plain max of the stage times (the noise rules: test_policy_noise.py)
+    p = policy(min_dwell_steps=0, tail_cv_prior=0.0)
     s = p.initial_state()
     t = Topology(6, 2)
     s, d = p.step(s, obs(0, t, 200, 100, tail=40))
@@ -103,10 +104,10 @@ def test_min_relative_gain_holds_small_predicted_gains():
     # 5:3, rollout 90 s (tail 60 + 90 GPU-s / 3), train 120 s (600 GPU-s / 5): train-bound, imbalance 0.25.
     # Best candidate 6:2: max(60 + 45, 100) = 105 s, a 12.5% gain per step.
     t = Topology(5, 3)
-    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.2)
+    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.2, tail_cv_prior=0.0)
     s, d = p.step(p.initial_state(), obs(0, t, 90, 120, tail=60))
     assert not d.resize and d.reason.startswith("gain 0.125 < min_relative_gain 0.2")
-    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.1)
+    p = policy(min_dwell_steps=0, consecutive_signals=1, min_relative_gain=0.1, tail_cv_prior=0.0)
     s, d = p.step(p.initial_state(), obs(0, t, 90, 120, tail=60))
     assert d.resize and d.target == Topology(6, 2) and d.expected_saving_s == pytest.approx(10 * 15)
 

@@ -1,0 +1,17 @@
+"""The pipeline scheduler core (pure): events in, actions out, shared by the simulator and the runtime.
+
+See :mod:`dynaresize.schedule.core` for the state machine and docs/schedule.md for its state diagram.
+"""
+
+from dynaresize.schedule.core import PipelineScheduler, replay
+from dynaresize.schedule.types import (
+    Action, Assign, Decided, Event, GroupsDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
+    ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
+    WeightsArrived, version_of,
+)
+
+__all__ = [
+    "Action", "Assign", "Decided", "Event", "GroupsDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
+    "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerConfig", "SendWeights", "Step",
+    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "WeightsArrived", "replay", "version_of",
+]

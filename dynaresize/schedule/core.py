@@ -1,0 +1,469 @@
+"""The pipeline scheduler core: one event-driven state machine for the one-step-off RL pipeline, with or without
+its step barrier. Pure: events in, actions out; no Redis, no clock, no randomness. The simulator
+(:mod:`dynaresize.sim.samples`) feeds it simulated completions; the runtime coordinator will feed it Redis events.
+
+What it guarantees, whatever the order of the events (``tests/unit/test_schedule_core.py`` checks each):
+
+- every group of every batch is generated exactly once (a lost rank's groups are handed out again), and only by a
+  rank holding version ``version_of(batch)`` at the moment it is assigned: the static one-step-off run's
+  sample-to-version map, exactly;
+- every batch is trained exactly once and in order: ``Train`` chunks of batch ``k`` only after ``T_{k-1}``'s
+  optimizer step, each group in exactly one chunk, ``Step(k)`` once every group of batch ``k`` went through
+  forward/backward (the loss is normalised over the whole batch by the trainer, as in the barrier run);
+- a rank has one role at a time; a rank switches only when it holds no work; the trainer set of ``T_k`` is fixed
+  from its first chunk to its optimizer step.
+
+Mechanisms (:class:`~dynaresize.schedule.types.Mechanisms`):
+
+- *barrier* (both off): the static one-step-off pipeline. Batch ``j`` opens once batch ``j - 1`` is complete
+  and its version exists; then the whole rollout pool receives the version in one blocking sync; ``T_k`` starts once
+  batch ``k`` is complete.
+- *continuous rollout*: no barrier for the rollout pool. A version is sent to every rollout rank the moment it is
+  produced, in the background (double-buffered: ``max_versions_per_rank``); a rank with no work of its current
+  version takes groups of the oldest batch whose version it holds, so the next batch's head fills the current
+  batch's tail. A rank decodes one version at a time (one engine, one set of weights).
+- *streaming training*: ``T_k`` starts on batch ``k``'s complete groups as they arrive (at least
+  ``stream_min_groups`` at a time), accumulates, and steps once the batch is complete.
+- *resizing* on top: at each ``StepMeasured`` the pure :class:`~dynaresize.policy.ResizePolicy` is consulted;
+  rollout ranks at the border stop taking work, drain and switch; trainers at the border leave after the optimizer
+  step of the batch they train (at once if that batch has not started). A new trainer joins at the next batch's
+  first chunk.
+
+Worked example (2 trainers + 2 rollout ranks, batches of 2 groups, s = 1, continuous rollout and streaming)::
+
+    core = PipelineScheduler(SchedulerConfig(4, 2, (2, 2, 2), mechanisms=Mechanisms(True, True)))
+    core.start()                      # -> []   (ranks 2, 3 hold version 0)
+    core.handle(RankReady(2, 1))      # -> [Assign(2, batch=0, groups=(0,), version=0)]
+    core.handle(RankReady(3, 2))      # -> [Assign(3, 0, (1,), 0), Assign(3, 1, (0,), 0)]  batch 1 is version 0 too
+    core.handle(GroupsDone(2, 0, (0,)))  # -> [Train(0, (0,), ranks=(0, 1), first=True)]   streaming: T_0 starts
+                                         #    (rank 2 is free again: the driver sends RankReady(2, 1) ...)
+    core.handle(RankReady(2, 1))      # -> [Assign(2, 1, (1,), 0)]
+    core.handle(TrainChunkDone(0))    # -> []   (group 1 of batch 0 is still decoding on rank 3)
+    core.handle(GroupsDone(3, 0, (1,)))  # -> [Train(0, (1,), (0, 1), first=False)]
+    core.handle(TrainChunkDone(0))    # -> [Step(0, (0, 1))]
+    core.handle(OptimizerStepDone(0)) # -> [SendWeights(2, 1), SendWeights(3, 1)]   version 1, in the background
+                                      #    (T_1 waits for a complete group of batch 1)
+
+See docs/schedule.md for the state diagram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from dynaresize.policy import ResizePolicy, Topology
+from dynaresize.policy.types import PolicyState
+from dynaresize.schedule.types import (
+    Action, Assign, Decided, Event, GroupsDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
+    version_of,
+)
+
+
+@dataclass
+class _Batch:
+    index: int
+    groups: int
+    version: int
+    cursor: int = 0  # next group never handed out
+    returned: list[int] = field(default_factory=list)  # groups of lost ranks, handed out again first
+    owner: dict[int, int] = field(default_factory=dict)  # group -> rank, while in flight
+    held: dict[int, int] = field(default_factory=dict)  # rank -> groups of this batch it has in flight
+    done: set[int] = field(default_factory=set)
+    ready: list[int] = field(default_factory=list)  # complete groups not yet given to the trainers
+    trained: int = 0  # groups given to the trainers
+
+    @property
+    def unclaimed(self) -> bool:
+        return bool(self.returned) or self.cursor < self.groups
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.groups
+
+    def claim(self, n: int) -> tuple[int, ...]:
+        out = self.returned[:n]
+        del self.returned[:n]
+        take = min(n - len(out), self.groups - self.cursor)
+        out.extend(range(self.cursor, self.cursor + take))
+        self.cursor += take
+        return tuple(out)
+
+
+@dataclass
+class _Rank:
+    role: Role | None  # None while switching
+    versions: set[int] = field(default_factory=set)  # weight versions held (rollout)
+    sending: set[int] = field(default_factory=set)  # versions on their way
+    deferred: list[int] = field(default_factory=list)  # versions to send once a buffer is free
+    inflight: int = 0
+    inflight_version: int | None = None
+    capacity: int = 0  # groups the rank asked for and did not get yet
+    leaving: bool = False
+    to: Role | None = None
+    switch_id: int | None = None  # the resize this rank is part of
+    lost: bool = False
+
+
+class PipelineScheduler:
+    """The state machine. ``start()`` once, then ``handle(event)`` for every event; both return actions."""
+
+    def __init__(self, cfg: SchedulerConfig, policy: ResizePolicy | None = None):
+        self.cfg = cfg
+        self.mech = cfg.mechanisms
+        self.s = cfg.staleness
+        self.policy = policy
+        self.policy_state: PolicyState | None = policy.initial_state() if policy is not None else None
+        self.batches = [_Batch(j, g, version_of(j, cfg.staleness)) for j, g in enumerate(cfg.groups)]
+        self.ranks = [_Rank(Role.TRAIN if r < cfg.n_train else Role.ROLLOUT) for r in range(cfg.n_ranks)]
+        for r in self.ranks:
+            if r.role is Role.ROLLOUT:
+                r.versions.add(0)  # every rank starts from the initial weights
+        self.produced = 0  # newest policy version (number of optimizer steps taken)
+        self.first_open = 0  # oldest batch that may still have unclaimed groups
+        self.released = 0  # barrier: batches < released are open to the rollout pool
+        self.t_busy = False  # a chunk or an optimizer step is running
+        self.t_ranks: tuple[int, ...] = ()  # trainer set of the batch in training (fixed from its first chunk)
+        self.t_started = False
+        self.switch_id = 0
+        self.switching: set[int] = set()  # ranks leaving their role or running switch ops
+        self.waiting: set[int] = set()
+        self.restarting = False
+        self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
+
+    # --- public views -----------------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.produced == self.cfg.steps
+
+    def topology(self) -> Topology:
+        """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
+        nt = sum(1 for r in self.ranks if not r.lost and ((r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN))
+        live = sum(1 for r in self.ranks if not r.lost)
+        return Topology(max(1, nt), max(1, live - nt))
+
+    def role(self, rank: int) -> Role | None:
+        return self.ranks[rank].role
+
+    def accepting(self, rank: int) -> bool:
+        """Whether a rollout rank takes new work (not lost, not draining for a switch)."""
+        r = self.ranks[rank]
+        return r.role is Role.ROLLOUT and not r.lost and not r.leaving
+
+    def trainers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost)
+
+    def rollout_ranks(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+
+    # --- entry points -------------------------------------------------------------------------------------------------
+    def start(self) -> list[Action]:
+        out: list[Action] = []
+        self._release(out)
+        return out
+
+    def handle(self, ev: Event) -> list[Action]:
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        match ev:
+            case RankReady(rank, capacity):
+                r = self._rank(rank, Role.ROLLOUT)
+                if r is not None:
+                    r.capacity = max(0, capacity)
+                    self._assign(rank, out)
+            case GroupsDone(rank, batch, groups):
+                self._groups_done(rank, batch, groups, out)
+            case TrainChunkDone(batch):
+                self._chunk_done(batch, out)
+            case OptimizerStepDone(batch):
+                self._step_done(batch, out)
+            case WeightsArrived(rank, version):
+                r = self.ranks[rank]
+                r.sending.discard(version)
+                if not r.lost and r.role is Role.ROLLOUT:
+                    r.versions.add(version)
+                    self._assign(rank, out)
+            case SwitchDone(rank):
+                self._switch_done(rank, out)
+            case RankLost(rank):
+                self._lost(rank, out)
+            case StepMeasured(obs, steps_left):
+                self._measured(obs, steps_left, out)
+            case _:
+                raise ScheduleError(f"unknown event {ev!r}")
+        return out
+
+    # --- rollout ----------------------------------------------------------------------------------------------------
+    def _rank(self, rank: int, role: Role) -> _Rank | None:
+        r = self.ranks[rank]
+        return r if r.role is role and not r.lost else None
+
+    def _open(self, j: int) -> bool:
+        """Whether the rollout pool may take groups of batch ``j`` (versions aside)."""
+        return self.mech.continuous_rollout or j < self.released
+
+    def _assign(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0:
+            self.waiting.discard(rank)
+            return
+        while self.first_open < self.cfg.steps and not self.batches[self.first_open].unclaimed:
+            self.first_open += 1
+        j = self.first_open
+        last = min(self.cfg.steps - 1, self.produced + self.s)  # no later batch has its version yet
+        while r.capacity > 0 and j <= last and self._open(j):
+            b = self.batches[j]
+            usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
+            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
+            if b.unclaimed and usable and room > 0:
+                got = b.claim(min(r.capacity, room))
+                for g in got:
+                    b.owner[g] = rank
+                b.held[rank] = b.held.get(rank, 0) + len(got)
+                r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
+                r.inflight += len(got)
+                r.inflight_version = b.version
+                out.append(Assign(rank, j, got, b.version))
+            j += 1
+        if r.capacity > 0:
+            self.waiting.add(rank)
+        else:
+            self.waiting.discard(rank)
+
+    def _assign_waiting(self, out: list[Action]) -> None:
+        for rank in sorted(self.waiting):
+            self._assign(rank, out)
+
+    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], out: list[Action]) -> None:
+        b = self.batches[batch]
+        r = self.ranks[rank]
+        mine = [g for g in groups if b.owner.get(g) == rank]
+        if len(mine) != len(groups):
+            if r.lost:
+                return  # a late report of a rank already fenced off: its groups were handed out again
+            stray = sorted(set(groups) - set(mine))
+            raise ScheduleError(f"rank {rank} reported groups {stray} of batch {batch} it was not given")
+        b.held[rank] -= len(mine)
+        for g in mine:
+            del b.owner[g]
+            b.done.add(g)
+            b.ready.append(g)
+        r.inflight -= len(mine)
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving:
+                self._start_switch(rank, out)
+        if b.complete:
+            self._prune_and_send(out)
+            self._release(out)
+        self._try_train(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)  # a drained rank may move on to the next version
+
+    def _release(self, out: list[Action]) -> None:
+        """Barrier pipeline: open the next batch once the previous one is complete and its version exists; the pool
+        then receives the version in one blocking sync."""
+        if self.mech.continuous_rollout:
+            return
+        while self.released < self.cfg.steps:
+            j = self.released
+            if j > 0 and not self.batches[j - 1].complete:
+                return
+            v = version_of(j, self.s)
+            if v > self.produced:
+                return
+            self.released += 1
+            for rank in self.rollout_ranks():
+                r = self.ranks[rank]
+                if v not in r.versions and v not in r.sending and not r.leaving:
+                    r.sending.add(v)
+                    out.append(SendWeights(rank, v, blocking=True))
+            self._assign_waiting(out)
+
+    def _batches_of(self, v: int) -> range:
+        """The batches generated by version ``v`` (with s = 1: batches 0 and 1 for version 0, then batch v + 1)."""
+        lo, hi = (0, self.s + 1) if v == 0 else (v + self.s, v + self.s + 1)
+        return range(lo, min(hi, self.cfg.steps))
+
+    def _needed(self, v: int) -> bool:
+        """Whether a batch generated by version ``v`` is not complete yet."""
+        return any(not self.batches[j].complete for j in self._batches_of(v))
+
+    def _prune_and_send(self, out: list[Action]) -> None:
+        """Continuous rollout: drop versions no batch needs any more, then send deferred ones into the free buffers."""
+        if not self.mech.continuous_rollout:
+            return
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            for v in sorted(r.versions):
+                if len(r.versions) > 1 and v != r.inflight_version and not self._needed(v) and v < self.produced:
+                    r.versions.discard(v)
+            while r.deferred and len(r.versions) + len(r.sending) < self.cfg.max_versions_per_rank:
+                v = r.deferred.pop(0)
+                r.sending.add(v)
+                out.append(SendWeights(rank, v))
+
+    def _send_new_version(self, v: int, out: list[Action]) -> None:
+        if not self._batches_of(v):
+            return  # no batch is generated by this version
+        if not self.mech.continuous_rollout:
+            self._release(out)
+            return
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            if r.leaving:
+                continue
+            r.deferred.append(v)
+        self._prune_and_send(out)
+
+    # --- training -----------------------------------------------------------------------------------------------
+    def _try_train(self, out: list[Action]) -> None:
+        k = self.produced
+        if self.t_busy or k >= self.cfg.steps or self.restarting:
+            return
+        b = self.batches[k]
+        left = b.groups - b.trained
+        if left == 0:
+            return
+        if self.mech.streaming_training:
+            if len(b.ready) < min(self.cfg.stream_min_groups, left):
+                return
+        elif not b.complete:
+            return
+        first = not self.t_started
+        if first:
+            self._trainers_leave_now(out)
+            self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
+            self.t_started = True
+        chunk = tuple(b.ready)
+        b.ready.clear()
+        b.trained += len(chunk)
+        self.t_busy = True
+        out.append(Train(k, chunk, self.t_ranks, first))
+
+    def _chunk_done(self, batch: int, out: list[Action]) -> None:
+        if batch != self.produced or not self.t_busy:
+            raise ScheduleError(f"training chunk of batch {batch} finished, but batch {self.produced} is in training")
+        self.t_busy = False
+        b = self.batches[batch]
+        if b.trained == b.groups:
+            self.t_busy = True
+            out.append(Step(batch, self.t_ranks))
+        else:
+            self._try_train(out)
+
+    def _step_done(self, batch: int, out: list[Action]) -> None:
+        if batch != self.produced or not self.t_busy:
+            raise ScheduleError(f"optimizer step of batch {batch} finished, but batch {self.produced} is in training")
+        self.t_busy = False
+        self.t_started = False
+        self.produced = batch + 1
+        for rank in self.t_ranks:
+            r = self.ranks[rank]
+            if r.leaving and not r.lost:
+                self._start_switch(rank, out)
+        self._send_new_version(self.produced, out)
+        self._try_train(out)
+        self._assign_waiting(out)
+
+    def _trainers_leave_now(self, out: list[Action]) -> None:
+        for rank, r in enumerate(self.ranks):
+            if r.role is Role.TRAIN and r.leaving and not r.lost:
+                self._start_switch(rank, out)
+
+    # --- resizing ------------------------------------------------------------------------------------------------
+    def _measured(self, obs, steps_left: int, out: list[Action]) -> None:
+        if self.policy is None or not self.mech.resize or self.switching:
+            return
+        obs = replace(obs, topology=self.topology(), steps_left=steps_left)  # the payback horizon ends with the run
+        self.policy_state, dec = self.policy.step(self.policy_state, obs)
+        cur = self.topology()
+        if not dec.resize or dec.target == cur or dec.target.total != cur.total:
+            out.append(Decided(obs.step, dec))
+            return
+        sid = self.switch_id
+        self.switch_id += 1
+        out.append(Decided(obs.step, dec, sid))
+        delta = dec.target.n_train - cur.n_train
+        if delta > 0:  # rollout ranks at the border become trainers
+            movers = [i for i in self.rollout_ranks() if not self.ranks[i].leaving][:delta]
+            for rank in movers:
+                r = self.ranks[rank]
+                r.leaving, r.to, r.switch_id = True, Role.TRAIN, sid
+                self.switching.add(rank)
+                self.waiting.discard(rank)
+                r.capacity = 0
+                if r.inflight == 0:
+                    self._start_switch(rank, out)
+        else:  # trainers at the border become rollout ranks after the step they are in
+            movers = [i for i in self.trainers() if not self.ranks[i].leaving][delta:]
+            for rank in movers:
+                r = self.ranks[rank]
+                r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+                self.switching.add(rank)
+                if not (self.t_started and rank in self.t_ranks):
+                    self._start_switch(rank, out)
+
+    def _start_switch(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.role is None:
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
+        r.role = None
+        r.leaving = False
+        r.versions.clear()
+        r.sending.clear()
+        r.deferred.clear()
+        out.append(Switch(rank, r.to, r.switch_id))
+
+    def _switch_done(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.role is not None or r.to is None:
+            raise ScheduleError(f"rank {rank} finished a switch it was not told to make")
+        r.role, r.to, r.switch_id = r.to, None, None
+        self.switching.discard(rank)
+        if r.lost:
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout += 1
+            r.versions = {self.produced}  # a former trainer holds the newest weights
+            self._release(out)
+        else:
+            self._try_train(out)
+
+    # --- faults ------------------------------------------------------------------------------------------------
+    def _lost(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.lost:
+            return
+        r.lost = True
+        self.waiting.discard(rank)
+        self.switching.discard(rank)
+        if r.role is Role.TRAIN:  # its optimizer state and gradients are gone: the runtime's restart path
+            self.restarting = True
+            out.append(Restart(rank, f"trainer rank {rank} lost: every rank restarts from the newest checkpoint"))
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
+        returned = False
+        for b in self.batches[self.produced:]:  # batches before it are complete
+            mine = sorted(g for g, owner in b.owner.items() if owner == rank)
+            for g in mine:
+                del b.owner[g]
+            b.held.pop(rank, None)
+            if mine:
+                b.returned = sorted(b.returned + mine)
+                self.first_open = min(self.first_open, b.index)
+                returned = True
+        r.inflight, r.capacity, r.inflight_version = 0, 0, None
+        if returned:
+            self._assign_waiting(out)
+
+
+def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:
+    """Feed ``events`` to a fresh core; the actions of ``start()`` then of each event (for replay tests)."""
+    core = PipelineScheduler(cfg, policy)
+    return [core.start()] + [core.handle(e) for e in events]

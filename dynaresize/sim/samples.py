@@ -1,0 +1,516 @@
+"""The sample-level simulator: per-GPU continuous batching, driven by the pure scheduler core.
+
+Where the step-level model (:mod:`dynaresize.sim.engine`) prices a whole rollout stage with one formula, this one
+follows every rollout GPU: sequences enter and leave its batch, each decode iteration costs
+``iteration_fixed_s + sum of the active sequences' per-iteration costs`` (compute and KV reads, from
+:class:`~dynaresize.sim.stages.StepPhysics`), and KV memory caps how many sequences a GPU holds. So a GPU whose last
+long response decodes alone runs at a few percent of its throughput, and a GPU with nothing left is idle, and both
+show in the event log (one ``stage`` interval per rank and batch, from the first admission to the last response).
+
+Who decides what: the :class:`~dynaresize.schedule.PipelineScheduler` (the same core the runtime will drive) hands
+out groups, starts training chunks and optimizer steps, sends weight versions and switches roles. This module only
+turns its actions into simulated durations and its events into the core's inputs:
+
+- a rollout rank claims work (``RankReady``) when its free slots reach ``claim`` sequences (a few groups) or when
+  it has drained; the groups it gets start at once, after their prefill (which stalls that GPU's decoding);
+- a group is done when its last response ends (``GroupsDone`` at that exact time);
+- a training chunk of groups costs their share of the batch's trained tokens at the trainers' rate
+  (``TrainPhysicsConfig``), the optimizer step ``step_overhead_s``; so in the barrier schedule a training stage
+  costs exactly what the step-level model says;
+- a weight version reaches a rank ``weight_sync_s`` after it was sent (blocking in the barrier pipeline, in the
+  background of decoding otherwise: NCCL's copy is assumed not to slow the decode, ASSUMPTION);
+- a role switch costs the ops of :class:`~dynaresize.policy.SwitchCostModel`'s plan: the moving ranks' critical ops
+  before they work in their new role, the staying trainers' critical ops (and any deferred optimizer state that
+  the first forward/backward cannot hide) on the first training chunk of the new trainer set.
+
+The resize policy observes capacities, not overlapping stage times: per finished step, the GPU-seconds its rollout
+kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation``.
+
+Assumptions beyond the step-level model's (also in docs/simulator.md): claims in chunks of ``claim`` sequences (a
+GPU admits new sequences a few groups at a time, not one by one); a GPU holds one weight version at a time; per
+sequence, the per-iteration cost uses its batch's mean context; no preemption of running sequences.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynaresize.events import Event, EventType, format_ranks, make_event
+from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostModel, Topology
+from dynaresize.schedule import (
+    Assign, Decided, GroupsDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
+    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
+)
+from dynaresize.sim.engine import RunResult
+from dynaresize.sim.stages import StageTable
+
+_EPS = 1e-9
+
+
+@dataclass
+class _Traj:
+    """A rank's decoding from ``t0`` on if nothing new is admitted: completion time of each active sequence."""
+
+    t0: float
+    ends: np.ndarray  # per active sequence, absolute completion time
+    t_marks: np.ndarray  # sorted completion times (segment ends)
+    r_marks: np.ndarray  # iterations done at each mark
+    cost: np.ndarray  # seconds per iteration in each segment
+    groups: list[tuple[float, int]]  # (completion time, local group id), sorted
+    gptr: int = 0
+
+
+class DecodeRank:
+    """One rollout GPU under continuous batching (vectorised over its active sequences)."""
+
+    def __init__(self, rank: int, w: float):
+        self.rank, self.w = rank, w
+        self.rem = np.empty(0)
+        self.u = np.empty(0)
+        self.gid = np.empty(0, dtype=np.int64)
+        self.gkey: dict[int, tuple[int, int]] = {}  # local group id -> (batch, group)
+        self.next_gid = 0
+        self.slots = 1
+        self.traj: _Traj | None = None
+        self.token = 0
+        self.t_valid = 0.0
+
+    @property
+    def active(self) -> int:
+        return len(self.rem)
+
+    def advance(self, t: float) -> None:
+        """Drop the sequences that ended by ``t`` (``rem`` stays counted from the trajectory's start)."""
+        tr = self.traj
+        if tr is not None and len(self.rem):
+            keep = tr.ends > t + _EPS
+            if not keep.all():
+                self.rem, self.u, self.gid, tr.ends = self.rem[keep], self.u[keep], self.gid[keep], tr.ends[keep]
+        self.t_valid = max(self.t_valid, t)
+
+    def _remaining(self, t: float) -> np.ndarray:
+        """Tokens each active sequence still has to decode at ``t``."""
+        tr = self.traj
+        if tr is None or t <= tr.t0:
+            return self.rem
+        i = int(np.searchsorted(tr.t_marks, t, side="right"))
+        if i >= len(tr.t_marks):
+            done_iter = float(tr.r_marks[-1])
+        else:
+            t_prev = tr.t_marks[i - 1] if i > 0 else tr.t0
+            r_prev = tr.r_marks[i - 1] if i > 0 else 0.0
+            done_iter = r_prev + (t - t_prev) / tr.cost[i]
+        return np.maximum(self.rem - done_iter, _EPS)
+
+    def admit(self, t: float, lengths: np.ndarray, u: float, keys: list[tuple[int, int]], group_size: int,
+              pause: float) -> None:
+        """Sequences of the groups ``keys`` (``group_size`` consecutive lengths each) start at ``t + pause``; the
+        prefill pause stalls the sequences already decoding too."""
+        self.advance(t)
+        gids = np.repeat(np.arange(self.next_gid, self.next_gid + len(keys)), group_size)
+        for i, k in enumerate(keys):
+            self.gkey[self.next_gid + i] = k
+        self.next_gid += len(keys)
+        self.rem = np.concatenate([self._remaining(t), lengths])
+        self.u = np.concatenate([self.u, np.full(len(lengths), u)])
+        self.gid = np.concatenate([self.gid, gids])
+        self._plan(t, pause)
+
+    def _plan(self, t: float, pause: float) -> None:
+        n = len(self.rem)
+        if n == 0:
+            self.traj = None
+            return
+        t0 = t + pause
+        order = np.argsort(self.rem, kind="stable")
+        r = self.rem[order]
+        seg = np.diff(r, prepend=0.0)
+        su = np.cumsum(self.u[order][::-1])[::-1]
+        cost = self.w + su
+        t_marks = t0 + np.cumsum(seg * cost)
+        ends = np.empty(n)
+        ends[order] = t_marks
+        gend: dict[int, float] = {}
+        for g, e in zip(self.gid[order][::-1].tolist(), t_marks[::-1].tolist()):
+            if g not in gend:
+                gend[g] = e  # the last sequence of a group in completion order
+        groups = sorted((e, g) for g, e in gend.items())
+        self.traj = _Traj(t0, ends, t_marks, r, cost, groups)
+        self.t_valid = t
+
+    def next_group_time(self) -> float:
+        tr = self.traj
+        return tr.groups[tr.gptr][0] if tr is not None and tr.gptr < len(tr.groups) else math.inf
+
+    def pop_groups(self, t: float) -> list[tuple[int, int]]:
+        """Groups whose last response ended by ``t``."""
+        tr = self.traj
+        out = []
+        while tr is not None and tr.gptr < len(tr.groups) and tr.groups[tr.gptr][0] <= t + _EPS:
+            g = tr.groups[tr.gptr][1]
+            tr.gptr += 1
+            out.append(self.gkey.pop(g))
+        return out
+
+    def claim_time(self, claim: int) -> float:
+        """When the free slots reach ``claim`` sequences (or the rank drains)."""
+        tr = self.traj
+        free = self.slots - self.active
+        if free >= claim or tr is None:
+            return self.t_valid
+        k = min(claim - free, len(tr.t_marks)) - 1
+        return float(np.sort(tr.ends)[k]) if k >= 0 else self.t_valid
+
+    def drain_time(self) -> float:
+        return float(self.traj.t_marks[-1]) if self.traj is not None else self.t_valid
+
+
+@dataclass
+class _BatchInfo:
+    lengths: np.ndarray
+    group_size: int
+    groups: int
+    u: float
+    cap: int
+    prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
+    train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
+    samples: int
+    tokens_generated: int
+    tokens_trained: int
+    tail_s: float
+
+
+@dataclass
+class SampleRunResult(RunResult):
+    versions: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, group) -> version that made it
+    busy_rollout_gpu_s: float = 0.0
+    busy_train_gpu_s: float = 0.0
+    gpus: int = 0
+
+
+class SamplePipeline:
+    """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
+
+    READY, GROUP, TRAIN, STEP, WEIGHTS, SWITCH = range(6)
+
+    def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
+                 costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
+                 overlap_fraction: float = 0.9, claim_groups: int = 4, stream_chunks: int = 8,
+                 record_versions: bool = False):
+        self.name, self.tab, self.costs, self.log = name, table, costs, log
+        self.N, self.K, self.s = initial.total, table.steps, staleness
+        self.initial, self.mech, self.policy = initial, mechanisms, policy
+        self.overlap, self.claim_groups, self.record = overlap_fraction, claim_groups, record_versions
+        sim = table.sim
+        self.w = sim.rollout.iteration_fixed_s
+        self.sync_s = costs.weight_sync_s()
+        self.train_cfg = sim.train
+        self.info: dict[int, _BatchInfo] = {}
+        groups = tuple(self._batch(j).groups for j in range(self.K))
+        stream_min = max(1, min(groups) // max(1, stream_chunks))
+        self.core = PipelineScheduler(SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min),
+                                      policy if mechanisms.resize else None)
+        self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
+        self.heap: list = []
+        self.seq = 0
+        self.ev: list[Event] = []
+        self.res = SampleRunResult(name, 0.0, 0, self.K, gpus=self.N)
+        self.rank_batch: dict[tuple[int, int], list[float]] = {}  # (rank, batch) -> [first admission, last end]
+        self.step_busy: dict[int, float] = {}  # batch -> rollout GPU-seconds
+        self.train_busy: dict[int, float] = {}  # batch -> trainer compute seconds (wall, on its trainer set)
+        self.train_start: dict[int, float] = {}
+        self.prev_trainers: tuple[int, ...] = tuple(range(initial.n_train))
+        self.switch_plans: dict[int, tuple[float, float, float, float]] = {}  # sid -> (moving, trainers, bg, overhead)
+        self.pending_trainer_cost = 0.0
+        self.pending_bg = 0.0
+        self.step_mixed: set[int] = set()
+        self.open_switches: dict[int, int] = {}  # sid -> ranks still switching
+        self.topology_at_step: dict[int, Topology] = {}
+        self.busy_start: dict[int, float] = {}
+        self.topo = initial  # the split the last decision aimed at
+
+    # --- workload -----------------------------------------------------------------------------------------------
+    def _batch(self, j: int) -> _BatchInfo:
+        bi = self.info.get(j)
+        if bi is None:
+            ph = self.tab.physics(j)
+            b = ph.batch
+            G = b.group_size
+            n_groups = b.prompts_generated
+            L = b.lengths
+            per_group_tokens = L.reshape(n_groups, G).sum(axis=1)
+            if self.tab.sim.workload.trained_tokens == "sequence":
+                per_group_tokens = per_group_tokens + G * b.prompt_lengths
+            per_group_tokens = per_group_tokens * b.kept.reshape(n_groups, G)[:, 0]  # dropped groups train nothing
+            share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
+            train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
+            prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
+            bi = _BatchInfo(L, G, n_groups, ph.u, ph.cap, prefill, train_gpu_s, b.samples,
+                            b.tokens_generated, b.tokens_trained, ph.tail_s)
+            self.info[j] = bi
+        return bi
+
+    # --- event plumbing -------------------------------------------------------------------------------------------
+    def push(self, t: float, kind: int, key: int, payload=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, key, payload))
+
+    def emit(self, t: float, etype: EventType, **data) -> None:
+        if self.log:
+            self.ev.append(make_event(etype, round(t, 6), **data))
+
+    def _schedule_rank(self, rank: int, t: float) -> None:
+        dr = self.ranks[rank]
+        nxt = min(dr.next_group_time(), self._claim_at(dr))
+        dr.token += 1  # only the newest scheduled event of a rank counts
+        if nxt < math.inf:
+            self.push(max(nxt, t), self.READY, rank, dr.token)
+
+    def _claim_at(self, dr: DecodeRank) -> float:
+        if not self.core.accepting(dr.rank):
+            return math.inf  # draining for a switch: only its completions matter
+        if dr.rank in self.core.waiting and dr.active > 0:
+            return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
+        if dr.rank in self.core.waiting:
+            return math.inf  # woken by the core's actions
+        return dr.claim_time(self._claim_seqs(dr))
+
+    def _claim_seqs(self, dr: DecodeRank) -> int:
+        return max(1, min(dr.slots, self.G * self.claim_groups))
+
+    @property
+    def G(self) -> int:
+        return self._batch(0).group_size
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> SampleRunResult:
+        t0w = time.perf_counter()
+        topo = self.initial
+        self.emit(0.0, EventType.TOPOLOGY, step=0, train_ranks=format_ranks(range(topo.n_train)),
+                  rollout_ranks=format_ranks(range(topo.n_train, self.N)))
+        for r in range(self.N):
+            self.ranks[r].slots = self._batch(0).cap
+        self.do(0.0, self.core.start())
+        for r in self.core.rollout_ranks():
+            self.do(0.0, self.core.handle(RankReady(r, self._capacity(self.ranks[r]))))
+        for r in self.core.rollout_ranks():
+            self._schedule_rank(r, 0.0)
+        t = 0.0
+        while self.heap and not self.core.finished:
+            t, _, kind, key, payload = heapq.heappop(self.heap)
+            if kind == self.READY:
+                self._rank_event(t, key, payload)
+            elif kind == self.TRAIN:
+                self.do(t, self.core.handle(TrainChunkDone(key)))
+            elif kind == self.STEP:
+                self._step_done(t, key)
+            elif kind == self.WEIGHTS:
+                self.do(t, self.core.handle(WeightsArrived(key, payload)))
+            elif kind == self.SWITCH:
+                self._switch_done(t, key, payload)
+        if not self.core.finished:
+            raise RuntimeError(f"{self.name}: the simulated pipeline stalled at t={t:.1f}s before step {self.core.produced}")
+        r = self.res
+        r.total_s = t
+        r.samples = sum(self._batch(j).samples for j in range(self.K))
+        r.wall_s = time.perf_counter() - t0w
+        if self.log:
+            self.ev.sort(key=lambda e: e.t)
+            r.events = self.ev
+        return r
+
+    def _capacity(self, dr: DecodeRank) -> int:
+        free = dr.slots - dr.active
+        return max(1 if dr.active == 0 else 0, free // self.G)
+
+    def _rank_event(self, t: float, rank: int, token: int) -> None:
+        dr = self.ranks[rank]
+        if token != dr.token or self.core.role(rank) is not Role.ROLLOUT:
+            return
+        done = dr.pop_groups(t)
+        dr.advance(t)
+        by_batch: dict[int, list[int]] = {}
+        for b, g in done:
+            by_batch.setdefault(b, []).append(g)
+            self.rank_batch[(rank, b)][1] = t
+        for b, gs in by_batch.items():
+            self.do(t, self.core.handle(GroupsDone(rank, b, tuple(gs))))
+        if dr.active == 0:
+            self._idle(rank, t)
+        if self.core.role(rank) is Role.ROLLOUT:
+            cap = self._capacity(dr)
+            if cap > 0 and (dr.slots - dr.active >= self._claim_seqs(dr) or dr.active == 0):
+                self.do(t, self.core.handle(RankReady(rank, cap)))
+        self._schedule_rank(rank, t)
+
+    def _idle(self, rank: int, t: float) -> None:
+        s = self.busy_start.pop(rank, None)
+        if s is not None:
+            self.res.busy_rollout_gpu_s += t - s
+
+    # --- actions --------------------------------------------------------------------------------------------------
+    def do(self, t: float, actions) -> None:
+        for a in actions:
+            match a:
+                case Assign(rank, batch, groups, version):
+                    self._assign(t, rank, batch, groups, version)
+                case Train(batch, groups, ranks, first):
+                    self._train(t, batch, groups, ranks, first)
+                case Step(batch, ranks):
+                    dur = self.train_cfg.step_overhead_s
+                    self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
+                    self.res.busy_train_gpu_s += dur * len(ranks)
+                    self.push(t + dur, self.STEP, batch, (t, ranks))
+                case SendWeights(rank, version, blocking):
+                    self.push(t + self.sync_s, self.WEIGHTS, rank, version)
+                    if blocking and self.log:
+                        self.emit(t, EventType.STAGE, step=version + self.s, stage="weight_sync", ranks=str(rank),
+                                  start=round(t, 6), end=round(t + self.sync_s, 6))
+                case Switch(rank, to, sid):
+                    self._switch(t, rank, to, sid)
+                case Decided(step, dec, sid):
+                    self._decided(t, step, dec, sid)
+                case Restart():
+                    raise RuntimeError("a trainer was lost in the simulator (not modelled)")
+
+    def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
+        bi = self._batch(batch)
+        dr = self.ranks[rank]
+        G = bi.group_size
+        idx = (np.asarray(groups)[:, None] * G + np.arange(G)[None, :]).ravel()
+        if dr.active == 0:
+            dr.slots = bi.cap
+            self.busy_start[rank] = t
+        else:
+            dr.slots = min(dr.slots, bi.cap)
+        dr.admit(t, bi.lengths[idx], bi.u, [(batch, g) for g in groups], G, float(bi.prefill_s[list(groups)].sum()))
+        key = (rank, batch)
+        if key not in self.rank_batch:
+            self.rank_batch[key] = [t, t]
+        if self.record:
+            for g in groups:
+                self.res.versions[(batch, g)] = version
+        self._schedule_rank(rank, t)
+
+    def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
+        bi = self._batch(batch)
+        n = len(ranks)
+        eff = self.train_cfg.scaling_per_doubling ** math.log2(n) if n > 1 else 1.0
+        dur = float(bi.train_per_group[list(groups)].sum()) / (n * eff)
+        extra = 0.0
+        if first:
+            self.train_start[batch] = t
+            self.topology_at_step[batch] = Topology(n, max(1, self.N - n))
+            if ranks != self.prev_trainers:  # a new trainer set: the staying trainers rebuild first
+                extra = self.pending_trainer_cost
+                self.pending_trainer_cost = 0.0
+                self.step_mixed.add(batch)
+                self.prev_trainers = ranks
+            full = float(bi.train_per_group.sum()) / (n * eff)
+            extra += max(0.0, self.pending_bg - self.overlap * full)  # deferred state the fwd/bwd cannot hide
+            self.pending_bg = 0.0
+            self.res.critical_s += extra
+        self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
+        self.res.busy_train_gpu_s += (dur + extra) * n
+        if self.log:
+            self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=format_ranks(ranks), start=round(t, 6),
+                      end=round(t + extra + dur, 6), tokens=bi.tokens_trained if first else 0,
+                      samples=len(groups) * bi.group_size)
+        self.push(t + extra + dur, self.TRAIN, batch)
+
+    def _step_done(self, t: float, batch: int) -> None:
+        bi = self._batch(batch)
+        self.do(t, self.core.handle(OptimizerStepDone(batch)))
+        if self.log:
+            self.emit(self.train_start.get(batch, t), EventType.STEP_START, step=batch)
+            self.emit(t, EventType.STEP_END, step=batch, samples=bi.samples, tokens_generated=bi.tokens_generated,
+                      tokens_trained=bi.tokens_trained)
+            for (rank, b), (a, e) in list(self.rank_batch.items()):
+                if b == batch:
+                    self.emit(a, EventType.STAGE, step=b, stage="rollout", ranks=str(rank), start=round(a, 6),
+                              end=round(e, 6), version=max(0, b - self.s))
+        spans = [e - a for (rank, b), (a, e) in self.rank_batch.items() if b == batch]
+        for key in [k for k in self.rank_batch if k[1] == batch]:
+            del self.rank_batch[key]
+        topo = self.topology_at_step.get(batch, self.core.topology())
+        self.res.topologies.append(str(topo))
+        if self.policy is not None and self.mech.resize and batch < self.K - 1:
+            # capacity, not overlapping wall time: with the barrier the pool waits for its slowest rank (the longest
+            # busy span); without it a rank that finishes early moves on, so the pool's capacity is the mean span
+            n_r = max(1, topo.n_rollout)
+            roll = sum(spans) / n_r if self.mech.continuous_rollout else max(spans, default=0.0)
+            obs = Observation(
+                step=batch, topology=self.core.topology(), rollout_s=roll,
+                train_s=self.train_busy.get(batch, 0.0), rollout_tail_s=bi.tail_s,
+                weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
+                tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
+                mixed=batch in self.step_mixed or bool(self.core.switching) or topo != self.core.topology(),
+            )
+            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1)))
+        self.info.pop(batch - 2, None)
+
+    # --- switches -------------------------------------------------------------------------------------------------
+    def _decided(self, t: float, step: int, dec, sid: int | None) -> None:
+        if self.log:
+            extra = {}
+            if dec.resize:
+                extra = dict(target_train=dec.target.n_train, target_rollout=dec.target.n_rollout,
+                             expected_saving_s=round(dec.expected_saving_s, 6), cost_s=round(dec.critical_cost_s, 6))
+            self.emit(t, EventType.DECISION, step=step, action=dec.action.value, reason=dec.reason,
+                      imbalance=round(dec.imbalance, 6), **extra)
+        if sid is None:
+            return
+        old = self.topo
+        plan = self.costs.plan(old, dec.target)
+        crit = {g: 0.0 for g in OpGroup}
+        bg = 0.0
+        for p in plan:
+            if p.critical:
+                crit[p.group] += p.cost_s
+            elif p.group is OpGroup.TRAINERS:
+                bg += p.cost_s
+        overhead = sum(p.cost_s for p in plan)
+        self.switch_plans[sid] = (crit[OpGroup.MOVING] + crit[OpGroup.ALL], crit[OpGroup.TRAINERS], bg, overhead)
+        self.open_switches[sid] = abs(dec.target.n_train - old.n_train)
+        self.pending_trainer_cost += crit[OpGroup.TRAINERS]
+        self.pending_bg += bg
+        self.res.switches += 1
+        self.res.overhead_s += overhead
+        self.topo = dec.target
+        if self.log:
+            self.emit(t, EventType.SWITCH_START, switch_id=f"s{sid}", step=step, from_train=old.n_train,
+                      from_rollout=old.n_rollout, to_train=dec.target.n_train, to_rollout=dec.target.n_rollout,
+                      planned_critical_s=round(dec.critical_cost_s, 6), mode="optimized")
+            self.emit(t, EventType.TOPOLOGY, step=step, train_ranks=format_ranks(range(dec.target.n_train)),
+                      rollout_ranks=format_ranks(range(dec.target.n_train, self.N)))
+
+    def _switch(self, t: float, rank: int, to: Role, sid: int) -> None:
+        moving, _, _, _ = self.switch_plans.get(sid, (0.0, 0.0, 0.0, 0.0))
+        dr = self.ranks[rank]
+        if to is Role.TRAIN:
+            self._idle(rank, t)
+            dr.token += 1
+        if self.log:
+            self.emit(t, EventType.ROLE_CHANGE, step=self.core.produced, ranks=str(rank),
+                      from_role="rollout" if to is Role.TRAIN else "train", to_role=to.value)
+            self.emit(t, EventType.SWITCH_OP, switch_id=f"s{sid}", op="offload", ranks=str(rank), start=round(t, 6),
+                      end=round(t + moving, 6), critical=True)
+        self.push(t + moving, self.SWITCH, rank, sid)
+
+    def _switch_done(self, t: float, rank: int, sid: int) -> None:
+        self.do(t, self.core.handle(SwitchDone(rank)))
+        if self.core.role(rank) is Role.ROLLOUT:
+            dr = self.ranks[rank]
+            dr.slots = self._batch(min(self.K - 1, self.core.produced + self.s)).cap
+            self.do(t, self.core.handle(RankReady(rank, self._capacity(dr))))
+            self._schedule_rank(rank, t)
+        self.open_switches[sid] -= 1
+        if self.open_switches[sid] == 0 and self.log:
+            _, trainers, _, overhead = self.switch_plans[sid]
+            self.emit(t, EventType.SWITCH_END, switch_id=f"s{sid}", critical_path_s=round(trainers, 6),
+                      hidden_s=round(max(0.0, overhead - trainers), 6))

@@ -1,0 +1,288 @@
+"""The pipeline scheduler core's invariants, without hardware: random event orders drawn by hypothesis.
+
+A small world model plays the ranks: it answers every action the core returns with the event that action leads to,
+and hypothesis picks which pending event happens next (so completions, weight arrivals, switch ends, losses and
+claims interleave in any order). After every action the world checks the contract:
+
+- a group is generated only by a rank holding ``version_of(batch)``, each group exactly once (a lost rank's groups
+  again, elsewhere), and a rank decodes one version at a time;
+- batches are trained in order, each group in exactly one chunk, only once complete; ``Step(k)`` after all of them;
+- no rank is a trainer and a rollout rank at once; a rank switches only without work;
+- the run finishes (every optimizer step taken) unless a trainer was lost (then the core asks for a restart).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dynaresize.policy import Topology
+from dynaresize.policy.types import Action as PolicyAction
+from dynaresize.policy.types import Decision, Observation, PolicyState
+from dynaresize.schedule import (
+    Assign, Decided, GroupsDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
+    ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
+    WeightsArrived, version_of,
+)
+
+pytestmark = pytest.mark.unit
+
+
+class ScriptedPolicy:
+    """A fake resize policy with the real interface (``initial_state``/``step``): resizes to the splits it is given,
+    one per consultation, then holds."""
+
+    def __init__(self, script: list[int]):
+        self.script = list(script)
+
+    def initial_state(self) -> PolicyState:
+        return PolicyState()
+
+    def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
+        if not self.script:
+            return state, Decision(PolicyAction.HOLD, obs.topology, "script done")
+        nt = max(1, min(obs.topology.total - 1, self.script.pop(0)))
+        target = Topology(nt, obs.topology.total - nt)
+        return state, Decision(PolicyAction.RESIZE, target, "scripted")
+
+
+@dataclass
+class World:
+    core: PipelineScheduler
+    cfg: SchedulerConfig
+    slots: int
+    pending: list = field(default_factory=list)  # events that may happen next
+    held: dict[int, set[int]] = field(default_factory=dict)  # rank -> versions it really holds
+    inflight: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)  # rank -> (batch, group, version)
+    generated: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, group) -> version that made it
+    trained: dict[int, set[int]] = field(default_factory=dict)
+    steps_done: int = 0
+    chunk: Train | None = None
+    stepping: int | None = None
+    lost: set[int] = field(default_factory=set)
+    restarted: bool = False
+    switches: int = 0
+    losses_left: int = 1
+
+    def __post_init__(self) -> None:
+        for r in range(self.cfg.n_ranks):
+            self.held[r] = {0} if r >= self.cfg.n_train else set()
+            self.inflight[r] = []
+
+    # the world's reaction to the core's actions, with the contract checked on each
+    def apply(self, actions) -> None:
+        for a in actions:
+            match a:
+                case Assign(rank, batch, groups, version):
+                    assert rank not in self.lost
+                    assert self.core.role(rank) is Role.ROLLOUT
+                    assert version == version_of(batch, self.cfg.staleness), "sample-to-version map broken"
+                    assert version in self.held[rank], f"rank {rank} lacks version {version}"
+                    assert all(v == version for _, _, v in self.inflight[rank]), "two versions on one rank"
+                    for g in groups:
+                        assert (batch, g) not in self.generated, f"group {g} of batch {batch} assigned after it was made"
+                        self.inflight[rank].append((batch, g, version))
+                case Train(batch, groups, ranks, first):
+                    assert self.chunk is None and self.stepping is None
+                    assert batch == self.steps_done, "batches trained out of order"
+                    assert all(self.core.role(r) is Role.TRAIN for r in ranks) and ranks
+                    for g in groups:
+                        assert (batch, g) in self.generated, "trained a group before it was generated"
+                        assert g not in self.trained.setdefault(batch, set()), "group trained twice"
+                        self.trained[batch].add(g)
+                    self.chunk = a
+                    self.pending.append(TrainChunkDone(batch))
+                case Step(batch, ranks):
+                    assert batch == self.steps_done and self.chunk is None
+                    assert self.trained.get(batch, set()) == set(range(self.cfg.groups[batch])), "step before the batch trained"
+                    self.stepping = batch
+                    self.pending.append(OptimizerStepDone(batch))
+                case SendWeights(rank, version, _):
+                    assert version <= self.steps_done
+                    self.pending.append(WeightsArrived(rank, version))
+                case Switch(rank, to, _):
+                    assert not self.inflight[rank], "switched a rank that holds work"
+                    if self.chunk is not None:
+                        assert rank not in self.chunk.ranks, "a trainer left in the middle of a batch"
+                    self.held[rank] = set()
+                    self.switches += 1
+                    self.pending.append(("switch", rank, to))
+                case Decided():
+                    pass
+                case Restart():
+                    self.restarted = True
+                case _:
+                    raise AssertionError(f"unexpected action {a!r}")
+
+    def enabled(self) -> list:
+        ev = list(self.pending)
+        for r in range(self.cfg.n_ranks):
+            if r in self.lost or self.core.role(r) is not Role.ROLLOUT:
+                continue
+            free = self.slots - len(self.inflight[r])
+            if free > 0:
+                ev.append(RankReady(r, free))
+            for batch, g, _ in self.inflight[r]:
+                ev.append(GroupsDone(r, batch, (g,)))
+            if self.losses_left > 0 and self.inflight[r] and len(self.core.rollout_ranks()) > 1:  # loses work
+                ev.append(RankLost(r))
+        return ev
+
+    def fire(self, ev) -> None:
+        if ev in self.pending:
+            self.pending.remove(ev)
+        match ev:
+            case GroupsDone(rank, batch, (g,)):
+                v = next(v for b, gg, v in self.inflight[rank] if (b, gg) == (batch, g))
+                self.inflight[rank].remove((batch, g, v))
+                self.generated[(batch, g)] = v
+            case TrainChunkDone():
+                self.chunk = None
+            case OptimizerStepDone(batch):
+                self.stepping = None
+                self.steps_done = batch + 1
+            case WeightsArrived(rank, version):
+                if rank in self.lost:
+                    return
+                self.held[rank].add(version)
+            case RankLost(rank):
+                self.lost.add(rank)
+                self.losses_left -= 1
+                self.inflight[rank] = []
+                self.pending = [p for p in self.pending if not (isinstance(p, WeightsArrived) and p.rank == rank)]
+            case ("switch", rank, to):
+                if to is Role.ROLLOUT:
+                    self.held[rank] = {self.steps_done}
+                self.apply(self.core.handle(SwitchDone(rank)))
+                return
+        self.apply(self.core.handle(ev))
+        if isinstance(ev, OptimizerStepDone) and isinstance(self.core.policy, ScriptedPolicy):
+            obs = Observation(step=ev.batch, topology=self.core.topology(), rollout_s=1.0, train_s=1.0)
+            self.apply(self.core.handle(StepMeasured(obs, self.cfg.steps - self.steps_done)))
+
+
+def run_world(cfg: SchedulerConfig, choices, slots: int, script: list[int] | None = None, losses: int = 0) -> World:
+    core = PipelineScheduler(cfg, ScriptedPolicy(script) if script is not None else None)
+    w = World(core, cfg, slots, losses_left=losses)
+    w.apply(core.start())
+    for _ in range(5000):
+        if core.finished or w.restarted:
+            break
+        ev = w.enabled()
+        assert ev, "the pipeline stalled with nothing left to happen"
+        w.fire(ev[choices.draw(st.integers(0, len(ev) - 1)) if not isinstance(choices, int) else choices % len(ev)])
+    return w
+
+
+def check_finished(w: World) -> None:
+    if w.restarted:
+        return
+    assert w.core.finished, "the run did not finish"
+    for j, n in enumerate(w.cfg.groups):
+        assert {g for (b, g) in w.generated if b == j} == set(range(n)), f"batch {j} not generated exactly once"
+        assert all(w.generated[(j, g)] == version_of(j, w.cfg.staleness) for g in range(n))
+        assert w.trained[j] == set(range(n))
+
+
+MECHS = st.builds(Mechanisms, st.booleans(), st.booleans())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), s=st.integers(0, 2),
+       groups=st.integers(1, 4), slots=st.integers(1, 3))
+def test_random_event_orders_keep_the_contract(data, mech, n, steps, s, groups, slots):
+    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech)
+    w = run_world(cfg, data, slots)
+    check_finished(w)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(2, 6),
+       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3))
+def test_resizes_in_both_directions_keep_the_contract(data, mech, n, steps, script, slots):
+    cfg = SchedulerConfig(n, n // 2, (3,) * steps, staleness=1, mechanisms=mech)
+    w = run_world(cfg, data, slots, script=script)
+    check_finished(w)
+    assert w.core.topology().total == n
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, steps=st.integers(1, 5), slots=st.integers(1, 3))
+def test_a_lost_rollout_rank_has_its_groups_handed_out_again(data, mech, steps, slots):
+    cfg = SchedulerConfig(5, 2, (4,) * steps, staleness=1, mechanisms=mech)
+    w = run_world(cfg, data, slots, losses=1)
+    check_finished(w)
+    assert w.losses_left == 0 or w.core.finished  # a rank holding work was lost (unless the run ended first)
+
+
+def test_lost_rank_groups_go_to_another_rank_first():
+    cfg = SchedulerConfig(4, 1, (4,), mechanisms=Mechanisms(True, True))
+    core = PipelineScheduler(cfg)
+    core.start()
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (0, 1), 0)]
+    assert core.handle(RankReady(2, 1)) == [Assign(2, 0, (2,), 0)]
+    assert core.handle(RankReady(3, 2)) == [Assign(3, 0, (3,), 0)]  # one capacity left over: rank 3 waits
+    assert core.handle(RankLost(1)) == [Assign(3, 0, (0,), 0)]  # the waiting rank takes a returned group at once
+    assert core.handle(RankReady(2, 1)) == [Assign(2, 0, (1,), 0)]
+    with pytest.raises(ScheduleError):
+        core.handle(GroupsDone(2, 0, (3,)))  # a group this rank was not given
+    assert core.handle(GroupsDone(1, 0, (0,))) == []  # the fenced rank's late report is ignored
+
+
+def test_a_lost_trainer_asks_for_a_restart():
+    core = PipelineScheduler(SchedulerConfig(3, 1, (2, 2)))
+    core.start()
+    acts = core.handle(RankLost(0))
+    assert len(acts) == 1 and isinstance(acts[0], Restart)
+    assert core.handle(RankReady(1, 1)) == []  # nothing more until the restart
+
+
+def test_barrier_opens_a_batch_only_when_the_previous_one_is_complete():
+    core = PipelineScheduler(SchedulerConfig(3, 1, (1, 1, 1), staleness=1))
+    core.start()
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (0,), 0)]
+    assert core.handle(RankReady(2, 2)) == []  # batch 1 is version 0 too, but the barrier keeps it closed
+    acts = core.handle(GroupsDone(1, 0, (0,)))
+    assert Assign(2, 1, (0,), 0) in acts and Train(0, (0,), (0,), True) in acts  # rank 2 was waiting
+    core.handle(TrainChunkDone(0))
+    acts = core.handle(OptimizerStepDone(0))  # batch 2 (version 1) waits for batch 1, then one blocking sync
+    assert not any(isinstance(a, SendWeights) for a in acts)
+    acts = core.handle(GroupsDone(2, 1, (0,)))
+    assert SendWeights(1, 1, blocking=True) in acts and SendWeights(2, 1, blocking=True) in acts
+
+
+def test_continuous_rollout_sends_versions_in_the_background_and_fills_the_tail():
+    core = PipelineScheduler(SchedulerConfig(3, 1, (2, 2, 2), mechanisms=Mechanisms(continuous_rollout=True)))
+    core.start()
+    assert core.handle(RankReady(1, 1)) == [Assign(1, 0, (0,), 0)]
+    assert core.handle(RankReady(2, 1)) == [Assign(2, 0, (1,), 0)]
+    core.handle(GroupsDone(1, 0, (0,)))
+    # batch 1's head while batch 0's tail decodes on rank 2 (a claim takes at most an even share: 1 of 2 groups)
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 1, (0,), 0)]
+    assert core.handle(GroupsDone(2, 0, (1,))) == [Train(0, (0, 1), (0,), True)]
+    assert core.handle(TrainChunkDone(0)) == [Step(0, (0,))]
+    # version 1 goes to both ranks in the background, though rank 1 still decodes batch 1 with version 0
+    assert core.handle(OptimizerStepDone(0)) == [SendWeights(1, 1), SendWeights(2, 1)]
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 1, (1,), 0)]
+    assert core.handle(WeightsArrived(2, 1)) == []  # it asked for one even share and got it
+    core.handle(GroupsDone(2, 1, (1,)))
+    # drained, rank 2 switches to version 1 and takes batch 2 while batch 1's group 0 still decodes on rank 1
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 2, (0,), 1)]
+    with pytest.raises(ScheduleError):
+        core.handle(TrainChunkDone(1))  # no chunk of batch 1 is running
+
+
+def test_streaming_training_starts_before_the_batch_is_complete_and_steps_after():
+    core = PipelineScheduler(SchedulerConfig(3, 1, (3,), mechanisms=Mechanisms(streaming_training=True)))
+    core.start()
+    core.handle(RankReady(1, 2))
+    core.handle(RankReady(2, 1))
+    assert core.handle(GroupsDone(2, 0, (2,))) == [Train(0, (2,), (0,), True)]
+    assert core.handle(GroupsDone(1, 0, (0,))) == []  # the trainers are busy: the group waits
+    assert core.handle(TrainChunkDone(0)) == [Train(0, (0,), (0,), False)]
+    core.handle(GroupsDone(1, 0, (1,)))
+    assert core.handle(TrainChunkDone(0)) == [Train(0, (1,), (0,), False)]
+    assert core.handle(TrainChunkDone(0)) == [Step(0, (0,))]
