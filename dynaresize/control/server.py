@@ -24,6 +24,9 @@ retries (:func:`client_for`: ``redis.retries`` retries, backoff capped at :data:
 all by default); the Lua scripts are loaded again by redis-py on NOSCRIPT. When every attempt fails (the port was
 taken by another process meanwhile, the AOF cannot be read, ...) the watchdog logs why, keeps it in
 :attr:`RedisServer.failure` and stops; :meth:`RedisServer.check` raises it, and clients fail on their next call.
+A clean exit (code 0: the server took a SIGTERM/SIGINT or a SHUTDOWN and flushed its AOF) while the owner is
+stopping (``owner_stopping()`` true then, or within :data:`OWNER_STOP_GRACE_S`: an operator's signal reaches every
+process of the job at once) is a shutdown, not a crash: it is not restarted, and :attr:`RedisServer.failure` says so.
 
 :func:`connect` builds a client with explicit timeouts and a retry policy. Retries are only safe because every
 write of the control plane is idempotent or de-duplicated by the reader (see ``commands.py``/``registry.py``).
@@ -66,6 +69,7 @@ LOG_FILE = "redis.log"
 BACKOFF_CAP_S = 1.0  # longest sleep of a client between two retries (so also its lag after a server restart)
 RESTART_BACKOFF_CAP_S = 5.0  # longest wait of the watchdog between two restart attempts
 WATCH_POLL_S = 0.1  # how often the watchdog looks at the server process
+OWNER_STOP_GRACE_S = 2.0  # a clean exit of the server counts as the owner's stop if it begins within this time
 
 
 class RedisServerError(RuntimeError):
@@ -314,7 +318,7 @@ class RedisServer:
     """
 
     def __init__(self, cfg: RedisConfig, run_dir: str | Path, supervise: bool = False,
-                 on_restart: Callable[[str], None] | None = None):
+                 on_restart: Callable[[str], None] | None = None, owner_stopping: Callable[[], bool] | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # redis-server runs in its own directory: paths must be absolute
         self.dir = self.run_dir / REDIS_DIR
@@ -326,6 +330,7 @@ class RedisServer:
         self.adopted_pid: int | None = None  # a server of this run dir left running by a killed coordinator
         self.supervise = supervise
         self.on_restart = on_restart
+        self.owner_stopping = owner_stopping  # true while the owner stops (a clean exit then is not a crash)
         self.restarts = 0  # restarts done by the watchdog
         self.failure: str | None = None  # why the watchdog gave up (None while it has not)
         self._lock = threading.RLock()  # start/stop/restart of the process: one at a time
@@ -576,6 +581,8 @@ class RedisServer:
                     code = proc.wait(timeout=WATCH_POLL_S)
                 except subprocess.TimeoutExpired:
                     continue
+            if code == 0 and self._shut_down_in_owners_stop(proc.pid if proc is not None else adopted):
+                return
             with self._lock:
                 if self._stopping.is_set():
                     continue  # stopped or detached meanwhile: the checks above end the loop
@@ -589,6 +596,21 @@ class RedisServer:
                     self.on_restart(reason)
                 except Exception:  # noqa: BLE001 - a failing callback must not end supervision
                     log.exception("on_restart callback failed")
+
+    def _shut_down_in_owners_stop(self, pid: int | None) -> bool:
+        """The server exited cleanly (code 0); True (recorded in :attr:`failure`, never restarted) when the owner
+        is stopping or begins to within :data:`OWNER_STOP_GRACE_S`."""
+        if self.owner_stopping is None or self._stopping.is_set():
+            return False
+        deadline = time.monotonic() + OWNER_STOP_GRACE_S
+        while not self.owner_stopping():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(WATCH_POLL_S)
+        self.failure = (f"redis-server (pid {pid}, port {self.port}) shut down cleanly (exit code 0, append-only file "
+                        f"flushed) during the owner's stop (an operator's signal reached it too): not restarted")
+        log.warning("%s", self.failure)
+        return True
 
     def _revive(self, pid: int, code: int | None, adopted: bool = False) -> str | None:
         """Start the dead server again on its port (bounded attempts, backoff). Returns the reason of the restart,

@@ -51,8 +51,43 @@ def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     """Entry of a locally launched rank (``dynaresize.job.launcher``): everything comes on the command line."""
     run_dir = Path(args.run_dir)
-    return serve(run_dir, args.rank, args.world, args.job_id, run_dir / "redis" / "redis.json",
-                 args.master_addr, args.master_port)
+    endpoint = run_dir / "redis" / "redis.json"
+    _defer_stop_signals(run_dir, endpoint)
+    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port)
+
+
+def _defer_stop_signals(run_dir: Path, endpoint_file: Path) -> None:
+    """An operator's stop of a local run (SIGTERM or SIGINT to every process of the job at once: ``pkill``, ``kill``
+    of the process list) is the coordinator's to carry out: like a rank under Slurm, this one keeps serving until the
+    coordinator has checkpointed it and sent ``shutdown``; it exits on its own when the coordinator's Redis refuses
+    connections, or ``slurm.worker_term_timeout_s`` after the signal (:class:`~dynaresize.slurm.preempt.TermDeferral`)."""
+    import signal
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.slurm.preempt import TermDeferral
+
+    timeout = load_config(run_dir / "config.yaml").slurm.worker_term_timeout_s
+    TermDeferral(timeout, redis_gone(endpoint_file)).install(signals=(signal.SIGTERM, signal.SIGINT))
+
+
+def redis_gone(endpoint_file: Path):
+    """For a local rank's :class:`~dynaresize.slurm.preempt.TermDeferral`: True when the run's Redis (the
+    coordinator's) refuses connections; False while it answers or its endpoint cannot be read (unknown is not gone)."""
+
+    def gone() -> bool:
+        from dynaresize.control.server import Endpoint
+
+        try:
+            ep = Endpoint.load(endpoint_file)
+        except Exception:  # noqa: BLE001 - unreadable: unknown
+            return False
+        try:
+            socket.create_connection((ep.host, ep.port), timeout=2.0).close()
+            return False
+        except OSError:
+            return True
+
+    return gone
 
 
 def run_worker(ctx) -> int:
