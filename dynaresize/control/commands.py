@@ -5,9 +5,12 @@ Coordinator side, :class:`CommandBus`:
 - On creation it takes a new **epoch**: ``INCR dr:<job>:epoch``. A later coordinator incarnation does the same, which
   fences the older one out twice over: its :meth:`CommandBus.send` fails with :class:`FencedError` (the send script
   checks the epoch key before writing), and ranks reject any of its commands still in flight (stale epoch).
-- :meth:`CommandBus.send` runs one Lua script: check the epoch, ``XADD dr:<job>:cmd:<r> MAXLEN ~ N * m <json>`` for
-  every target rank (given as one rank-set string such as ``"0-1023"``), then ``PUBLISH dr:<job>:wake <rank-set>``.
-  One round trip and one short request for any number of ranks.
+- :meth:`CommandBus.send` runs one Lua script: check the epoch, take the next **job-wide stream id** (server TIME in
+  ms, strictly above the last one, kept in ``dr:<job>:cmdid``), then write the command under that id: for
+  ``redis.broadcast_min_ranks`` (default 2) or more targets ONE ``XADD dr:<job>:bcast MAXLEN ~ N <id> m <json> r
+  <rank-set>`` (the job-wide **broadcast stream**: one write whatever the number of ranks), else ``XADD
+  dr:<job>:cmd:<r>`` for each target; then ``PUBLISH dr:<job>:wake <rank-set>``. One round trip and one short
+  request for any number of ranks.
 - :meth:`CommandBus.await_acks` reads ``dr:<job>:ack:<command_id>`` with ``XREAD BLOCK`` (each block shorter than
   the socket timeout) until every wanted rank answered or the timeout passed, and returns the acks by rank and the
   ranks that did not answer. Acks of an older epoch are ignored: a coordinator that took over resends the pending
@@ -17,8 +20,11 @@ Coordinator side, :class:`CommandBus`:
 
 Rank side, :class:`CommandReceiver`:
 
-- Reads its own stream from its own **cursor** (``dr:<job>:cursor:<r>``: the id of the last entry it finished),
-  so a rank that was disconnected, or restarted, gets every command it missed, in order.
+- Reads its own stream from its own **cursor** (``dr:<job>:cursor:<r>``: the id of the last entry it finished) and
+  the broadcast stream from its broadcast cursor (``dr:<job>:bcursor:<r>``) in one XREAD, and merges the two by id
+  (the ids are job-wide increasing, so the merge is the send order; a read that filled its COUNT bounds what is
+  taken). Broadcast entries whose rank set does not name the rank are skipped. So a rank that was disconnected,
+  or restarted, gets every command it missed, in order.
 - Pub/sub is only the wake-up (a message published while the rank reconnects is lost, the stream entry is not):
   a rank waits on ``dr:<job>:wake`` for at most ``block_ms`` and then reads the stream anyway; if its pub/sub
   connection is broken it falls back to ``XREAD BLOCK block_ms``.
@@ -31,6 +37,11 @@ Rank side, :class:`CommandReceiver`:
   its stored ack is re-sent (``replayed=true``); then run the handler and commit, in one MULTI, the stored ack,
   the cursor and ``XADD dr:<job>:ack:<id>``. A crash between claim and commit leaves ``started``: after a restart
   that command answers an error ("interrupted") instead of running twice (at most once).
+- A commit that fails (connection error, timeout, ``-OOM``, ``-MISCONF``, ``-READONLY``, a Redis restart: any of
+  them, any number of times) leaves the applied command's ack in memory (``_uncommitted``) until a commit
+  succeeds; the entry is read again from the unmoved cursor and only committed, never handed to the handler
+  again (the claim would not stop it: a claim of this receiver recognises itself). Proved by the property test
+  ``tests/contract/test_at_most_once_faults.py`` (a fault-injecting proxy in front of redis-server).
 
 Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
 harmless: a duplicate command entry is skipped by its id, a duplicate ack is de-duplicated by rank, and
@@ -53,7 +64,7 @@ import redis
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.keys import Keys
 from dynaresize.control.wire import Ack, Command, CommandKind, WireError, decode, encode, new_command_id
-from dynaresize.events import EventLog, format_ranks
+from dynaresize.events import EventLog, count_ranks, format_ranks
 
 log = logging.getLogger("dynaresize.control.commands")
 
@@ -63,15 +74,34 @@ STARTED = b"started"  # prefix of a claim: "started:<receiver token>"
 _SEND = """
 local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
 if cur ~= tonumber(ARGV[1]) then return -cur end
+local t = redis.call('TIME')
+local ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local lms, lseq = 0, 0
+local last = redis.call('GET', KEYS[2])
+if last then
+  local a, b = string.match(last, '^(%d+)-(%d+)$')
+  if a then lms, lseq = tonumber(a), tonumber(b) end
+end
+local id
+if ms > lms then id = string.format('%d-0', ms) else id = string.format('%d-%d', lms, lseq + 1) end
 local n = 0
-for part in string.gmatch(ARGV[5], '[^,]+') do
-  local a, b = string.match(part, '^(%d+)-(%d+)$')
-  if not a then a = part; b = part end
-  for r = tonumber(a), tonumber(b) do
-    redis.call('XADD', ARGV[6] .. r, 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
-    n = n + 1
+if ARGV[7] == '1' then
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[2], id, 'm', ARGV[3], 'r', ARGV[5])
+  n = 1
+else
+  for part in string.gmatch(ARGV[5], '[^,]+') do
+    local a, b = string.match(part, '^(%d+)-(%d+)$')
+    if not a then a = part; b = part end
+    for r = tonumber(a), tonumber(b) do
+      local ok = redis.pcall('XADD', ARGV[6] .. r, 'MAXLEN', '~', ARGV[2], id, 'm', ARGV[3])
+      if type(ok) == 'table' and ok.err then  -- a stream written by someone else with a later id
+        redis.call('XADD', ARGV[6] .. r, 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[3])
+      end
+      n = n + 1
+    end
   end
 end
+redis.call('SET', KEYS[2], id)
 redis.call('PUBLISH', ARGV[4], ARGV[5])
 return n
 """
@@ -137,8 +167,9 @@ class CommandBus:
         raw = encode(cmd, self.cfg.max_message_bytes)
         # The stream keys are built inside the script from the rank set (one short argument instead of N keys):
         # fine for the standalone Redis this project uses; Redis Cluster is not supported.
-        args = [cmd.epoch, self.cfg.stream_maxlen, raw, self.keys.wake, targets, self.keys.cmd_prefix]
-        n = int(self._send(keys=[self.keys.epoch], args=args))
+        broadcast = 0 < self.cfg.broadcast_min_ranks <= count_ranks(targets)
+        args = [cmd.epoch, self.cfg.stream_maxlen, raw, self.keys.wake, targets, self.keys.cmd_prefix, int(broadcast)]
+        n = int(self._send(keys=[self.keys.epoch, self.keys.cmd_last_id, self.keys.broadcast], args=args))
         if n <= 0:
             _emit(self.events, "fenced", f"epoch {cmd.epoch} superseded by {-n}", command_id=cmd.command_id, epoch=cmd.epoch)
             if n == 0:
@@ -227,7 +258,12 @@ class CommandReceiver:
         self.job_epoch = 0  # the job's epoch key, read with the entries being handled
         self.rejected = 0
         self.applied = 0
-        self.cursor: bytes = self.r.get(self.keys.cursor(self.rank)) or b"0-0"
+        pipe = self.r.pipeline(transaction=False)
+        pipe.get(self.keys.cursor(self.rank))
+        pipe.get(self.keys.broadcast_cursor(self.rank))
+        own, bcast = pipe.execute()
+        self.cursor: bytes = own or b"0-0"  # own stream: the last entry this rank finished with
+        self.bcursor: bytes = bcast or b"0-0"  # the job's broadcast stream: likewise (entries for others skipped)
         self._pubsub = None
         if wake:
             self._subscribe()
@@ -255,18 +291,37 @@ class CommandReceiver:
             self._pubsub = None
 
     def _read(self, block_ms: int | None = None) -> tuple[list, int]:
-        """Entries after the cursor and the job's epoch (one round trip; XREAD BLOCK only as the fallback)."""
+        """Entries after the cursors, merged in order, and the job's epoch (one round trip; XREAD BLOCK only as the
+        fallback). An entry is ``(entry_id, fields, broadcast)``; :meth:`process` skips broadcast entries for others."""
+        streams = {self.keys.cmd(self.rank): self.cursor, self.keys.broadcast: self.bcursor}
         if block_ms:
-            resp = self.r.xread({self.keys.cmd(self.rank): self.cursor}, count=256, block=block_ms)
+            resp = self.r.xread(streams, count=READ_COUNT, block=block_ms)
             epoch = int(self.r.get(self.keys.epoch) or 0) if resp else 0
         else:
             pipe = self.r.pipeline(transaction=False)
-            pipe.xread({self.keys.cmd(self.rank): self.cursor}, count=256)
+            pipe.xread(streams, count=READ_COUNT)
             pipe.get(self.keys.epoch)
             resp, ep = pipe.execute()
             epoch = int(ep or 0)
-        entries = resp[0][1] if resp else []
-        return entries, epoch
+        return self._merge(resp or []), epoch
+
+    def _merge(self, resp: list) -> list:
+        """One list in id order (every send takes a job-wide increasing id, so the two streams interleave
+        exactly as sent). A stream that filled its COUNT may hold more entries below the other's: only entries up
+        to the smaller of the full streams' last ids are taken now, the rest at the next read."""
+        bname = self.keys.broadcast.encode()
+        merged, limit = [], None
+        for stream, entries in resp:
+            name = stream if isinstance(stream, bytes) else str(stream).encode()
+            is_b = name == bname
+            if len(entries) >= READ_COUNT:
+                last = _id_key(entries[-1][0])
+                limit = last if limit is None else min(limit, last)
+            merged += [(entry_id, fields, is_b) for entry_id, fields in entries]
+        merged.sort(key=lambda e: _id_key(e[0]))
+        if limit is not None:
+            merged = [e for e in merged if _id_key(e[0]) <= limit]
+        return merged
 
     def _wait(self, seconds: float) -> list | None:
         """Wait up to ``seconds`` for a wake-up naming this rank; returns entries when the fallback read them."""
@@ -310,9 +365,14 @@ class CommandReceiver:
                 entries, epoch = self._read()
         self.max_epoch = max(self.max_epoch, epoch)
         self.job_epoch = epoch
-        for entry_id, fields in entries:
-            self._handle(entry_id, fields.get(b"m"), handler)
-        return len(entries)
+        handled = 0
+        for entry_id, fields, broadcast in entries:
+            if broadcast and not _rank_in(_text(fields.get(b"r")), self.rank):
+                self.bcursor = entry_id  # another rank's: skipped (not persisted: skipping again is harmless)
+                continue
+            self._handle(entry_id, fields.get(b"m"), handler, broadcast)
+            handled += 1
+        return handled
 
     def run(self, handler: Handler, stop: Callable[[], bool], idle_s: float = 1.0) -> None:
         """Loop :meth:`process` until ``stop()``; connection errors are logged and retried."""
@@ -324,36 +384,41 @@ class CommandReceiver:
                 time.sleep(min(1.0, idle_s))
 
     # -- one entry ---------------------------------------------------------------------------------------------
-    def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler) -> None:
+    def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler, broadcast: bool = False) -> None:
+        """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream."""
+        at = (entry_id, broadcast)  # where the entry is: its commit moves that stream's cursor
         try:
             cmd = decode(Command, raw, self.cfg.max_message_bytes)
         except WireError as e:
-            self._reject(entry_id, e.reason, _loose_id(raw, self.cfg.max_message_bytes), None)
+            self._reject(at, e.reason, _loose_id(raw, self.cfg.max_message_bytes), None)
             return
         if cmd.job_id != self.job_id:
-            self._reject(entry_id, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", cmd.command_id, cmd.epoch)
+            self._reject(at, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", cmd.command_id, cmd.epoch)
             return
         if cmd.epoch > self.job_epoch:
-            self._reject(entry_id, f"epoch {cmd.epoch} is ahead of the job's epoch {self.job_epoch} (no coordinator holds it)",
+            self._reject(at, f"epoch {cmd.epoch} is ahead of the job's epoch {self.job_epoch} (no coordinator holds it)",
                          cmd.command_id, cmd.epoch)
             return
         if cmd.epoch < self.max_epoch:
-            self._reject(entry_id, f"stale epoch {cmd.epoch} < {self.max_epoch} (fenced coordinator)",
+            self._reject(at, f"stale epoch {cmd.epoch} < {self.max_epoch} (fenced coordinator)",
                          cmd.command_id, cmd.epoch)
             return
         self.max_epoch = cmd.epoch
-        if cmd.command_id in self._uncommitted:  # applied before the connection broke: commit, never re-apply
-            raw_ack = self._uncommitted.pop(cmd.command_id)
+        if cmd.command_id in self._uncommitted:  # applied before a commit failed: commit, never re-apply
+            raw_ack = self._uncommitted[cmd.command_id]
             try:  # under the epoch of this copy: a coordinator that took over meanwhile resent it with the same id
                 raw_ack = encode(decode(Ack, raw_ack, self.cfg.max_message_bytes).model_copy(update={"epoch": cmd.epoch}),
                                  self.cfg.max_message_bytes)
             except WireError as e:
                 log.warning("rank %d: uncommitted ack of %s unreadable (%s); committed as it is", self.rank, cmd.command_id, e.reason)
-            self._commit(entry_id, cmd.command_id, raw_ack, store=True)
+            # kept until the commit succeeded: a commit failing again (connection, -OOM, READONLY, MISCONF) must find
+            # it here next time, not the claim, which is our own "started" and would hand the command back
+            self._commit(at, cmd.command_id, raw_ack, store=True)
+            self._uncommitted.pop(cmd.command_id, None)
             return
         prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:
-            self._replay(entry_id, cmd, prev)
+            self._replay(at, cmd, prev)
             return
         try:
             result = handler(cmd)
@@ -367,14 +432,14 @@ class CommandReceiver:
             raw_ack = encode(ack, self.cfg.max_message_bytes)
         self.applied += 1
         self._uncommitted[cmd.command_id] = raw_ack
-        self._commit(entry_id, cmd.command_id, raw_ack, store=True)
+        self._commit(at, cmd.command_id, raw_ack, store=True)
         self._uncommitted.pop(cmd.command_id, None)
 
     def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
         return Ack(job_id=self.job_id, epoch=cmd.epoch, command_id=cmd.command_id, rank=self.rank,
                    incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed)
 
-    def _replay(self, entry_id: bytes, cmd: Command, prev: bytes) -> None:
+    def _replay(self, at: tuple[bytes, bool], cmd: Command, prev: bytes) -> None:
         if prev.startswith(STARTED):
             reason = "interrupted: an earlier attempt started but did not finish; not re-applied (at most once)"
             ack = self._ack(cmd, ok=False, error=reason)
@@ -387,9 +452,10 @@ class CommandReceiver:
             except WireError as e:
                 ack = self._ack(cmd, ok=False, error=f"already applied; stored ack unreadable: {e.reason}")
         log.info("rank %d: command %s already applied; re-sent its ack", self.rank, cmd.command_id)
-        self._commit(entry_id, cmd.command_id, encode(ack, self.cfg.max_message_bytes), store=False)
+        self._commit(at, cmd.command_id, encode(ack, self.cfg.max_message_bytes), store=False)
 
-    def _reject(self, entry_id: bytes, reason: str, command_id: str | None, epoch: int | None) -> None:
+    def _reject(self, at: tuple[bytes, bool], reason: str, command_id: str | None, epoch: int | None) -> None:
+        entry_id = at[0]
         self.rejected += 1
         log.warning("job %s rank %d: rejected stream entry %s: %s", self.job_id, self.rank, entry_id.decode(), reason)
         _emit(self.events, "rejected", reason, rank=self.rank, command_id=command_id, epoch=epoch)
@@ -398,20 +464,39 @@ class CommandReceiver:
             ack = Ack(job_id=self.job_id, epoch=max(1, epoch or 1), command_id=command_id, rank=self.rank,
                       incarnation=self.incarnation, ok=False, error=f"rejected: {reason}"[:2000])
             raw_ack = encode(ack, self.cfg.max_message_bytes)
-        self._commit(entry_id, command_id, raw_ack, store=False)
+        self._commit(at, command_id, raw_ack, store=False)
 
-    def _commit(self, entry_id: bytes, command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
+    def _commit(self, at: tuple[bytes, bool], command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
         """One MULTI: stored ack (at-most-once record), cursor, ack stream. Every part is safe to retry."""
+        entry_id, broadcast = at
         pipe = self.r.pipeline(transaction=True)
         if store and command_id:
             pipe.hset(self.keys.applied(self.rank), command_id, raw_ack)
-        pipe.set(self.keys.cursor(self.rank), entry_id)
+        pipe.set(self.keys.broadcast_cursor(self.rank) if broadcast else self.keys.cursor(self.rank), entry_id)
         if raw_ack is not None and command_id:
             akey = self.keys.ack(command_id)
             pipe.xadd(akey, {"m": raw_ack})
             pipe.expire(akey, self.cfg.ack_ttl_s)
         pipe.execute()
-        self.cursor = entry_id
+        if broadcast:
+            self.bcursor = entry_id
+        else:
+            self.cursor = entry_id
+
+
+READ_COUNT = 256  # entries read per stream and round trip
+
+
+def _id_key(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as a comparable pair (``b"1700000000000-3"`` -> (1700000000000, 3))."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def _text(raw: bytes | None) -> str:
+    """A broadcast entry's rank set; a missing one reads as 'every rank' (the entry is then decoded and rejected)."""
+    return "0-" + str(1 << 62) if raw is None else raw.decode(errors="replace")
 
 
 def _loose_id(raw: bytes | None, max_bytes: int) -> str | None:

@@ -48,11 +48,22 @@ class RedisConfig(Section):
     connect_timeout_s: float = Field(5.0, gt=0, description="redis-py socket connect timeout")
     health_check_s: int = Field(15, ge=0, description="redis-py health-check interval: an idle connection is PINGed before reuse")
     retries: int = Field(8, ge=0, description="Retries (exponential backoff, capped at 1 s) of a command after a connection error")
+    write_wait_s: float = Field(
+        60.0, ge=0, description="How long a Redis call waits while Redis refuses writes (-OOM: maxmemory reached, "
+        "-MISCONF: it cannot write to disk, -READONLY: a read-only replica) before it gives up; meanwhile silent "
+        "heartbeats are not deaths. Past it the job stops with one message naming the cause and the resume command. "
+        "0: fail at the first refusal",
+    )
     block_ms: int = Field(
         500, ge=1, description="Longest server-side block of one blocking read (XREAD BLOCK, pub/sub wait); below socket_timeout_s"
     )
+    broadcast_min_ranks: int = Field(
+        2, ge=0, description="A command for at least this many ranks is written once, to the job's broadcast stream "
+        "(every rank reads it beside its own stream, in one order), instead of once per target rank: a send costs one "
+        "write whatever the number of ranks. 0: per-rank streams only",
+    )
     stream_maxlen: int = Field(
-        10000, ge=100, description="Approximate cap (MAXLEN ~) of each rank's command stream; older applied entries are trimmed"
+        10000, ge=100, description="Approximate cap (MAXLEN ~) of each rank's command stream and of the broadcast stream; older entries are trimmed"
     )
     ack_ttl_s: int = Field(3600, ge=1, description="Seconds an ack stream of one command is kept after its last ack")
     max_message_bytes: int = Field(

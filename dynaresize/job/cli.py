@@ -29,18 +29,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.config.loader import load_config
-    from dynaresize.rundir import create_run_dir
+    from dynaresize.rundir import RunDirError, create_run_dir, require_run_dir
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.resume and args.config and "=" in args.config:  # `--resume DIR k=v ...`: argparse took k=v as CONFIG
         args.overrides, args.config = [args.config, *args.overrides], None
     if args.resume:
-        run_dir = Path(args.resume)
-        if not (run_dir / "config.yaml").is_file():
-            print(f"dynaresize run: --resume {run_dir}: no config.yaml there (not a run directory)", file=sys.stderr)
-            return 2
         if args.config:
             print("dynaresize run: give either CONFIG or --resume RUN_DIR (the run's own config.yaml is used)", file=sys.stderr)
+            return 2
+        try:
+            run_dir = require_run_dir(args.resume)  # never a folder the project did not create
+        except RunDirError as e:
+            print(f"dynaresize run: --resume: {e}", file=sys.stderr)
             return 2
         cfg = load_config(run_dir / "config.yaml", args.overrides)
     else:
@@ -87,6 +88,9 @@ def main(args: argparse.Namespace) -> int:
         if bar:
             bar.close()
     _print_summary(summary)
+    stop = summary.get("operator_stop")
+    if stop and summary["status"] != "completed":  # the real cause of the early end, and the way on
+        print(f"stopped: {stop['text']}\nresume with: dynaresize run --resume {run_dir}", file=sys.stderr)
     return 0 if summary["status"] == "completed" else 130
 
 

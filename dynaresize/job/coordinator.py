@@ -26,7 +26,11 @@ stage-in is deferred to the first optimizer step on the new topology, hidden beh
 Stop and resume: SIGINT/SIGTERM ask for a stop; the step in flight finishes, the ranks stage their state under
 ``checkpoints/``, the coordinator writes ``checkpoints/coordinator.json``, and ``dynaresize run --resume RUN_DIR``
 continues with the same step counter. A second signal stops at once (resume then starts from the last checkpoint;
-samples already generated stay in the run's Redis and are reused, never generated twice).
+samples already generated stay in the run's Redis and are reused, never generated twice); during the final
+checkpoint it abandons that checkpoint (the ranks are still shut down cleanly). An operator's stop reaches EVERY
+process of the job at once (``pkill``, ``kill`` of the process list): the ranks defer it until the coordinator's
+``shutdown`` (like under Slurm), the embedded redis-server is started with both signals blocked (it serves the
+stop's checkpoint; it is SHUTDOWN at the end), and nothing is restarted while the run stops.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +51,7 @@ import redis
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
+from dynaresize.control.server import RedisRefusesWrites
 from dynaresize.events import EventLog, Role, format_ranks
 from dynaresize.job.batching import TrainBatch, reward_errors, work_items
 from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
@@ -75,6 +81,25 @@ class RanksLost(JobError):
         self.what = what
         self.why = why
         super().__init__(f"{what}: rank(s) {format_ranks(self.ranks)} lost ({why})")
+
+
+@dataclass
+class OperatorStop:
+    """An operator's stop (the first SIGTERM/SIGINT) and how it ended: for the event log, the summary, the CLI."""
+
+    signal: str  # SIGTERM or SIGINT
+    at_step: int  # the step in flight when it arrived
+    checkpoint: str | None = None  # the checkpoint the stop wrote (tag)
+    abandoned: str | None = None  # why the checkpoint in progress was abandoned (a second signal)
+
+    def describe(self, step: int, resume_point: str | None) -> str:
+        """One line: the stop, where the run ended (``step``: the next step to train) and what a resume does."""
+        head = f"{self.signal} (an operator's stop) during step {self.at_step}: stopped before step {step}"
+        if self.checkpoint:
+            return (f"{head}, checkpoint {self.checkpoint} written, ranks shut down; a resume continues at step {step} "
+                    f"and trains no step twice")
+        why = self.abandoned or "no checkpoint could be taken"
+        return f"{head}, ranks shut down; {why}; a resume starts from {resume_point or 'the start'} (the steps after it are trained again)"
 
 
 @dataclass
@@ -119,15 +144,27 @@ class Coordinator:
         self._train_results: list[dict] = []  # the trainers' ack results of the last step (loss metrics)
         self.restarts = 0  # automatic restarts of the ranks in this process (faults.max_restarts)
         self._ctx, self._seq = "start", {}  # where in the schedule commands are sent from (their ids, see _send)
+        self.operator_stop: OperatorStop | None = None  # set by the first SIGTERM/SIGINT
+        self._final = False  # stop_ranks runs: a second signal only cuts a checkpoint in progress short
+        self._ckpt_tag: str | None = None  # the checkpoint directory claimed and not complete yet
 
     def install_signal_handlers(self) -> None:
-        """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: stop now."""
+        """First SIGINT/SIGTERM: finish the step, checkpoint, exit. Second: stop now (while the ranks are being shut
+        down: abandon the checkpoint in progress, if any, and go on shutting them down)."""
 
         def handler(signum, frame):
-            if self.stop_requested.is_set():
-                raise KeyboardInterrupt
-            log.warning("signal %d: stopping after this step (send it again to stop now)", signum)
-            self.stop_requested.set()
+            name = signal.Signals(signum).name
+            if not self.stop_requested.is_set():
+                self.operator_stop = OperatorStop(name, self.state.step)
+                log.warning("%s: an operator's stop: the step in flight finishes, then every rank is checkpointed and "
+                            "shut down (send it again to stop sooner)", name)
+                self.stop_requested.set()
+                return
+            if self._final and self._ckpt_tag is None:
+                log.warning("%s again: already shutting the ranks down", name)
+                return
+            log.warning("%s again: stopping now%s", name, " (the checkpoint in progress is abandoned)" if self._ckpt_tag else "")
+            raise KeyboardInterrupt
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
@@ -167,8 +204,10 @@ class Coordinator:
             self.assembler = BatchAssembler.from_config(self.cfg, self.task, self.tokenizer)
             self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
-            with RedisServer(self.cfg.redis, self.run_dir, supervise=True,  # a crashed redis-server comes back (AOF)
-                             on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why)) as srv:
+            with _shielded(RedisServer(self.cfg.redis, self.run_dir, supervise=True,  # a crash comes back (AOF)
+                                       on_restart=lambda why: self.events.emit("control", what="redis_restarted", reason=why),
+                                       owner_stopping=self.stop_requested.is_set)) as srv:  # not a stop's shutdown
+                self._srv = srv
                 self.redis = connect(srv.endpoint_file, role="coordinator", cfg=self.cfg.redis)
                 if self.on_redis_ready is not None:
                     self.on_redis_ready(srv)
@@ -203,6 +242,12 @@ class Coordinator:
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
                     status, checkpoint = "interrupted", False
+                    if self.operator_stop is not None:
+                        self.operator_stop.abandoned = "a second signal stopped it at once, without a checkpoint"
+                except RedisRefusesWrites as e:  # a Redis problem, not a rank's: stop cleanly, say why and how to go on
+                    checkpoint, self._writes_refused = False, True
+                    raise JobError(f"{e}; the run stopped at step {self.state.step} (the last checkpoint is where a "
+                                   "resume starts; fix Redis first)") from None
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
@@ -230,11 +275,14 @@ class Coordinator:
         if not path.exists():
             return
         keep, dropped = [], []
-        for line in path.read_text().splitlines():
+        for n, line in enumerate(path.read_text().splitlines(), 1):
             try:
                 step = json.loads(line)["step"]
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut by the stop
+            except (ValueError, KeyError, TypeError):  # a line cut by a hard stop: named, dropped
+                reason = f"{path} line {n} is not a complete record (cut by a hard stop?): dropped ({line[:60]!r})"
+                log.warning("resume: %s", reason)
+                self.events.emit("control", what="damaged_record", reason=reason)
+                continue
             (keep if step < self.state.step else dropped).append(line if step < self.state.step else step)
         if dropped:
             self.events.emit("control", what="rewind", reason=f"steps {min(dropped)}..{max(dropped)} ran after the last "
@@ -259,7 +307,8 @@ class Coordinator:
     def start_ranks(self) -> None:
         from dynaresize.job.launcher import LocalLauncher
 
-        self.registry.unfence_all()  # a new launch: every rank slot is usable again
+        # a new launch: every rank slot is usable again, and processes of an earlier launch are refused
+        self.registry.begin_launch(self.state.incarnation, self.world)
         if self.state.lost:  # new processes in every slot (a restart, a resume, a requeue): nobody is lost any more
             log.info("a new launch: rank(s) %s lost earlier are started again", format_ranks(self.state.lost))
             self.state.lost = []
@@ -296,13 +345,54 @@ class Coordinator:
     def stop_ranks(self, checkpoint: bool) -> None:
         if self.launcher is None:
             return
+        self._final = True
         try:
             if checkpoint and not (set(self.launcher.dead()) - set(self.state.lost)):
-                self.checkpoint()
-            self.bus.send("shutdown", self._alive(), {})
+                self._checkpoint_then_shutdown()
+            elif not getattr(self, "_writes_refused", False):  # else it would wait for Redis once more: just stop them
+                self.bus.send("shutdown", self._alive(), {})
         except Exception as e:  # the ranks are stopped below either way
-            log.warning("could not shut the ranks down cleanly: %s", e)
+            why = getattr(getattr(self, "_srv", None), "failure", None) if isinstance(e, redis.ConnectionError) else None
+            log.warning("could not shut the ranks down cleanly: %s", why or e)
+            if self.operator_stop is not None and not self.operator_stop.checkpoint:
+                self.operator_stop.abandoned = f"the stop's checkpoint could not be taken ({why or e})"
         self.launcher.stop()
+        self._abandon_checkpoint_in_progress()
+        if self.operator_stop is not None:
+            text = self.operator_stop.describe(self.state.step, self.state.checkpoint)
+            log.warning("%s", text)
+            self.events.emit("control", what="operator_stop", reason=text)
+
+    def _checkpoint_then_shutdown(self) -> None:
+        """The final checkpoint, then ``shutdown``; a second signal during the checkpoint abandons it (the ranks
+        finish what they are staging, then take the shutdown; the directory goes once they have exited)."""
+        try:
+            tag = self.checkpoint()
+            if self.operator_stop is not None and tag is not None:
+                self.operator_stop.checkpoint = tag
+        except KeyboardInterrupt:
+            pass
+        self.bus.send("shutdown", self._alive(), {})
+
+    def _abandon_checkpoint_in_progress(self) -> None:
+        """A checkpoint cut short by a second signal: logged; its directory (claimed by this coordinator, so no one
+        else writes it) is removed once local ranks have exited; ranks started by srun may still write it, so it
+        stays (incomplete: never resumed from; retain removes it later)."""
+        from dynaresize.job import checkpoints as ckpt
+
+        tag, self._ckpt_tag = self._ckpt_tag, None
+        if tag is None:
+            return
+        reason = f"checkpoint {tag} abandoned (a second stop signal cut it short); resume point stays {self.state.checkpoint or 'none'}"
+        if self.operator_stop is not None:
+            self.operator_stop.abandoned = reason
+        log.warning("%s", reason)
+        self.events.emit("control", what="checkpoint_abandoned", reason=reason)
+        if not isinstance(self.launcher, ExternalRanks):
+            try:
+                ckpt.discard(self.run_dir, tag)
+            except OSError as e:
+                log.warning("could not remove the abandoned checkpoint %s: %s", tag, e)
 
     # ---------------------------------------------------------------------------------------------------------
     # the schedule
@@ -682,38 +772,36 @@ class Coordinator:
         self.last.sync_s = time.monotonic() - t0
         self.state.version = version
 
-    def checkpoint(self, reason: str = "") -> None:
-        """Every rank stages its state under ``checkpoints/step-<k>/``, then the coordinator writes the tag's own
+    def checkpoint(self, reason: str = "") -> str | None:
+        """Every rank stages its state under ``checkpoints/<tag>/``, then the coordinator writes the tag's own
         state, then the top-level ``coordinator.json``, then old checkpoints beyond ``run.keep_checkpoints`` go.
-        A staging failure on a rank (a full disk: its ack carries the StagingError) or a failed state write is
-        not fatal: a ``checkpoint_failed`` event, the partial tag removed, the previous checkpoint stays the resume
-        point, the run goes on. A lost rank (dead, silent) is handled as before."""
+        Returns the tag written (None: not written). The tag is a directory this coordinator claimed for the attempt
+        (``step-<k>``, or ``step-<k>.<n>`` when the name is taken: a checkpoint another coordinator may still be
+        writing is never deleted or reused). A replayed ack of ``stage_state`` is trusted only when what it names is
+        there and intact; otherwise the ranks stage again into a new directory (a new command id: applied, not
+        answered from the stored ack). A staging failure on a rank (a full disk: its ack carries the StagingError)
+        or a failed state write is not fatal: a ``checkpoint_failed`` event, the partial tag removed, the previous
+        checkpoint stays the resume point, the run goes on. A lost rank (dead, silent) is handled as before."""
         from dynaresize.job import checkpoints as ckpt
 
-        tag = f"step-{self.state.step}"
-        if self.state.checkpoint == f"checkpoints/{tag}" and (self.run_dir / "checkpoints" / "coordinator.json").exists():
-            return  # this step is checkpointed already
+        step = self.state.step
+        done = Path(self.state.checkpoint).name if self.state.checkpoint else None
+        if done and ckpt.tag_step(done) == step and (self.run_dir / "checkpoints" / "coordinator.json").exists():
+            return done  # this step is checkpointed already
         t0 = time.monotonic()
-        if self.state.checkpoint != f"checkpoints/{tag}":
-            try:
-                ckpt.discard(self.run_dir, tag)  # left by an abandoned attempt: never mixed with the new one
-            except OSError as e:
-                from dynaresize.staging import os_error_text
-
-                self._checkpoint_failed(tag, {None: f"removing an older {tag} first: {os_error_text(e)}"})
-                return
         ranks = self._alive()
-        cmd = self._send("stage_state", ranks, {"tag": tag})
-        try:
-            self._await(cmd, ranks, "stage_state")
-        except RanksLost:
-            raise  # a rank died or went silent: handled as before (restart, or the job fails)
-        except JobError:
-            failed = self._staging_failures(cmd, ranks)
-            if not failed:
-                raise  # a rank failed for another reason than staging: as before
-            self._checkpoint_failed(tag, failed)
-            return
+        for attempt in (1, 2):
+            tag = self._claim_checkpoint(step)
+            staged = self._stage_into(tag, ranks) if tag is not None else None
+            if staged is None:
+                return None
+            untrusted = self._untrusted_replays(tag, staged)
+            if not untrusted:
+                break
+            again = "; the ranks stage again into a new directory" if attempt == 1 else ""
+            self._checkpoint_failed(tag, {r: why + again for r, why in untrusted.items()})
+        else:
+            return None
         previous = self.state.checkpoint
         self.state.checkpoint = f"checkpoints/{tag}"
         self.state.elapsed_s = self._elapsed()
@@ -726,7 +814,8 @@ class Coordinator:
 
             self.state.checkpoint = previous
             self._checkpoint_failed(tag, {None: f"writing the coordinator state: {os_error_text(e)}"})
-            return
+            return None
+        self._ckpt_tag = None
         try:
             removed = ckpt.retain(self.run_dir, self.cfg.run.keep_checkpoints, current=tag)
             if removed:
@@ -735,6 +824,53 @@ class Coordinator:
             log.warning("checkpoint %s written, but removing older ones failed: %s", tag, e)
         self.events.emit("stage", step=self.state.step, stage="checkpoint", ranks=format_ranks(range(self.world)),
                          start=self.events.now() - (time.monotonic() - t0), end=self.events.now())
+        return tag
+
+    def _claim_checkpoint(self, step: int) -> str | None:
+        """A fresh checkpoint directory for this attempt, owned by this coordinator (``checkpoints.claim_tag``)."""
+        from dynaresize.job import checkpoints as ckpt
+
+        try:
+            self._ckpt_tag = ckpt.claim_tag(self.run_dir, step, {"epoch": self.bus.epoch, "run_id": self.job_id,
+                                                                 "incarnation": self.state.incarnation})
+        except OSError as e:
+            from dynaresize.staging import os_error_text
+
+            self._checkpoint_failed(f"step-{step}", {None: f"creating its directory: {os_error_text(e)}"}, discard=False)
+            return None
+        return self._ckpt_tag
+
+    def _stage_into(self, tag: str, ranks: list[int]):
+        """Every live rank stages its state into ``tag``: their acks, or None when a rank's staging failed
+        (handled: logged, the tag removed)."""
+        cmd = self._send("stage_state", ranks, {"tag": tag})
+        try:
+            return self._await(cmd, ranks, "stage_state")
+        except RanksLost:
+            self._ckpt_tag = None  # left incomplete (a resume sets it aside): not a stop's abandoned checkpoint
+            raise  # a rank died or went silent: handled as before (restart, or the job fails)
+        except JobError:
+            failed = self._staging_failures(cmd, ranks)
+            if not failed:
+                self._ckpt_tag = None
+                raise  # a rank failed for another reason than staging: as before
+            self._checkpoint_failed(tag, failed)
+            return None
+
+    def _untrusted_replays(self, tag: str, staged) -> dict[int, str]:
+        """Ranks whose ``stage_state`` ack was replayed (the stored result of an earlier application of the same
+        command, e.g. the one a coordinator taken over from sent) while what it names is gone or damaged."""
+        from dynaresize.job import checkpoints as ckpt
+
+        out = {}
+        for r, ack in sorted(staged.acks.items()):
+            if not ack.replayed:
+                continue
+            problems = ckpt.rank_problems(self.run_dir, tag, r, self.state.version, self.state.n_train)
+            if problems:
+                out[r] = (f"rank {r}'s stage_state ack was replayed (the stored result of its first application; "
+                          f"nothing was staged again), but what it names is gone or damaged: {problems[0]}; not trusted")
+        return out
 
     # ---------------------------------------------------------------------------------------------------------
     # bookkeeping
@@ -921,6 +1057,9 @@ class Coordinator:
         A new epoch fences off whatever the killed processes had in flight."""
         from dynaresize.control.commands import CommandBus
 
+        if self.stop_requested.is_set():  # never start ranks again while the run stops
+            why = f"{self.operator_stop.signal}, an operator's stop" if self.operator_stop else "a stop was requested"
+            raise JobError(f"{e}; not restarted: the run is stopping ({why})") from None
         relaunch = getattr(self.launcher, "relaunchable", False)
         if not relaunch or self.restarts >= self.cfg.faults.max_restarts:
             return False
@@ -978,6 +1117,7 @@ class Coordinator:
             if not res.missing:
                 self._require(res, what, ranks)
                 return res
+            self.registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
             exited = self.launcher.dead() if hasattr(self.launcher, "dead") else {}
             gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
             silent = self.registry.dead()
@@ -995,6 +1135,10 @@ class Coordinator:
         bad = {r: a.error for r, a in res.acks.items() if not a.ok}
         if bad:
             r, err = next(iter(sorted(bad.items())))
+            if (err or "").startswith(RedisRefusesWrites.__name__):  # the rank's Redis writes were refused: not the rank's fault
+                self._writes_refused = True
+                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); the run stopped at step "
+                               f"{self.state.step} (the last checkpoint is where a resume starts; fix Redis first)")
             raise JobError(f"{what} failed on rank {r}: {err}")
 
     def _hidden_by_switch(self) -> dict[str, float]:
@@ -1034,6 +1178,9 @@ class Coordinator:
             **_validation_summary(self.state.validation),
             "policy": "dynamic" if self.cfg.policy.enabled else "static",
         }
+        if self.operator_stop is not None:
+            out["operator_stop"] = {**asdict(self.operator_stop),
+                                    "text": self.operator_stop.describe(self.state.step, self.state.checkpoint)}
         tmp = self.run_dir / "summary.json.tmp"
         tmp.write_text(json.dumps(out, indent=1))
         tmp.replace(self.run_dir / "summary.json")
@@ -1051,7 +1198,8 @@ class Coordinator:
             return {}
         return bad
 
-    def _checkpoint_failed(self, tag: str, failures: dict[int | None, str]) -> None:
+    def _checkpoint_failed(self, tag: str, failures: dict[int | None, str], discard: bool = True) -> None:
+        """Log why checkpoint ``tag`` was not written; remove it when it is this coordinator's (``discard``)."""
         from dynaresize.job import checkpoints as ckpt
 
         keep = self.state.checkpoint or "none (a resume starts from scratch)"
@@ -1062,6 +1210,10 @@ class Coordinator:
                 self.events.emit("control", what="checkpoint_failed", reason=reason, **({} if r is None else {"rank": r}))
             except OSError as e:  # the run directory's disk may be the full one: the warning above still says it
                 log.warning("could not log checkpoint_failed: %s", e)
+        if not discard:
+            return
+        if self._ckpt_tag == tag:
+            self._ckpt_tag = None
         try:
             ckpt.discard(self.run_dir, tag)
         except OSError as e:
@@ -1082,7 +1234,10 @@ class Coordinator:
             notes.append(f"{res.state_file_problem}; using the copy in checkpoints/{res.tag}")
         for tag, why in res.skipped:
             where = ""
-            if (self.run_dir / "checkpoints" / tag).is_dir():
+            writer = ckpt.live_writer(self.run_dir, tag) if (self.run_dir / "checkpoints" / tag).is_dir() else None
+            if writer is not None:  # a coordinator this one takes over from may still be writing it: not touched
+                where = f"; left in place: {writer} may still be writing it"
+            elif (self.run_dir / "checkpoints" / tag).is_dir():
                 try:
                     where = f"; set aside as {ckpt.set_aside(self.run_dir, tag).relative_to(self.run_dir)}"
                 except OSError as e:
@@ -1101,6 +1256,23 @@ class Coordinator:
             except OSError as e:
                 log.warning("resume: could not rewrite %s: %s (the checkpoint tags are used next time too)", top, e)
         return res.state
+
+
+@contextmanager
+def _shielded(srv):
+    """Start the run's redis-server with SIGTERM and SIGINT blocked, so that it, and every server its watchdog
+    starts again (the watchdog thread is created meanwhile and keeps the mask), inherits them blocked: an
+    operator's stop sent to every process of the job leaves Redis serving the stop's checkpoint; the coordinator
+    SHUTDOWNs it at the end. Only this thread's mask changes, and only while the server starts."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        srv.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def _next_incarnation(run_dir: Path) -> int:

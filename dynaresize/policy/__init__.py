@@ -3,12 +3,22 @@
 See :mod:`dynaresize.policy.policy` for the API and the hysteresis rules.
 """
 
-from dynaresize.policy.candidates import candidate_topologies, from_cluster
-from dynaresize.policy.costs import SwitchCostModel
-from dynaresize.policy.policy import ResizePolicy, greedy_config
-from dynaresize.policy.types import Action, Decision, Observation, OpGroup, PlannedOp, PolicyState, Topology
+from __future__ import annotations
 
-__all__ = [
-    "Action", "Decision", "Observation", "OpGroup", "PlannedOp", "PolicyState", "ResizePolicy", "SwitchCostModel",
-    "Topology", "candidate_topologies", "from_cluster", "greedy_config",
-]
+import importlib
+
+_WHERE = {
+    "candidate_topologies": "candidates", "from_cluster": "candidates", "SwitchCostModel": "costs",
+    "ResizePolicy": "policy", "greedy_config": "policy", "Action": "types", "Decision": "types",
+    "Observation": "types", "OpGroup": "types", "PlannedOp": "types", "PolicyState": "types", "Topology": "types",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    """Lazy: every config load imports ``dynaresize.policy.config``; the policy itself imports numpy, whose BLAS
+    threads would start before the Slurm entry blocks SIGTERM (a preemption's signal could then reach one of them
+    instead of the watcher thread)."""
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"dynaresize.policy.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,15 +7,26 @@ Used unchanged by the simulator and by the runtime coordinator::
     state, decision = policy.step(state, observation)   # pure
     # or, keeping the state inside: decision = policy.decide(observation)
 
-Rules, applied in this order after the stage-time estimates are updated (worked example in the unit tests):
+Rules, applied in this order after the stage-time estimates are updated (worked examples in the unit tests,
+tests/unit/test_policy.py and test_policy_noise.py):
 
 1. **cooldown**: for ``cooldown_steps`` steps after a resize, signals are ignored (the stages are settling).
-2. **imbalance threshold**: a step signals only if |rollout - train| / max > ``imbalance_threshold``.
-3. **consecutive signals**: ``consecutive_signals`` signals in a row, in the same direction, are required.
-4. **minimum dwell**: a topology is kept at least ``min_dwell_steps`` steps.
-5. **best split**: the candidate with the largest net gain horizon x saving - cost; hold if none beats the current.
-6. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (noise guard; 0: off).
-7. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``.
+2. **revert** (prediction-error guard): within ``payback_horizon_steps`` clean steps of a move, go back to the split
+   just left if, each corrected by the model's measured error there (mean measured / predicted period), it is faster
+   than this one by more than the noise (``noise_z`` standard errors, with the back-off of rule 6) and
+   ``min_relative_gain``.
+3. **imbalance threshold**: a step signals only if |rollout - train| / max > ``imbalance_threshold``.
+4. **consecutive signals**: ``consecutive_signals`` signals in a row, in the same direction, are required.
+5. **minimum dwell**: a topology is kept at least ``min_dwell_steps`` steps.
+6. **best split**: predicted periods are E[max(rollout, train)] with the measured noise; a split left before (its
+   error measured on >= 3 clean steps, and the model's prediction for it within ``memory_tolerance`` of the one when
+   it was left) is never predicted faster than the model's error there says. Candidates whose predicted saving per
+   step is within ``noise_z`` standard errors of that prediction are out; ``noise_z`` is multiplied by 1 + the
+   resizes of the last ``backoff_steps`` steps (back-off). Of the rest, the largest net gain horizon x saving - cost
+   (or the nearest to the current split within ``near_best_fraction`` of the best saving); hold if none.
+7. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (0: off).
+8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
+   min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
 
 No I/O, clock or randomness: the same observations always give the same decisions.
 """

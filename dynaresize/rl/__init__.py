@@ -27,7 +27,17 @@ over data-parallel ranks) of each loss equals the full-batch loss; an engine tha
 ranks must then multiply the loss by ``dp`` (or sum gradients instead) to get the same update for any trainer count.
 """
 
-from dynaresize.rl.batch import collate
-from dynaresize.rl.grpo import GrpoLoss, group_advantages, masked_mean, position_ids, sequence_logprobs
+from __future__ import annotations
+
+import importlib
 
 __all__ = ["GrpoLoss", "collate", "group_advantages", "masked_mean", "position_ids", "sequence_logprobs"]
+_WHERE = {"collate": "dynaresize.rl.batch", **{n: "dynaresize.rl.grpo" for n in __all__ if n != "collate"}}
+
+
+def __getattr__(name: str):
+    """Lazy: ``dynaresize.rl.config`` is read by every config load, and importing torch there would start torch's
+    threads before the Slurm entry blocks SIGTERM (a preemption's signal would then miss its watcher thread)."""
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -268,7 +268,6 @@ class PipelineScheduler:
             self._prune_and_send(out)
             self._release(out)
         self._try_train(out)
-        self._offer_help_all(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
 
@@ -358,7 +357,9 @@ class PipelineScheduler:
         self._offer_help_all(out)
 
     def _offer_help_all(self, out: list[Action]) -> None:
-        if self.mech.gradient_helpers and self.batches[min(self.produced, self.cfg.steps - 1)].ready:
+        """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
+        help in ``_assign``)."""
+        if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.cfg.steps - 1)].ready:
             for rank in sorted(self.waiting):
                 self._offer_help(rank, out)
 

@@ -36,8 +36,9 @@ class SlurmConfig(Section):
     setup: list[str] = Field(default_factory=list, description="Shell lines run in the batch script before srun (module load, venv)")
     worker_exit_grace_s: int = Field(60, ge=0, description="Seconds worker ranks get to exit after the coordinator ends, then they are stopped")
     worker_term_timeout_s: int = Field(
-        300, ge=0, description="Seconds a worker rank keeps serving after SIGTERM (Slurm's preemption notice) so the "
-        "coordinator can checkpoint it; it exits at the coordinator's shutdown, when the coordinator's Redis is gone, or then",
+        300, ge=0, description="Seconds a worker rank keeps serving after SIGTERM (Slurm's preemption notice, an "
+        "operator's stop; in local runs SIGINT too) so the coordinator can checkpoint it; it exits at the coordinator's "
+        "shutdown, when the coordinator's Redis is gone, or then",
     )
     entry: Literal["job", "probe"] = Field(
         "job", description="What the components run: the main job, or the built-in probe that tests the Slurm plumbing"

@@ -229,21 +229,25 @@ class TermDeferral:
         self.received_at: float | None = None
         self.exit_reason: str | None = None
 
-    def install(self) -> "TermDeferral":
-        """Call from the main thread."""
-        self._old = signal.signal(signal.SIGTERM, self._on_term)
+    def install(self, signals: tuple[int, ...] = (signal.SIGTERM,)) -> "TermDeferral":
+        """Call from the main thread. ``signals``: the stop signals deferred (a local run's ranks defer SIGINT too:
+        an operator's ``pkill -INT`` reaches every process of the job at once, like SIGTERM)."""
+        self._old = {s: signal.signal(s, self._on_term) for s in signals}
         return self
 
     def uninstall(self) -> None:
-        signal.signal(signal.SIGTERM, self._old)
+        for s, old in self._old.items():
+            signal.signal(s, old)
 
     def _on_term(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
         if self.received_at is not None:
-            log.warning("SIGTERM again: still serving until the coordinator's shutdown")
+            log.warning("%s again: still serving until the coordinator's shutdown", name)
             return
         self.received_at = time.monotonic()
-        log.warning("SIGTERM: this rank keeps serving until the coordinator's shutdown (it checkpoints first on a "
-                    "preemption); it exits after %.0f s, or sooner if the coordinator's Redis goes away", self.timeout_s)
+        log.warning("%s: this rank keeps serving until the coordinator's shutdown (it checkpoints first on a "
+                    "stop or a preemption); it exits after %.0f s, or sooner if the coordinator's Redis goes away",
+                    name, self.timeout_s)
         threading.Thread(target=self._watch, name="sigterm-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -253,7 +257,7 @@ class TermDeferral:
         while True:
             time.sleep(self.poll_s)
             if time.monotonic() >= deadline:
-                self.exit_reason = f"no shutdown from the coordinator within {self.timeout_s:.0f} s of SIGTERM"
+                self.exit_reason = f"no shutdown from the coordinator within {self.timeout_s:.0f} s of the stop signal"
                 break
             if self.coordinator_gone is not None:
                 try:
@@ -263,7 +267,7 @@ class TermDeferral:
                     gone = False
                 misses = misses + 1 if gone else 0
                 if misses >= 2:
-                    self.exit_reason = "the coordinator's Redis is gone after SIGTERM: no shutdown will come"
+                    self.exit_reason = "the coordinator's Redis is gone after the stop signal: no shutdown will come"
                     break
         log.error("exiting: %s", self.exit_reason)
         for h in logging.getLogger().handlers:

@@ -57,12 +57,15 @@ def load_run_config(run_dir: str | Path) -> Config:
 
 def prepare_in_job(config: str, overrides: list[str], job_id: str) -> Path:
     """For ``slurm/dynaresize.sbatch``: the run directory of job ``job_id`` (created on its first start)."""
+    from dynaresize.rundir import RunDirError, require_run_dir
+
     cfg = load_config(config, overrides)
     index = parent_dir(cfg) / JOBS_INDEX / job_id
     if index.exists():
-        run_dir = Path(index.read_text().strip())
-        if (run_dir / "config.yaml").exists():
-            return run_dir
+        try:  # reused only when it is a run directory dynaresize created (its marker): never anything else
+            return require_run_dir(index.read_text().strip())
+        except RunDirError:
+            pass
     run_dir = new_run_dir(cfg)
     record_job(run_dir, job_id)
     index.parent.mkdir(parents=True, exist_ok=True)

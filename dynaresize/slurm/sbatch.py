@@ -6,7 +6,10 @@ Layout of the script::
     #SBATCH hetjob
     #SBATCH <component 1's resources>
     RUN_DIR=... PY=(...)                       # the only lines that differ from slurm/dynaresize.sbatch
-    <LAUNCH_BODY>                              # one `srun --het-group=i` per component, USR2 forwarding, wait
+    <LAUNCH_BODY>                              # the Python check on every task (`srun ... python -c 'import
+                                               # dynaresize, torch'`: a failure and its fix go to the main
+                                               # output, exit 2), one `srun --het-group=i` per component, USR2
+                                               # forwarding, wait
 
 :data:`LAUNCH_BODY` is shared verbatim with the hand-written ``slurm/dynaresize.sbatch`` (a unit test checks it),
 so a user's ``sbatch slurm/dynaresize.sbatch CONFIG`` and ``dynaresize submit CONFIG`` launch the same way.
@@ -26,6 +29,21 @@ HETJOB_SEPARATOR = "#SBATCH hetjob"
 BODY_BEGIN = "# ---- launch: identical in `dynaresize submit` scripts and slurm/dynaresize.sbatch ----"
 BODY_END = "# ---- end of launch ----"
 
+PYTHON_CHECK_CODE = "import dynaresize, torch"
+FIX_HINT = ("set slurm.python to a Python that has the project installed on every node (dynaresize submit CONFIG "
+            "slurm.python=/path/to/venv/bin/python), or export DYNARESIZE_PYTHON=/path/to/venv/bin/python before "
+            "sbatch slurm/dynaresize.sbatch; slurm.setup runs module loads or a venv activation first")
+# a shell function (bash, in the batch script): run the import on every task of het component $1 (more srun
+# options after it); on failure print the tasks' output and the fix to this script's stdout, return 2
+PYTHON_CHECK = (
+    'check_python() { local g=$1 out rc; shift\n'
+    f'  out=$(DYNARESIZE_HET_GROUP=$g srun --het-group=$g --unbuffered --kill-on-bad-exit=0 "$@" "${{PY[@]}}" -c {shlex.quote(PYTHON_CHECK_CODE)} 2>&1); rc=$?\n'
+    '  if [ "$rc" -eq 0 ]; then return 0; fi\n'
+    '  printf \'%s\\n\' "$out" | tail -n 20 | sed "s/^/dynaresize: component $g: /"\n'
+    f'  echo "dynaresize: the Python environment on the nodes of component $g cannot run the job: ${{PY[*]}} -c {shlex.quote(PYTHON_CHECK_CODE)} failed (exit $rc; its output is above). No rank was started. Fix: {FIX_HINT}."\n'
+    '  return 2; }'
+)
+
 LAUNCH_BODY = f"""{BODY_BEGIN}
 LOG_DIR="$RUN_DIR/slurm"
 mkdir -p "$LOG_DIR"
@@ -33,6 +51,11 @@ TAG="${{SLURM_JOB_ID}}.r${{SLURM_RESTART_COUNT:-0}}"
 WORKER_SRUN=()
 if [ -n "${{SLURM_GPUS_PER_NODE_HET_GROUP_1:-}}" ]; then WORKER_SRUN=(--gpus-per-task=1); fi  # one GPU per rank
 echo "dynaresize: job $SLURM_JOB_ID restart ${{SLURM_RESTART_COUNT:-0}} on $(hostname), run dir $RUN_DIR"
+# The Python environment on the nodes, before any rank starts: every task of both components imports the project
+# and torch; a node that cannot shows its error and the fix here, in the job's main output, not in a rank's log.
+{PYTHON_CHECK}
+check_python 0 --ntasks=1 || exit 2
+check_python 1 || exit 2
 DYNARESIZE_HET_GROUP=0 srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \\
   "${{PY[@]}}" -m dynaresize.slurm.entry coordinator --run-dir "$RUN_DIR" &
 COORD=$!

@@ -44,9 +44,12 @@ def fault_point(rank: int, point: str, at: str = "") -> None:
     """Test hook for the fault matrix (never set in a real run): ``DYNARESIZE_TEST_KILL_AT="1:switch_role.offload,
     0:stage_state.weights@step-4"`` makes rank 1 SIGKILL itself right after the offload of a switch, and rank 0 in
     the middle of staging the checkpoint of step 4 (weights staged, optimizer state not). With ``DYNARESIZE_TEST_KILL_ONCE=<dir>``
-    each point fires once per run (a marker file in ``<dir>``), so the restarted rank gets past it."""
+    each point fires once per run (a marker file in ``<dir>``), so the restarted rank gets past it.
+    ``DYNARESIZE_TEST_STOP_AT`` (same syntax) SIGSTOPs the rank there instead: a rank hung in the middle of it."""
+    here = {f"{rank}:{point}", f"{rank}:{point}@{at}"}
+    stop = here & set(os.environ.get("DYNARESIZE_TEST_STOP_AT", "").split(","))
     spec = os.environ.get("DYNARESIZE_TEST_KILL_AT")
-    if not spec or not {f"{rank}:{point}", f"{rank}:{point}@{at}"} & set(spec.split(",")):
+    if not stop and (not spec or not here & set(spec.split(","))):
         return  # "<rank>:<point>" fires at the first pass, "<rank>:<point>@<at>" only there (a step, a tag)
     once = os.environ.get("DYNARESIZE_TEST_KILL_ONCE")
     if once:
@@ -55,7 +58,7 @@ def fault_point(rank: int, point: str, at: str = "") -> None:
             return
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{os.getpid()}\n")
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
 
 
 class WorkerError(RuntimeError):

@@ -51,8 +51,43 @@ def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     """Entry of a locally launched rank (``dynaresize.job.launcher``): everything comes on the command line."""
     run_dir = Path(args.run_dir)
-    return serve(run_dir, args.rank, args.world, args.job_id, run_dir / "redis" / "redis.json",
-                 args.master_addr, args.master_port)
+    endpoint = run_dir / "redis" / "redis.json"
+    _defer_stop_signals(run_dir, endpoint)
+    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port)
+
+
+def _defer_stop_signals(run_dir: Path, endpoint_file: Path) -> None:
+    """An operator's stop of a local run (SIGTERM or SIGINT to every process of the job at once: ``pkill``, ``kill``
+    of the process list) is the coordinator's to carry out: like a rank under Slurm, this one keeps serving until the
+    coordinator has checkpointed it and sent ``shutdown``; it exits on its own when the coordinator's Redis refuses
+    connections, or ``slurm.worker_term_timeout_s`` after the signal (:class:`~dynaresize.slurm.preempt.TermDeferral`)."""
+    import signal
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.slurm.preempt import TermDeferral
+
+    timeout = load_config(run_dir / "config.yaml").slurm.worker_term_timeout_s
+    TermDeferral(timeout, redis_gone(endpoint_file)).install(signals=(signal.SIGTERM, signal.SIGINT))
+
+
+def redis_gone(endpoint_file: Path):
+    """For a local rank's :class:`~dynaresize.slurm.preempt.TermDeferral`: True when the run's Redis (the
+    coordinator's) refuses connections; False while it answers or its endpoint cannot be read (unknown is not gone)."""
+
+    def gone() -> bool:
+        from dynaresize.control.server import Endpoint
+
+        try:
+            ep = Endpoint.load(endpoint_file)
+        except Exception:  # noqa: BLE001 - unreadable: unknown
+            return False
+        try:
+            socket.create_connection((ep.host, ep.port), timeout=2.0).close()
+            return False
+        except OSError:
+            return True
+
+    return gone
 
 
 def run_worker(ctx) -> int:
@@ -125,7 +160,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from dynaresize.comm import groups as G
     from dynaresize.control.commands import CommandReceiver
-    from dynaresize.control.registry import Heartbeater, Registry
+    from dynaresize.control.registry import Heartbeater, Registry, RegistrationRefused
     from dynaresize.control.server import connect
     from dynaresize.control.wire import RankState, Registration
     from dynaresize.engines.trainer_deepspeed import preload
@@ -145,9 +180,13 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         node=os.environ.get("SLURMD_NODENAME"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_id=int(os.environ["SLURM_LOCALID"]) if os.environ.get("SLURM_LOCALID", "").isdigit() else None,
         het_group=int(os.environ["DYNARESIZE_HET_GROUP"]) if os.environ.get("DYNARESIZE_HET_GROUP", "").isdigit() else None,
+        launch=int(launch.get("incarnation", 0)),
     )
     hb = Heartbeater(Registry(client, job_id, cfg.redis), reg, events=events)
-    hb.start()
+    try:
+        hb.start()
+    except RegistrationRefused as e:  # an earlier launch's process, or the rank is held by a live one: leave at once
+        return _refused(e.reason, events, client)
 
     # model loading overlaps communicator creation
     model_dir = launch["model_dir"]
@@ -215,6 +254,8 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
 
         if dist.is_initialized():
             dist.destroy_process_group()
+    if hb.superseded:
+        return _refused(hb.refused or f"rank {rank} superseded", None, client)
     return 0
 
 
@@ -230,6 +271,23 @@ def _scorer(cfg, tokenizer):
         return {"reward": r.score, "reward_error": r.error} if r.error else {"reward": r.score}
 
     return score
+
+
+REFUSED_EXIT = 3  # exit status of a rank process refused its rank (registration refused, or superseded)
+
+
+def _refused(reason: str, events, client) -> int:
+    """One clear line on stderr (and in the rank log), then leave: the rank belongs to another process."""
+    log.error("%s", reason)
+    print(f"dynaresize worker: {reason}", file=sys.stderr, flush=True)
+    if events is not None:
+        events.emit("control", what="refused", reason=reason)
+        events.close()
+    try:
+        client.close()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
+    return REFUSED_EXIT
 
 
 if __name__ == "__main__":

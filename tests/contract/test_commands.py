@@ -16,6 +16,12 @@ from dynaresize.events import EventLog, read_events
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 
 
+@pytest.fixture(params=["per_rank", "broadcast"])
+def cfg(cfg, request):
+    """Every test twice: commands in per-rank streams, and in the job's broadcast stream (even for one rank)."""
+    return cfg.model_copy(update={"broadcast_min_ranks": 0 if request.param == "per_rank" else 1})
+
+
 class Recorder:
     """A handler that records what it applied (and can fail on demand)."""
 

@@ -213,8 +213,12 @@ def test_lua_scripts_reload_after_the_restart_emptied_the_script_cache(tmp_path,
         assert all(c.script_exists(s.sha)[0] for s in scripts)
         sigkill(srv)
         assert restarted.wait(15)
-        assert not any(c.script_exists(s.sha)[0] for s in scripts), "a restarted server has an empty script cache"
-        use_every_script(1)  # redis-py loads each script again on NOSCRIPT
+        use_every_script(1)  # every script works on the restarted server
+        # Whether a restarted server still holds the scripts is a Redis-version detail (6.2 replays the scripts
+        # its append-only file carries, 7.x starts with an empty cache): empty it, as 7.x does, and ask again.
+        c.script_flush()
+        assert not any(c.script_exists(s.sha)[0] for s in scripts)
+        use_every_script(2)  # redis-py loads each script again on NOSCRIPT
         assert all(c.script_exists(s.sha)[0] for s in scripts)
         c.close()
 

@@ -36,10 +36,12 @@ def test_register_list_update_deregister(client, cfg, job_id, registration):
     assert sorted(reg.live()) == [0, 1] and reg.dead() == {}
 
 
-def test_reregister_bumps_incarnation_and_supersedes_the_old_process(client, cfg, job_id, registration):
+def test_a_new_launch_bumps_incarnation_and_supersedes_the_old_process(client, cfg, job_id, registration):
     reg = Registry(client(), job_id, cfg)
-    old = reg.register(registration(job_id, 0))
-    new = reg.register(registration(job_id, 0, pid=1))
+    assert reg.begin_launch(1, world=1) == 1
+    old = reg.register(registration(job_id, 0, launch=1))
+    assert reg.begin_launch(2, world=1) == 2
+    new = reg.register(registration(job_id, 0, pid=1, launch=2))
     assert new.incarnation == old.incarnation + 1
     assert reg.heartbeat(0, old.incarnation) is Beat.SUPERSEDED
     assert reg.heartbeat(0, new.incarnation) is Beat.OK
@@ -97,6 +99,7 @@ def test_heartbeat_many_answers_each_rank_in_one_round_trip(client, cfg, job_id,
     reg = Registry(c, job_id, cfg)
     past_restart_allowance(c, cfg)
     regs = {r: reg.register(registration(job_id, r)) for r in range(3)}
+    c.zadd(f"dr:{job_id}:live", {"1": 0})  # rank 1's process went silent long ago: a new process may take the rank
     newer = reg.register(registration(job_id, 1, pid=7))  # rank 1's old process is superseded
     time.sleep(cfg.dead_after_s + 0.1)
     assert sorted(reg.dead()) == [0, 1, 2]

@@ -36,6 +36,16 @@ TAG="${SLURM_JOB_ID}.r${SLURM_RESTART_COUNT:-0}"
 WORKER_SRUN=()
 if [ -n "${SLURM_GPUS_PER_NODE_HET_GROUP_1:-}" ]; then WORKER_SRUN=(--gpus-per-task=1); fi  # one GPU per rank
 echo "dynaresize: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $(hostname), run dir $RUN_DIR"
+# The Python environment on the nodes, before any rank starts: every task of both components imports the project
+# and torch; a node that cannot shows its error and the fix here, in the job's main output, not in a rank's log.
+check_python() { local g=$1 out rc; shift
+  out=$(DYNARESIZE_HET_GROUP=$g srun --het-group=$g --unbuffered --kill-on-bad-exit=0 "$@" "${PY[@]}" -c 'import dynaresize, torch' 2>&1); rc=$?
+  if [ "$rc" -eq 0 ]; then return 0; fi
+  printf '%s\n' "$out" | tail -n 20 | sed "s/^/dynaresize: component $g: /"
+  echo "dynaresize: the Python environment on the nodes of component $g cannot run the job: ${PY[*]} -c 'import dynaresize, torch' failed (exit $rc; its output is above). No rank was started. Fix: set slurm.python to a Python that has the project installed on every node (dynaresize submit CONFIG slurm.python=/path/to/venv/bin/python), or export DYNARESIZE_PYTHON=/path/to/venv/bin/python before sbatch slurm/dynaresize.sbatch; slurm.setup runs module loads or a venv activation first."
+  return 2; }
+check_python 0 --ntasks=1 || exit 2
+check_python 1 || exit 2
 DYNARESIZE_HET_GROUP=0 srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \
   "${PY[@]}" -m dynaresize.slurm.entry coordinator --run-dir "$RUN_DIR" &
 COORD=$!

@@ -234,10 +234,12 @@ def test_resume_with_no_intact_checkpoint_is_refused_by_the_command(tmp_path, ca
     """`dynaresize run --resume` says what is damaged and stops before starting anything (exit 1)."""
     from dynaresize.cli import main
     from dynaresize.config.loader import load_config, write_resolved
+    from dynaresize.rundir import write_marker
 
     root = Path(__file__).resolve().parents[2]
     write_resolved(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]),
                    tmp_path)
+    write_marker(tmp_path)
     _write(tmp_path, 2)
     bad = tmp_path / "checkpoints" / "step-2" / "rank0-weights" / "data.bin"
     _flip(bad, 7)
@@ -246,3 +248,129 @@ def test_resume_with_no_intact_checkpoint_is_refused_by_the_command(tmp_path, ca
     err = capsys.readouterr().err
     assert f"--resume {tmp_path}: no intact checkpoint" in err and f"{bad}: chunk 0 " in err and "Nothing was deleted" in err
     assert _tree(tmp_path) == before  # not even the incarnation counter moved
+
+
+def test_claim_tag_never_reuses_a_directory_and_names_its_owner(tmp_path):
+    assert C.claim_tag(tmp_path, 4, {"epoch": 7}) == "step-4"
+    (tmp_path / "checkpoints" / "step-4" / "rank0-weights").mkdir()  # someone is writing into it
+    assert C.claim_tag(tmp_path, 4, {"epoch": 8}) == "step-4.2"
+    assert C.claim_tag(tmp_path, 4, {"epoch": 8}) == "step-4.3"
+    assert (tmp_path / "checkpoints" / "step-4" / "rank0-weights").is_dir(), "the first attempt is left alone"
+    owner = json.loads((tmp_path / "checkpoints" / "step-4.2" / C.OWNER_FILE).read_text())
+    assert owner["epoch"] == 8 and owner["pid"] == os.getpid()
+    assert C.tags(tmp_path) == ["step-4.3", "step-4.2", "step-4"]
+    assert C.tag_step("step-4.3") == 4
+    for bad in ("step-4.1", "step-4.0", "step-4.x", "step-4.2.1"):
+        with pytest.raises(ValueError, match="not a checkpoint tag"):
+            C.tag_step(bad)
+
+
+def _owned_by(run_dir: Path, tag: str, pid: int, host: str | None = None) -> None:
+    import socket
+
+    (run_dir / "checkpoints" / tag / C.OWNER_FILE).write_text(json.dumps({"pid": pid, "host": host or socket.gethostname(), "epoch": 3}))
+
+
+def test_an_incomplete_checkpoint_whose_writer_lives_is_left_alone(tmp_path):
+    """A coordinator taken over (hung, alive) may still write its checkpoint: retain does not remove it and
+    live_writer names it; once that process is gone (or for an older tag without an owner) it is removable."""
+    import subprocess
+    import sys
+
+    for k in (2, 4, 6):
+        _write(tmp_path, k)
+    _write(tmp_path, 3, complete=False)
+    _write(tmp_path, 5, complete=False)
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _owned_by(tmp_path, "step-3", writer.pid)
+        _owned_by(tmp_path, "step-5", writer.pid, host="another-node")
+        assert C.live_writer(tmp_path, "step-3") == f"coordinator pid {writer.pid} on {os.uname().nodename} (epoch 3), still alive"
+        assert "cannot be checked from this host" in C.live_writer(tmp_path, "step-5")
+        assert C.live_writer(tmp_path, "step-4") is None  # complete: nobody writes it any more
+        assert C.retain(tmp_path, 1) == ["step-4", "step-2"]
+        assert C.tags(tmp_path) == ["step-6", "step-5", "step-3"]
+    finally:
+        writer.kill()
+        writer.wait()
+    assert C.live_writer(tmp_path, "step-3") is None  # its process is gone
+    assert C.retain(tmp_path, 1) == ["step-3"] and C.tags(tmp_path) == ["step-6", "step-5"]
+
+
+def test_rank_problems_say_when_what_a_replayed_ack_names_is_gone(tmp_path):
+    tag = _write(tmp_path, 2)
+    assert C.rank_problems(tmp_path, tag, 0, version=2, n_train=N_TRAIN) == []
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoints" / tag / "rank0-optim")
+    (tmp_path / "checkpoints" / tag / "rank1-weights" / "data.bin").unlink()
+    [p0] = C.rank_problems(tmp_path, tag, 0, version=2, n_train=N_TRAIN)
+    assert str(tmp_path / "checkpoints" / tag / "rank0-optim") in p0
+    assert str(tmp_path / "checkpoints" / tag / "rank1-weights") in C.rank_problems(tmp_path, tag, 1, 2, N_TRAIN)[0]
+    assert "policy version 2, the state says 3" in C.rank_problems(tmp_path, tag, 2, version=3, n_train=N_TRAIN)[0]
+
+
+def test_a_resume_leaves_a_checkpoint_another_coordinator_may_be_writing_in_place(tmp_path):
+    """The resume point is the newest intact checkpoint; a newer incomplete one whose writer lives is noted and left
+    where it is (not set aside), one whose writer is gone is set aside as before."""
+    import subprocess
+    import sys
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.events import ReadStats, read_events
+    from dynaresize.job.coordinator import Coordinator
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"])
+    _write(tmp_path, 2)
+    _write(tmp_path, 4, complete=False)
+    _write(tmp_path, 6, complete=False)
+    writer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _owned_by(tmp_path, "step-6", writer.pid)
+        _owned_by(tmp_path, "step-4", 2 ** 22 + 17)  # a pid that is not running
+        before = _tree(tmp_path / "checkpoints" / "step-6")
+        coord = Coordinator(cfg, tmp_path, resume=True)
+        assert coord.state.step == 2 and coord.state.checkpoint == "checkpoints/step-2"
+        assert _tree(tmp_path / "checkpoints" / "step-6") == before
+        assert not (tmp_path / "checkpoints" / "step-4").exists()
+        assert (tmp_path / "checkpoints" / "damaged" / "step-4.1").is_dir()
+    finally:
+        writer.kill()
+        writer.wait()
+    notes = [e["reason"] for e in read_events(tmp_path, ReadStats()) if e.get("what") == "checkpoint_skipped"]
+    assert any(n.startswith("step-6 skipped: ") and f"left in place: coordinator pid {writer.pid}" in n for n in notes), notes
+    assert any(n.startswith("step-4 skipped: ") and "set aside as checkpoints/damaged/step-4.1" in n for n in notes), notes
+
+
+def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_path):
+    from dynaresize.config.loader import load_config
+    from dynaresize.events import EventLog
+    from dynaresize.job.coordinator import Coordinator
+
+    root = Path(__file__).resolve().parents[2]
+    coord = Coordinator(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]), tmp_path)
+    coord.state.step = 2
+    lines = [json.dumps({"step": k, "keys": []}) for k in range(3)]
+    (tmp_path / "batches.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2] + "\n" + '{"step": 3, "ke')
+    with EventLog(tmp_path / "events.jsonl") as coord.events:
+        coord._rewind_batches()
+    assert (tmp_path / "batches.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
+    events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
+    reasons = [e["reason"] for e in events if e.get("type") == "control"]
+    assert any(r.startswith(f"{tmp_path / 'batches.jsonl'} line 4 is not a complete record") for r in reasons), reasons
+    assert any("steps 2..2 ran after the last checkpoint (step 2)" in r for r in reasons), reasons
+
+
+def test_an_operator_stop_names_its_signal_where_it_ended_and_what_a_resume_does():
+    from dynaresize.job.coordinator import OperatorStop
+
+    done = OperatorStop("SIGTERM", 3, checkpoint="step-4")
+    assert done.describe(4, "checkpoints/step-4") == (
+        "SIGTERM (an operator's stop) during step 3: stopped before step 4, checkpoint step-4 written, ranks shut "
+        "down; a resume continues at step 4 and trains no step twice")
+    cut = OperatorStop("SIGINT", 3, abandoned="checkpoint step-4 abandoned (a second stop signal cut it short)")
+    assert cut.describe(4, "checkpoints/step-2").endswith(
+        "ranks shut down; checkpoint step-4 abandoned (a second stop signal cut it short); a resume starts from "
+        "checkpoints/step-2 (the steps after it are trained again)")
+    assert "a resume starts from the start" in OperatorStop("SIGTERM", 0).describe(0, None)

@@ -5,6 +5,7 @@ bad config prints that one line, exits 2 and creates nothing."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -144,12 +145,78 @@ def test_run_with_a_bad_override_prints_one_line_exits_2_and_creates_nothing(tmp
 
 
 def test_resume_with_a_bad_override_leaves_the_run_untouched(tmp_path):
-    run_dir = tmp_path / "run-1"
-    run_dir.mkdir()
+    from dynaresize.rundir import create_run_dir
+
+    run_dir = create_run_dir(tmp_path, "run")
     write_resolved(load_config(ROOT / "configs" / "quickstart.yaml", [f"run.output_dir={tmp_path}"]), run_dir)
     before = _tree(run_dir)
     r = _dynaresize("run", "--resume", str(run_dir), "run.steps=many", "--quiet")
     assert r.returncode == 2, r.stderr
     [line] = r.stderr.splitlines()
     assert line.startswith("dynaresize run: invalid config: override 'run.steps=many': run.steps = 'many': ")
-    assert _tree(run_dir) == before and sorted(p.name for p in tmp_path.iterdir()) == ["run-1"]
+    assert _tree(run_dir) == before and sorted(p.name for p in tmp_path.iterdir()) == [run_dir.name]
+
+
+def test_resume_of_a_folder_holding_only_the_users_config_is_refused_and_writes_nothing(tmp_path):
+    """`--resume` on a folder the project did not create (here: the user's own config, with an ``extends:`` line)
+    names what is missing, exits 2 without a traceback, and leaves the folder byte-identical."""
+    mine = tmp_path / "my-experiment"
+    mine.mkdir()
+    text = f"extends: {ROOT / 'configs' / 'quickstart.yaml'}\nrun:\n  steps: 3\n"
+    (mine / "config.yaml").write_text(text)
+    before = _tree(mine)
+    r = _dynaresize("run", "--resume", str(mine), "--quiet")
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith(f"dynaresize run: --resume: {mine}: not a run directory created by dynaresize (no "
+                           ".dynaresize-run.json marker"), line
+    assert "nothing was written into it" in line and "Traceback" not in r.stderr
+    assert _tree(mine) == before and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]
+    assert (mine / "config.yaml").read_text() == text  # the extends: line is still there
+
+
+def test_resume_names_a_missing_directory_a_damaged_marker_and_a_missing_config(tmp_path):
+    from dynaresize.rundir import MARKER, RunDirError, create_run_dir, require_run_dir
+
+    with pytest.raises(RunDirError, match="no such directory"):
+        require_run_dir(tmp_path / "nope")
+    rd = create_run_dir(tmp_path, "x")
+    assert json.loads((rd / MARKER).read_text())["run_id"] == rd.name
+    with pytest.raises(RunDirError, match="without its resolved config.yaml"):
+        require_run_dir(rd)
+    (rd / "config.yaml").write_text("run: {}\n")
+    assert require_run_dir(rd) == rd
+    (rd / MARKER).write_text("{not json")
+    with pytest.raises(RunDirError, match=f"{MARKER}: unreadable run marker"):
+        require_run_dir(rd)
+
+
+def test_a_run_directory_from_before_the_marker_is_still_resumable(tmp_path):
+    """Recognised by its event log's first record: the run_start of a run named like the directory."""
+    from dynaresize.rundir import RunDirError, require_run_dir
+
+    rd = tmp_path / "old-20261130-010203"
+    rd.mkdir()
+    (rd / "config.yaml").write_text("run: {}\n")
+    (rd / "events.jsonl").write_text(json.dumps({"v": 1, "type": "run_start", "run_id": "other"}) + "\n")
+    with pytest.raises(RunDirError, match="not a run directory created by dynaresize"):
+        require_run_dir(rd)
+    (rd / "events.jsonl").write_text(json.dumps({"v": 1, "type": "run_start", "run_id": rd.name}) + "\n")
+    assert require_run_dir(rd) == rd
+
+
+def test_a_slurm_job_reuses_only_a_run_directory_dynaresize_created(tmp_path):
+    """``entry prepare`` after a requeue: the job index names the run directory; one that is not a run directory
+    (the index edited by hand to point at the user's folder) is not written into: a new run directory is made."""
+    from dynaresize.slurm.rundir import JOBS_INDEX, prepare_in_job
+
+    over = [f"run.output_dir={tmp_path / 'runs'}"]
+    first = prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41")
+    assert prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41") == first  # the requeue
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.yaml").write_text("extends: x.yaml\n")
+    (tmp_path / "runs" / JOBS_INDEX / "41").write_text(f"{mine}\n")
+    again = prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41")
+    assert again not in (mine, first) and (again / ".dynaresize-run.json").exists()
+    assert (mine / "config.yaml").read_text() == "extends: x.yaml\n" and sorted(p.name for p in mine.iterdir()) == ["config.yaml"]

@@ -88,3 +88,71 @@ def test_static_sbatch_script_launches_like_submit() -> None:
     assert LAUNCH_BODY in static, "slurm/dynaresize.sbatch must contain sbatch.LAUNCH_BODY verbatim (regenerate its body)"
     assert static.index(BODY_BEGIN) > static.index(HETJOB_SEPARATOR) and static.rstrip().endswith(BODY_END)
     assert os.access(ROOT / "slurm" / "dynaresize.sbatch", os.X_OK)
+
+
+# --- the Python environment check of the launch body, run by bash with a stand-in srun -------------------------
+# No Slurm here: `srun` is a script that drops its options and runs the command on this machine (the entry's tasks
+# only log that they were started). What is tested is the generated shell, not Slurm.
+FAKE_SRUN = """#!/bin/bash
+echo "srun $*" >> "$SRUN_LOG"
+while [ $# -gt 0 ] && [ "${1#--}" != "$1" ]; do shift; done
+case "$*" in *dynaresize.slurm.entry*) exit 0;; esac
+exec "$@"
+"""
+
+
+def _run_script(tmp_path: Path, text: str, *args: str, env: dict | None = None):
+    import subprocess
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    log = tmp_path / "srun.log"
+    e = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SRUN_LOG=str(log), SLURM_JOB_ID="77",
+             PYTHONPATH=str(ROOT), **(env or {}))
+    r = subprocess.run(["bash", str(script), *args], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    return r, (log.read_text().splitlines() if log.exists() else [])
+
+
+def _render_for(tmp_path: Path, python: str) -> str:
+    cfg = load_config(ROOT / "configs" / "slurm-local.yaml")
+    return render_sbatch(build_spec(cfg, tmp_path / "run", python=python))
+
+
+def test_a_node_without_the_project_stops_the_job_before_any_rank_with_the_fix_in_the_main_output(tmp_path):
+    import shlex
+    import sys
+
+    bad = f"{shlex.quote(sys.executable)} -I -S"  # no site-packages, no PYTHONPATH: the project is not importable
+    r, calls = _run_script(tmp_path, _render_for(tmp_path, bad))
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = r.stdout  # the batch script's stdout is the job's main output (#SBATCH --output)
+    assert "dynaresize: component 0: ModuleNotFoundError: No module named 'dynaresize'" in out
+    assert "the Python environment on the nodes of component 0 cannot run the job" in out
+    assert "slurm.python=" in out and "DYNARESIZE_PYTHON=" in out and "No rank was started" in out
+    assert len(calls) == 1 and "--het-group=0" in calls[0] and "dynaresize.slurm.entry" not in "".join(calls)
+
+
+def test_with_a_working_python_the_check_passes_on_both_components_then_the_ranks_start(tmp_path):
+    import shlex
+    import sys
+
+    r, calls = _run_script(tmp_path, _render_for(tmp_path, shlex.quote(sys.executable)), env={"GRACE_S": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cannot run the job" not in r.stdout and "dynaresize: coordinator exit code 0" in r.stdout
+    checks = [c for c in calls if "import dynaresize, torch" in c]
+    assert [("--het-group=0" in c, "--het-group=1" in c) for c in checks] == [(True, False), (False, True)]
+    assert calls.index(checks[-1]) < min(i for i, c in enumerate(calls) if "dynaresize.slurm.entry" in c)
+
+
+def test_the_hand_written_script_checks_the_batch_hosts_python_first(tmp_path):
+    import sys
+
+    r, calls = _run_script(tmp_path, (ROOT / "slurm" / "dynaresize.sbatch").read_text(), "configs/slurm-local.yaml",
+                           env={"DYNARESIZE_PYTHON": f"{sys.executable} -I -S"})
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "dynaresize: batch host: ModuleNotFoundError: No module named 'dynaresize'" in r.stdout
+    assert "Fix: export DYNARESIZE_PYTHON=" in r.stdout and calls == []

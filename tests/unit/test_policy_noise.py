@@ -1,0 +1,164 @@
+"""The policy's noise rules and its robustness on a stationary workload, measured through the simulator.
+
+Rules (dynaresize/policy/policy.py): noise-aware predictions (E[max] of the two stages), a significance test on the
+predicted gain with a back-off after recent resizes, a memory of splits left (never predicted faster than they
+measured; a revert when a move did not deliver), and a payback horizon cut to the steps left in the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from dynaresize.config.loader import load_config
+from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
+from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
+from dynaresize.policy.types import LeftSplit
+from dynaresize.policy.predictor import StageModel, expected_max
+from dynaresize.sim.compare import run_dynamic, run_static, setup
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+COSTS = SwitchCostModel(SwitchCostConfig(), OptimizationsConfig())
+CANDS = candidate_topologies(8)
+
+
+def test_expected_max_matches_monte_carlo_and_is_the_max_without_noise():
+    rng = np.random.default_rng(0)
+    for mr, sr, mt, s_t in [(100, 20, 105, 3), (100, 1, 50, 1), (80, 30, 80, 0)]:
+        mc = np.maximum(rng.normal(mr, sr, 400_000), rng.normal(mt, s_t, 400_000)).mean()
+        assert float(expected_max(mr, sr, mt, s_t)) == pytest.approx(mc, rel=2e-3)
+    assert float(expected_max(100, 0, 105, 0)) == 105
+    m = StageModel(1.0, 1.0, noise_alpha=0.5)
+    est = m.update(None, Observation(0, Topology(4, 4), 100, 90, rollout_tail_s=50))
+    assert m.period_s(est, Topology(4, 4)) == pytest.approx(100)  # one observation: no variance yet (no prior here)
+    est = m.update(est, Observation(1, Topology(4, 4), 130, 90, rollout_tail_s=80))
+    assert est.tail_var == pytest.approx(0.5 * 0.5 * 30 ** 2)
+    assert m.period_s(est, Topology(4, 4)) > max(m.rollout_s(est, Topology(4, 4)), m.train_s(est, Topology(4, 4)))
+
+
+def steps_policy(**kw) -> ResizePolicy:
+    base = dict(min_dwell_steps=0, consecutive_signals=1, cooldown_steps=0, ewma_alpha=1.0, train_scaling_per_doubling=1.0,
+                tail_cv_prior=0.0)
+    base.update(kw)
+    return ResizePolicy(PolicyConfig(**base), COSTS, CANDS)
+
+
+def test_payback_horizon_is_cut_to_the_steps_left():
+    # 6:2 at 200 s vs 146.7 s on 5:3 (see test_policy's worked example): a 53.3 s/step saving, ~3.6 s to switch
+    obs = dict(step=0, topology=Topology(6, 2), rollout_s=200, train_s=100, rollout_tail_s=40)
+    p = steps_policy()
+    assert p.step(p.initial_state(), Observation(**obs))[1].resize  # no steps_left: the full 10-step horizon
+    d = p.step(p.initial_state(), Observation(**obs, steps_left=5))[1]
+    assert d.resize and d.expected_saving_s == pytest.approx(5 * (200 - (40 + 320 / 3)))
+    d = p.step(p.initial_state(), Observation(**obs, steps_left=0))[1]
+    assert not d.resize and d.reason.startswith("run ends")
+    dear = ResizePolicy(PolicyConfig(min_dwell_steps=0, consecutive_signals=1, cooldown_steps=0, ewma_alpha=1.0, tail_cv_prior=0.0),
+                        SwitchCostModel(SwitchCostConfig(override_s={"comm_select": 60.0}), OptimizationsConfig()), CANDS)
+    assert dear.step(dear.initial_state(), Observation(**obs))[1].resize  # 533 s > 63.6 s x 1.5
+    d = dear.step(dear.initial_state(), Observation(**obs, steps_left=1))[1]
+    assert not d.resize and d.reason.startswith("payback: saving") and "over 1 steps <= cost 63.6s" in d.reason
+
+
+def test_noise_blocks_a_move_the_same_gain_without_noise_makes():
+    # 5:3, train-bound by a little (112 s): 6:2 is predicted 6% faster (105 s); with a tail that jumps by +-80% from step
+    # to step the prediction's standard error is larger than that, and the policy holds
+    p = steps_policy(tail_cv_prior=0.0, imbalance_threshold=0.0, noise_alpha=0.5, ewma_alpha=0.5, consecutive_signals=4)
+    quiet, noisy = p.initial_state(), p.initial_state()
+    t = Topology(5, 3)
+    for k in range(6):
+        quiet, dq = p.step(quiet, Observation(k, t, 90, 112, rollout_tail_s=60))
+        tail = 60 * (1.8 if k % 2 else 0.2)
+        noisy, dn = p.step(noisy, Observation(k, t, 30 + tail, 112, rollout_tail_s=tail))
+        if dq.resize:
+            break
+    assert dq.resize and dq.target == Topology(6, 2)
+    assert not dn.resize and dn.reason == "predicted gains within the noise"
+
+
+def test_a_move_that_did_not_deliver_is_reverted_and_only_just_after_it():
+    # state after a move 6:2 -> 5:3: on 6:2 the model was right (ratio 1.0 over 6 steps); on 5:3 every step measures
+    # 50% slower than the model predicts (220 s for 146.7 s), while the model still ranks 5:3 ahead of 6:2 (200 s)
+    p = steps_policy(memory_tolerance=0.1, min_dwell_steps=3, ewma_alpha=0.01)  # estimates that hardly move
+    m = p.model
+    est = m.update(None, Observation(0, Topology(6, 2), 200, 100, rollout_tail_s=40))
+    here, there = m.period_s(est, Topology(5, 3)), m.period_s(est, Topology(6, 2))
+    assert here == pytest.approx(40 + 320 / 3) and there == pytest.approx(200)
+    left = (LeftSplit(Topology(6, 2), 1.0, 0.0, there, 6),)
+    state = replace(p.initial_state(), estimates=est, left=left, here_ratio=1.5, here_steps=3, steps_since_resize=5)
+    obs = Observation(9, Topology(5, 3), 220, 120, rollout_tail_s=40)
+    s2, d = p.step(state, obs)
+    assert d.resize and d.target == Topology(6, 2) and d.reason.startswith("revert: 6:2 measures 201.1s/step < 221.1s/step here (5:3)")
+    assert s2.left[-1].topology == Topology(5, 3) and s2.here_steps == 0 and s2.resized_at == (9,)
+    # later than payback_horizon_steps after the move the normal rules decide
+    late = replace(state, here_steps=p.cfg.payback_horizon_steps + 1)
+    assert not p.step(late, obs)[1].reason.startswith("revert")
+    # a memory the model's prediction has moved away from by more than memory_tolerance is not trusted
+    stale = replace(state, left=(LeftSplit(Topology(6, 2), 1.0, 0.0, there * 1.5, 6),))
+    assert not p.step(stale, obs)[1].reason.startswith("revert")
+    # nor one measured on fewer than 3 clean steps
+    short = replace(state, left=(LeftSplit(Topology(6, 2), 1.0, 0.0, there, 2),))
+    assert not p.step(short, obs)[1].reason.startswith("revert")
+
+
+# --- robustness on a stationary workload (issue 13, item 6) ----------------------------------------------------------
+def stationary(gpus: int, mean: int, seed: int, steps: int):
+    return load_config(ROOT / "configs/sim/stationary_8gpu.yaml", [
+        f"sim.steps={steps}", "sim.write_events=false", f"cluster.gpus={gpus}", f"cluster.initial_train={round(0.75 * gpus)}",
+        f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}", f"run.seed={seed}"])
+
+
+def best_static(s) -> float:
+    s.table.sweep([c.n_rollout for c in s.candidates])
+    return min(run_static(s, c).total_s for c in s.candidates)
+
+
+SLOW = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+LENGTHS = st.integers(300, 6000)
+
+
+@SLOW
+@given(gpus=st.sampled_from([8, 16, 32]), mean=LENGTHS, seed=st.integers(0, 10_000))
+def test_stationary_workload_few_switches_and_little_loss_against_the_best_static_split(gpus, mean, seed):
+    """From the scenario's start (3/4 of the GPUs training) over 200 steps: at most 2 switches, and within 3% of the
+    best static split (the run starts away from it: its first steps on the start split are part of the loss).
+    The issue's target is 1%; measured on a 60-case grid (8/16/32 GPUs x 300..6000 tokens x 4 seeds) 59 cases are
+    within 1%, the other 1.08% (the xfail test below)."""
+    s = setup(stationary(gpus, mean, seed, 200))
+    dyn = run_dynamic(s, False)
+    loss = dyn.total_s / best_static(s) - 1
+    assert dyn.switches <= 2, f"{dyn.switches} switches: {dyn.topologies}"
+    assert loss <= 0.03, f"{100 * loss:.2f}% behind the best static split ({dyn.switches} switches)"
+
+
+@pytest.mark.parametrize("gpus, mean, seed", [(8, 700, 0), (16, 3000, 1), (32, 1500, 2)])
+def test_stationary_workload_meets_the_one_percent_target(gpus, mean, seed):
+    s = setup(stationary(gpus, mean, seed, 200))
+    dyn = run_dynamic(s, False)
+    assert dyn.switches <= 2 and dyn.total_s <= 1.01 * best_static(s)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss of the 1% target (1.08%): 16 GPUs, 300-token responses, start 12:4; the "
+                   "best split 13:3 is reached after two moves (12:4 -> 14:2 -> 13:3), the steps on the way cost the rest")
+def test_known_miss_of_the_one_percent_target():
+    s = setup(stationary(16, 300, 1, 200))
+    assert run_dynamic(s, False).total_s <= 1.01 * best_static(s)
+
+
+@SLOW
+@given(gpus=st.sampled_from([8, 16, 32]), mean=LENGTHS, seed=st.integers(0, 10_000))
+def test_stationary_workload_started_on_the_best_split_stays_near_it(gpus, mean, seed):
+    """Started on the best static split, 60 steps: noise moves it at most twice and costs at most 5% (one wrong move
+    early in so short a run costs its whole remaining length; on 200 steps see the test above)."""
+    s = setup(stationary(gpus, mean, seed, 60))
+    s.table.sweep([c.n_rollout for c in s.candidates])
+    totals = {c: run_static(s, c).total_s for c in s.candidates}
+    best = min(totals, key=totals.get)
+    s.initial = best
+    dyn = run_dynamic(s, False)
+    assert dyn.switches <= 2, f"{dyn.switches} switches from {best}: {dyn.topologies}"
+    assert dyn.total_s <= 1.05 * totals[best]
