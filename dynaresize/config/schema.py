@@ -17,7 +17,7 @@ from dynaresize.policy.config import PolicyConfig
 from dynaresize.rl.config import AlgorithmConfig
 from dynaresize.sim.config import SimConfig
 from dynaresize.slurm.config import SlurmConfig
-from dynaresize.tasks.config import TaskConfig
+from dynaresize.tasks.config import RewardConfig, TaskConfig
 from dynaresize.worker.config import ModelConfig, RolloutConfig, StagingConfig, TrainConfig
 
 
@@ -94,7 +94,8 @@ class Config(Section):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="DAPO options: dynamic sampling, overlong reward shaping")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metric loggers: TensorBoard, W&B offline (JSONL always)")
     staging: StagingConfig = Field(default_factory=StagingConfig, description="Bounded state staging to node-local disk")
-    task: TaskConfig = Field(default_factory=TaskConfig, description="RL task and reward")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="RL task: generated prompts or a dataset")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward function, run on the rollout ranks")
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")

@@ -17,6 +17,10 @@ Choices (see docs/workers.md):
 - Leaving the rollout role: ``sleep(level)`` (1: weights to pinned host memory, KV cache dropped; 2: both
   dropped). Coming back: ``wake_up(["weights"])``, load the current weights, ``wake_up(["kv_cache"])``, then
   ``reset_prefix_cache()`` (cached prefixes were computed with the old weights).
+- Token ids in, token ids out (``skip_tokenizer_init``): prompts arrive rendered by the model directory's own
+  tokenizer (chat messages through its chat template, on the coordinator), stop tokens are its EOS ids
+  (``dynaresize.models.hf.stop_token_ids``), and the rollout rank decodes and scores with the same tokenizer. The
+  chat-template path is exercised on CPU with the torch engine only; with vLLM on a GPU it is unverified.
 - One ``SamplingParams`` per sample, ``seed`` = the work item's seed: vLLM then draws that request from its own
   generator, so a sample does not depend on which rank or batch generates it.
 """

@@ -1,4 +1,5 @@
-"""From generated samples to a training batch: rewards, group-relative advantages, staleness check.
+"""From generated samples to a training batch: rewards (scored on the rollout ranks), group-relative advantages,
+staleness check.
 
 The coordinator does this once per step, in sample order (prompt, index), so the batch is the same whichever ranks
 generated it and however many trainers will split it. The batch goes to trainers as JSON under one Redis key;
@@ -30,15 +31,52 @@ def sample_seed(seed: int, step: int, prompt: int, index: int) -> int:
     return int.from_bytes(h, "little") >> 1
 
 
-def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int, first: int = 0) -> tuple[list[WorkItem], list[str]]:
-    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompt texts, for prompt indices
-    ``first .. first + prompts - 1`` (``first > 0``: an extra round of dynamic sampling)."""
-    texts = [task.prompt(seed, step, p) for p in range(first, first + prompts)]
+def work_items(task: Task, tokenizer, seed: int, step: int, prompts: int, group: int, first: int = 0,
+               stride: int | None = None) -> tuple[list[WorkItem], list[str]]:
+    """The step's work: ``prompts`` x ``group`` items (prompt-major), and the prompts' plain texts, for prompt indices
+    ``first .. first + prompts - 1`` (``first > 0``: an extra round of dynamic sampling). A prompt is rendered by
+    :func:`~dynaresize.models.hf.render_prompt` (chat messages through the model's chat template); each item carries
+    what its reward needs (data source, ground truth, extra info) to the rollout rank that scores it. ``stride``:
+    prompts a step may use at most (a dataset task's records per step; default ``prompts``), so extra rounds of one
+    step never take the next step's records."""
+    from dynaresize.models.hf import prompt_text, render_prompt
+    from dynaresize.tasks.base import sample_of
+
+    per_step = stride or (first + prompts)
+    samples = [sample_of(task, seed, step, p, per_step) for p in range(first, first + prompts)]
     items = []
-    for p, text in enumerate(texts, start=first):
-        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
-        items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i)) for i in range(group)]
-    return items, texts
+    for p, smp in enumerate(samples, start=first):
+        ids = render_prompt(tokenizer, smp.prompt)
+        items += [WorkItem(step, p, i, list(ids), sample_seed(seed, step, p, i), info=smp.to_info()) for i in range(group)]
+    return items, [prompt_text(smp.prompt) for smp in samples]
+
+
+def val_seed(seed: int, prompt: int, index: int) -> int:
+    """Seed of validation response ``index`` to validation prompt ``prompt``: the same draws at every pass."""
+    return sample_seed(seed, -1, prompt, index)
+
+
+def val_items(samples, tokenizer, seed: int, version: int, k: int) -> list[WorkItem]:
+    """A validation pass: ``k`` items per validation sample, keyed ``<version>.<prompt>.<index>``."""
+    from dynaresize.models.hf import render_prompt
+
+    items = []
+    for p, smp in enumerate(samples):
+        ids = render_prompt(tokenizer, smp.prompt)
+        items += [WorkItem(version, p, i, list(ids), val_seed(seed, p, i), info=smp.to_info()) for i in range(k)]
+    return items
+
+
+def reward_errors(samples: list[SampleResult]) -> list[str]:
+    """The reward failures the rollout ranks reported (each text names its sample key), in sample order."""
+    return [s.extra["reward_error"] for s in samples if s.extra.get("reward_error")]
+
+
+def reward_of(s: SampleResult) -> float:
+    """The score the rollout rank gave sample ``s`` (every rank scores what it generates)."""
+    if not isinstance(s.extra.get("reward"), (int, float)):
+        raise RuntimeError(f"sample {s.key}: no reward in its result (rank {s.rank} did not score it)")
+    return float(s.extra["reward"])
 
 
 def check_staleness(step: int, samples: list[SampleResult], bound: int) -> None:
@@ -92,12 +130,15 @@ def score_samples(
     items: list[WorkItem], ordered: list[SampleResult], texts: list[str], task: Task, tokenizer,
     overlong: OverlongShaping | None = None,
 ) -> tuple[list[float], list[float]]:
-    """``(scores, rewards)`` per sample: the task's score of the decoded response, and the reward the advantage is
-    computed from (the score plus the overlong penalty when shaping is on, else the score itself)."""
+    """``(scores, rewards)`` per sample: the score the rollout rank gave it (``reward_of``; a result without one, as
+    hand-built ones in tests, is scored here by the task's own reward), and the reward the advantage is computed from
+    (the score plus the overlong penalty when shaping is on, else the score itself)."""
     scores, rewards = [], []
     for it, s in zip(items, ordered):
-        text = tokenizer.decode(s.response_ids, skip_special_tokens=True)
-        score = float(task.reward(texts[it.prompt], text))
+        if "reward" in s.extra:
+            score = reward_of(s)
+        else:
+            score = float(task.reward(texts[it.prompt], tokenizer.decode(s.response_ids, skip_special_tokens=True)))
         scores.append(score)
         rewards.append(score + overlong.penalty(len(s.response_ids)) if overlong is not None else score)
     return scores, rewards

@@ -123,6 +123,10 @@ def _print_summary(s: dict) -> None:
           f"({s['samples_per_s']:.2f} samples/s; {s['elapsed_s']:.1f} s with start-up), split now {s['final_split']} ({s['policy']})")
     print(f"mean reward: first step {f(s['reward_first'])}, last step {f(s['reward_last'])} "
           f"(first 3 {f(s['reward_first3'])}, last 3 {f(s['reward_last3'])})")
+    if s.get("val_reward_first") is not None:
+        v0, v1 = s["val_versions"]
+        print(f"validation: mean reward {f(s['val_reward_first'])} (version {v0}) -> {f(s['val_reward_last'])} (version {v1}), "
+              f"pass@{s['val_k']} {f(s['val_pass_at_k_first'])} -> {f(s['val_pass_at_k_last'])}")
     if s["switches"]:
         print(f"switches ({len(s['switches'])}, {s['switch_critical_path_s']:.2f} s on the critical path):")
         for sw in s["switches"]:
@@ -130,4 +134,6 @@ def _print_summary(s: dict) -> None:
     else:
         print("switches: none")
     print(f"summary  {Path(s['run_dir']) / 'summary.json'}")
-    print(json.dumps({k: s[k] for k in ('steps', 'samples_per_s', 'reward_first', 'reward_last', 'switch_critical_path_s')}))
+    keys = ('steps', 'samples_per_s', 'reward_first', 'reward_last', 'switch_critical_path_s', 'elapsed_s',
+            'val_reward_first', 'val_reward_last', 'val_pass_at_k_first', 'val_pass_at_k_last')
+    print(json.dumps({k: s[k] for k in keys if k in s}))

@@ -53,7 +53,7 @@ from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
 from dynaresize.control.server import RedisRefusesWrites
 from dynaresize.events import EventLog, Role, format_ranks
-from dynaresize.job.batching import TrainBatch, work_items
+from dynaresize.job.batching import TrainBatch, reward_errors, work_items
 from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
 from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
 
@@ -175,6 +175,7 @@ class Coordinator:
         from dynaresize.control.server import RedisServer, connect
         from dynaresize.job.workqueue import RolloutQueue
         from dynaresize.models.store import ensure_model, load_tokenizer
+        from dynaresize.rewards import load_reward
         from dynaresize.tasks.registry import load_task
 
         write_resolved(self.cfg, self.run_dir)
@@ -194,8 +195,12 @@ class Coordinator:
         try:
             self.metrics = self._open_metrics()
             self.task = load_task(self.cfg.task)
+            if callable(getattr(self.task, "check_run", None)):
+                self.task.check_run(self.cfg.run.steps, self.cfg.rollout.prompts_per_step)
+            load_reward(self.cfg, self.task)  # an import path that does not resolve fails here, before any rank starts
             self.model_dir = ensure_model(self.cfg)
             self.tokenizer = load_tokenizer(self.model_dir)
+            self._check_prompts()
             self.assembler = BatchAssembler.from_config(self.cfg, self.task, self.tokenizer)
             self._build_policy()
             self.pstate = policy_from_dict(self.state.policy) or self.policy.initial_state()
@@ -395,6 +400,7 @@ class Coordinator:
     def loop(self) -> None:
         steps = self.cfg.run.steps
         k = self.state.step
+        self.validate(self.state.version)  # before any update (version 0), unless done before a resume
         # fill the pipeline: batches k .. k+s-1 (already there after a resume, then this is a no-op)
         for j in range(k, min(k + self.bound, steps)):
             self._ctx, self._seq = f"f{j}", {}
@@ -418,6 +424,7 @@ class Coordinator:
             else:
                 self.finish(k, gen, train, batch)
             self.sync_weights(k + 1)
+            self.validate(k + 1)  # every rollout rank holds version k+1 and waits for the next step's commands
             k = self.state.step = k + 1
             self.state.loop_s += time.monotonic() - t_step
             self.state.elapsed_s = self._elapsed()
@@ -428,6 +435,64 @@ class Coordinator:
             self._journal()
             if self.preemption is not None and self.preemption.poll().value != "continue":
                 break  # checkpointed by the preemption hook; requeued or stopping
+
+    # ---------------------------------------------------------------------------------------------------------
+    # validation (a dataset task with val_files): held-out prompts, scored like training samples, never trained on
+
+    def _check_prompts(self) -> None:
+        """Chat-message prompts need the model's chat template: one message naming the record, before ranks start."""
+        from dynaresize.models.hf import check_chat_template
+
+        where = self.task.chat_record() if callable(getattr(self.task, "chat_record", None)) else None
+        if where is not None:
+            check_chat_template(self.tokenizer, self.model_dir, where)
+
+    def _val_due(self, version: int) -> bool:
+        every = self.cfg.task.dataset.val_every
+        samples = self.task.val_samples() if callable(getattr(self.task, "val_samples", None)) else []
+        return (bool(samples) and every > 0 and str(version) not in self.state.validation
+                and (version % every == 0 or version == self.cfg.run.steps))
+
+    def validate(self, version: int) -> None:
+        """Generate ``val_samples`` responses per validation prompt with policy ``version`` (held by every rollout
+        rank now), through the validation queue; record the mean reward and pass@k. Seeds depend on (run seed,
+        prompt, index) only, so every pass answers the same draws and a resized run matches a static one."""
+        from dynaresize.job.batching import val_items
+        from dynaresize.job.workqueue import RolloutQueue
+
+        if not self._val_due(version):
+            return
+        t0 = time.monotonic()
+        ds, ro = self.cfg.task.dataset, self.cfg.rollout
+        items = val_items(self.task.val_samples(), self.tokenizer, self.cfg.run.seed, version, ds.val_samples)
+        vq = RolloutQueue(self.redis, self.job_id, name="vq")
+        vq.publish(version, items)
+        payload = {"step": version, "version": self.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
+                   "temperature": ro.temperature, "top_p": ro.top_p, "validation": True}
+        for _ in range(3):
+            if vq.done(version) >= vq.total(version) or not self._rollouts():
+                break
+            for r in range(self.world):  # claims of a rank lost in an earlier attempt go back to the queue
+                vq.release(version, r)
+            self._await_rollout(self._send("generate", self._rollouts(), payload), self._rollouts(), version)
+        results = vq.results(version)
+        if len(results) < len(items):
+            log.warning("validation at version %d: %d of %d samples generated; not recorded", version, len(results), len(items))
+            return
+        rewards = [float(r.extra.get("reward", 0.0)) for r in results]
+        per_prompt = [rewards[p * ds.val_samples:(p + 1) * ds.val_samples] for p in range(len(items) // ds.val_samples)]
+        rec = {"version": version, "step": version, "prompts": len(per_prompt), "k": ds.val_samples,
+               "reward_mean": round(sum(rewards) / len(rewards), 6),
+               "pass_at_k": round(sum(max(g) >= 1.0 for g in per_prompt) / len(per_prompt), 6),
+               "reward_errors": len(reward_errors(results)), "seconds": round(time.monotonic() - t0, 3)}
+        self.state.validation[str(version)] = rec
+        for name in ("reward_mean", "pass_at_k"):
+            self.events.emit("metric", name=f"val_{name}", value=rec[name], step=version, k=ds.val_samples)
+        with open(self.run_dir / "validation.jsonl", "a") as f:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        vq.clear(version)
+        log.info("validation at version %d: mean reward %.3f, pass@%d %.3f (%d prompts, %.1f s)", version,
+                 rec["reward_mean"], ds.val_samples, rec["pass_at_k"], len(per_prompt), rec["seconds"])
 
     def observation(self, k: int):
         from dynaresize.policy import Observation, Topology
@@ -603,7 +668,8 @@ class Coordinator:
             n = self.assembler.next_round(j, items, texts, self.queue.results(j))
             if not n:
                 break
-            more, more_texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, n, self.group, first=len(texts))
+            more, more_texts = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, n, self.group, first=len(texts),
+                                          stride=self._stride())
             self._items[j] = (items + more, texts + more_texts)
             self.queue.extend(j, self.assembler.rounds_of(len(texts) + n), more)
             if self.queue.done(j) < self.queue.total(j):
@@ -617,10 +683,22 @@ class Coordinator:
         self._filled.add(j)
         return ran
 
+    def _stride(self) -> int:
+        """Prompts a step may use at most: the step's own, plus every extra round dynamic sampling may add. A dataset
+        task's step ``k`` reads records ``k * stride ..``, so no round ever takes a record of another step."""
+        a = self.assembler
+        return self.cfg.rollout.prompts_per_step + (a.max_rounds * a.round_prompts if a.filtering else 0)
+
     def _work(self, j: int):
         """Batch j's work items and prompt texts, built (prompts sampled, tokenised) once per step."""
         if j not in self._items:
-            self._items[j] = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step, self.group)
+            self._items[j] = work_items(self.task, self.tokenizer, self.cfg.run.seed, j, self.cfg.rollout.prompts_per_step,
+                                        self.group, stride=self._stride())
+            if j == self.state.step and not getattr(self, "_shown_prompt", False):  # what the model is really given
+                self._shown_prompt = True
+                first = self._items[j][0][0]
+                self.events.emit("control", what="prompt_rendered", reason=self.tokenizer.decode(first.prompt_ids),
+                                 key=first.key, tokens=len(first.prompt_ids))
         return self._items[j]
 
     def make_batch(self, k: int) -> TrainBatch:
@@ -637,6 +715,7 @@ class Coordinator:
                            "temperature": ro.temperature, "top_p": ro.top_p})
             items, texts = self._work(k)  # with the rounds' prompts
             results = self.queue.results(k)
+        self._check_rewards(k, results)
         try:
             batch, self._stats = self.assembler.build(k, items, texts, results)
         except UnfilledBatchError as e:
@@ -649,6 +728,17 @@ class Coordinator:
                              f"{self._stats.groups_filler} dropped group(s) trained on to keep the batch size")
         self.redis.set(self._batch_key(k), batch.to_json(), ex=24 * 3600)
         return batch
+
+    def _check_rewards(self, k, results) -> None:
+        """Reward failures the rollout ranks reported: each one an event and a warning naming the sample (its
+        score is 0); with ``reward.on_error: fail`` the first one fails the run."""
+        errors = reward_errors(results)
+        for err in errors[:20]:
+            self.events.emit("control", what="reward_error", reason=err, step=k)
+        if errors:
+            log.warning("batch %s: %d reward failure(s) scored 0, e.g. %s", k, len(errors), errors[0])
+            if self.cfg.reward.on_error == "fail":
+                raise JobError(f"reward failed ({len(errors)} sample(s) of batch {k}; reward.on_error=fail): {errors[0]}")
 
     def _batch_key(self, k: int) -> str:
         from dynaresize.control.keys import Keys
@@ -1085,6 +1175,7 @@ class Coordinator:
             "switches": self.state.switches,
             "switch_critical_path_s": round(sum(s["critical_path_s"] for s in self.state.switches), 4),
             "final_split": f"{self.state.n_train}:{self.world - self.state.n_train}",
+            **_validation_summary(self.state.validation),
             "policy": "dynamic" if self.cfg.policy.enabled else "static",
         }
         if self.operator_stop is not None:
@@ -1195,6 +1286,16 @@ def _next_incarnation(run_dir: Path) -> int:
         n = 1
     path.write_text(f"{n}\n")
     return n
+
+
+def _validation_summary(val: dict[str, dict]) -> dict[str, Any]:
+    """First and last validation pass (by policy version) for the summary; empty when none ran."""
+    if not val:
+        return {}
+    first, last = val[min(val, key=int)], val[max(val, key=int)]
+    return {"val_reward_first": first["reward_mean"], "val_reward_last": last["reward_mean"],
+            "val_pass_at_k_first": first["pass_at_k"], "val_pass_at_k_last": last["pass_at_k"], "val_k": last["k"],
+            "val_versions": [first["version"], last["version"]]}
 
 
 def _mean(xs: list[float]) -> float | None:

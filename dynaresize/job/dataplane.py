@@ -27,6 +27,7 @@ class RedisDataPlane:
     def __init__(self, client: redis.Redis, job_id: str, outage_s: float = 120.0):
         self.client = client
         self.queue = RolloutQueue(client, job_id)
+        self.vqueue = RolloutQueue(client, job_id, name="vq")
         self.outage_s = outage_s
 
     def _patient(self, fn, *args):
@@ -40,11 +41,12 @@ class RedisDataPlane:
                 log.warning("Redis unreachable (%s); retrying for up to %.0f s more", e, deadline - time.monotonic())
                 time.sleep(1.0)
 
-    def claim(self, step: int, rank: int, n: int) -> list[WorkItem]:
-        return self._patient(self.queue.claim, step, rank, n, uuid.uuid4().hex)  # one token: a retry takes nothing new
+    def claim(self, step: int, rank: int, n: int, validation: bool = False) -> list[WorkItem]:
+        q = self.vqueue if validation else self.queue
+        return self._patient(q.claim, step, rank, n, uuid.uuid4().hex)  # one token: a retry takes nothing new
 
-    def complete(self, step: int, rank: int, results: list[SampleResult]) -> int:
-        return self._patient(self.queue.complete, step, rank, results)
+    def complete(self, step: int, rank: int, results: list[SampleResult], validation: bool = False) -> int:
+        return self._patient((self.vqueue if validation else self.queue).complete, step, rank, results)
 
     def batch(self, key: str) -> TrainBatch:
         raw = self._patient(self.client.get, key)

@@ -47,6 +47,7 @@ class GeneratePayload(_Payload):
     max_tokens: int = Field(ge=1)
     temperature: float = Field(gt=0)
     top_p: float = Field(gt=0, le=1)
+    validation: bool = Field(False, description="pull from the validation queue (samples scored, never trained on)")
 
 
 class GenerateResult(_Msg):

@@ -34,6 +34,7 @@ class JobState:
     loop_s: float = 0.0  # time spent in the RL loop (steps), all incarnations: what throughput is measured over
     incarnation: int = 0  # how many times the run was started (1 on the first start)
     lost: list[int] = field(default_factory=list)  # ranks declared lost and fenced off (the job runs without them)
+    validation: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy version -> validation pass record
 
     def to_json(self) -> str:
         return json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=1, sort_keys=True)

@@ -13,6 +13,8 @@ Keys (under the job's namespace ``dr:<job>``; one set per RL step)::
     dr:<job>:wq:<step>:meta            hash   total (items published), round:<r> (items of extra round r)
     dr:<job>:wq:<step>:lastclaim:<r>   string "<claim token>|<key>,<key>,..": rank r's last claim (see below)
 
+A validation pass uses the same layout under ``dr:<job>:vq:<version>:...`` (``RolloutQueue(..., name="vq")``).
+
 Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
 
     PENDING --claim(r)--> INFLIGHT(r) --complete--> DONE
@@ -121,6 +123,7 @@ class WorkItem:
     prompt_ids: list[int]  # tokenised prompt
     seed: int  # per-sample seed derived from (run seed, step, prompt, index)
     key: str = ""  # sample key "step.prompt.index" (filled in)
+    info: dict[str, Any] = field(default_factory=dict)  # what the reward needs: data_source, ground_truth, extra_info
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", sample_key(self.step, self.prompt, self.index))
@@ -166,9 +169,10 @@ class SampleResult:
 class RolloutQueue:
     """Pull-based dispatch of one step's samples over Redis (see the module docstring)."""
 
-    def __init__(self, client: redis.Redis, job_id: str):
+    def __init__(self, client: redis.Redis, job_id: str, name: str = "wq"):
         self.r = client
         self.ns = Keys(job_id).ns
+        self.name = name  # "wq": the training batches; "vq": validation passes (keyed by policy version)
         self.fenced_key = Keys(job_id).fenced  # ranks declared lost: claims and results refused
         self._publish = client.register_script(_PUBLISH)
         self._extend = client.register_script(_EXTEND)
@@ -177,7 +181,7 @@ class RolloutQueue:
         self._release = client.register_script(_RELEASE)
 
     def _k(self, step: int, what: str) -> str:
-        return f"{self.ns}:wq:{int(step)}:{what}"
+        return f"{self.ns}:{self.name}:{int(step)}:{what}"
 
     def publish(self, step: int, items: Iterable[WorkItem]) -> int:
         """Queue a step's items once; publishing the same step again (a retry, a resume) adds nothing."""
@@ -240,6 +244,6 @@ class RolloutQueue:
         return out
 
     def clear(self, step: int) -> None:
-        keys = list(self.r.scan_iter(match=f"{self.ns}:wq:{int(step)}:*", count=500))
+        keys = list(self.r.scan_iter(match=f"{self.ns}:{self.name}:{int(step)}:*", count=500))
         if keys:
             self.r.delete(*keys)

@@ -1,7 +1,9 @@
 """``ensure_model(cfg) -> Path``: the HF model directory every engine loads (vLLM, DeepSpeed, the torch sampler).
 
-With ``model.path`` set it is checked and returned. Otherwise the tiny model is built locally (tokenizer from the
-task's alphabet, a LLaMA-style model from ``model.tiny``, supervised warm-start) and cached under
+With ``model.path`` set it is checked (:func:`dynaresize.models.hf.check_model_dir`: config.json, a tokenizer,
+weights) and returned. Otherwise the tiny model is built locally into the same layout (a byte-level BPE tokenizer
+with a chat template trained on the task's text, a LLaMA-style model from ``model.tiny``, supervised warm-start on
+prompts rendered exactly as in rollout) and cached under
 ``model.cache_dir/<hash>`` (default ``~/.cache/dynaresize/models``), the hash covering the model shape, the
 warm-start settings, the task (name, params, curriculum) and the seed; so the second run skips it. The build goes
 to a temporary directory next to the final one and is renamed into place, under a file lock: a crash never leaves
@@ -20,17 +22,19 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
+from dynaresize.models.hf import check_model_dir, load_model, load_tokenizer, prompt_text
 from dynaresize.models.tiny import build_model
-from dynaresize.models.tokenizer import build_tokenizer
-from dynaresize.models.warmstart import SFT_SEED_OFFSET, warm_start
+from dynaresize.models.tokenizer import train_tokenizer
+from dynaresize.models.warmstart import SFT_SEED_OFFSET, greedy_reward, warm_start
+from dynaresize.tasks.base import reference_answer, sample_of
 from dynaresize.tasks.registry import load_task
 
 log = logging.getLogger(__name__)
-BUILD_VERSION = 2  # bump when the build recipe changes, so old caches are not reused
+BUILD_VERSION = 3  # bump when the build recipe changes, so old caches are not reused
 META_FILE = "dynaresize_model.json"
 EVAL_PROMPTS = 64
+CORPUS_SAMPLES = 4000  # task samples the tokenizer is trained on
+CORPUS_SEED_OFFSET = 6151  # corpus prompts apart from the RL and warm-start ones
 
 
 def default_cache_dir() -> Path:
@@ -43,9 +47,25 @@ def cache_key(cfg) -> str:
         "version": BUILD_VERSION,
         "tiny": cfg.model.tiny.model_dump(),
         "task": cfg.task.model_dump(),
+        "reward": cfg.reward.function,
+        "data": _data_fingerprint(cfg),
         "seed": cfg.run.seed,
     }
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _data_fingerprint(cfg) -> str | None:
+    """Hash of the dataset files' bytes when the task reads files (the build depends on their contents)."""
+    files = [*cfg.task.dataset.train_files, *cfg.task.dataset.val_files]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        try:
+            h.update(Path(f).expanduser().read_bytes())
+        except OSError:
+            h.update(f.encode())  # a missing file is reported by the task with its own message
+    return h.hexdigest()[:16]
 
 
 @contextmanager
@@ -58,19 +78,10 @@ def _locked(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _config_error(msg: str) -> Exception:
-    from dynaresize.config.loader import ConfigError
-
-    return ConfigError(msg)
-
-
 def ensure_model(cfg) -> Path:
     """Return the model directory for the root ``Config`` ``cfg``, building and caching the tiny model if needed."""
     if cfg.model.path:
-        path = Path(cfg.model.path).expanduser()
-        if not (path / "config.json").is_file():
-            raise _config_error(f"model.path = {cfg.model.path!r}: no config.json there (not an HF model directory)")
-        return path
+        return check_model_dir(cfg.model.path)
     root = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else default_cache_dir()
     final = root / cache_key(cfg)
     if (final / META_FILE).is_file():
@@ -92,35 +103,39 @@ def ensure_model(cfg) -> Path:
 
 
 def build_tiny_model(cfg, out_dir: Path) -> dict:
-    """Build tokenizer + model, warm-start it, save both to ``out_dir``; returns the metadata written there."""
-    from dynaresize.rl.local import evaluate
+    """Train the tokenizer, build the model, warm-start it, save both to ``out_dir``; returns the metadata written
+    there. Everything is then read back from ``out_dir`` like any HF directory (no object of this build is used)."""
+    from dynaresize.rewards import load_reward
 
     task = load_task(cfg.task)
+    reward = load_reward(cfg, task)
     tiny = cfg.model.tiny
-    tokenizer = build_tokenizer(task.alphabet)
+    tokenizer = train_tokenizer(tokenizer_corpus(task, cfg.run.seed), tiny.vocab_size, tiny.max_token_chars)
     model = build_model(tiny, tokenizer, seed=cfg.run.seed)
-    log.info("building the tiny model: %d parameters, warm-start %d steps", sum(p.numel() for p in model.parameters()), tiny.warmstart_steps)
+    log.info("building the tiny model: %d parameters, vocabulary %d, warm-start %d steps",
+             sum(p.numel() for p in model.parameters()), len(tokenizer), tiny.warmstart_steps)
     sft = warm_start(model, tokenizer, task, steps=tiny.warmstart_steps, lr=tiny.warmstart_lr, batch_size=tiny.warmstart_batch, seed=cfg.run.seed)
     for label, step in (("greedy_reward_first", 0), ("greedy_reward_late", 10**6)):  # start / past any ramp
-        prompts = [task.prompt(cfg.run.seed + 2 * SFT_SEED_OFFSET, step, i) for i in range(EVAL_PROMPTS)]
-        sft[label] = evaluate(model, tokenizer, task, prompts, max(len(task.answer(p)) for p in prompts) + 2)
+        samples = [sample_of(task, cfg.run.seed + 2 * SFT_SEED_OFFSET, step, i, EVAL_PROMPTS) for i in range(EVAL_PROMPTS)]
+        longest = max(len(tokenizer(reference_answer(task, s), add_special_tokens=False)["input_ids"]) for s in samples)
+        sft[label] = greedy_reward(model, tokenizer, reward, samples, longest + 2)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     meta = {"build_version": BUILD_VERSION, "key": cache_key(cfg), "task": cfg.task.model_dump(), "tiny": tiny.model_dump(),
-            "seed": cfg.run.seed, "alphabet": task.alphabet, "warm_start": sft}
+            "seed": cfg.run.seed, "vocab_size": len(tokenizer), "warm_start": sft}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     log.info("warm-start done in %.1f s, greedy reward %.3f (late lengths %.3f)", sft["seconds"], sft["greedy_reward_first"], sft["greedy_reward_late"])
     return meta
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """Load the causal LM from a local directory (never the hub)."""
-    from transformers import AutoModelForCausalLM
+def tokenizer_corpus(task, seed: int, n: int = CORPUS_SAMPLES) -> list[str]:
+    """Text the tiny tokenizer is trained on: the task's prompts and reference answers (a dataset's records cycle),
+    over the steps a run visits (a curriculum's later, longer problems included)."""
+    out = []
+    for i in range(n):
+        s = sample_of(task, seed + CORPUS_SEED_OFFSET, i % 100, i // 100, n // 100)  # 100 steps x n/100 distinct positions
+        out.append(prompt_text(s.prompt) + reference_answer(task, s))
+    return out
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
 
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+__all__ = ["cache_key", "ensure_model", "load_model", "load_tokenizer", "tokenizer_corpus"]

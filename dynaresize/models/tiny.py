@@ -1,8 +1,8 @@
-"""The tiny LLaMA-style policy built from ``model.tiny``: shapes vLLM accepts, ids from the task's tokenizer.
+"""The tiny LLaMA-style policy built from ``model.tiny``: shapes vLLM accepts, ids from its trained tokenizer.
 
 Why LLaMA and not Qwen2 (the two differ here only by Qwen2's q/k/v biases): transformers 5.24's ``AutoTokenizer``
 lists ``qwen2`` among model types whose declared tokenizer class it overrides, and rebuilds the saved tokenizer as a
-byte-level BPE ``Qwen2Tokenizer`` (NFC normaliser, GPT-2 split, dropped unknown characters). With
+byte-level BPE ``Qwen2Tokenizer`` (its own normaliser and split, not the ones our tokenizer was trained with). With
 ``model_type=llama`` it loads our ``tokenizer.json`` as is. head_dim = hidden / heads; vLLM's attention backends
 want a multiple of 8 and >= 32 (hidden 128, 2 heads -> 64, the default). Embeddings are tied; weights float32.
 """

@@ -1,7 +1,15 @@
-"""What a task is: deterministic prompts, a reference answer, a verifiable reward, and the characters it uses.
+"""What a task is: deterministic prompts, a reference answer, and a verifiable reward.
 
 A task is plain Python with no torch: the coordinator samples prompts, rollout ranks score responses, and the model
-builder reads ``alphabet`` to build the tokenizer. Everything crossing processes is a string, so the wire stays JSON.
+builder trains the tiny model's tokenizer on the task's text. Everything crossing processes is JSON.
+
+Two kinds of task, one wire form (:class:`Sample`, verl's layout: prompt, data_source, ground truth, extra info):
+
+* a generated task (the built-ins, or a user class): ``prompt(seed, step, index) -> str``, ``answer(prompt)``,
+  ``reward(prompt, response)``; :func:`sample_of` wraps its prompt as a ``Sample`` whose ``extra_info["prompt"]``
+  lets :class:`TaskReward` call ``reward`` with the verl signature;
+* a dataset (:class:`dynaresize.tasks.dataset.DatasetTask`): ``sample(seed, step, index, per_step) -> Sample`` and
+  ``reference(sample)``; its reward comes from ``reward.function`` (``module:function``, verl's compute_score).
 
 Determinism: ``prompt(seed, step, index)`` depends on nothing else, so it does not matter which rank (or which
 run, resized or static) asks for sample ``index`` of step ``step``.
@@ -21,8 +29,8 @@ Worked example (``ReverseDigits``, default curriculum)::
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 from dynaresize.tasks.config import CurriculumConfig
 
@@ -33,8 +41,6 @@ DEFAULT_ALPHABET = "0123456789abcdefghijklmnopqrstuvwxyz:=,"
 @runtime_checkable
 class Task(Protocol):
     """The interface a user task implements (import path in ``task.name``, constructor kwargs in ``task.params``)."""
-
-    alphabet: str  # every character a prompt or a correct answer may contain (the tokenizer is built from it)
 
     def prompt(self, seed: int, step: int, index: int) -> str:
         """Prompt ``index`` of RL step ``step``; a pure function of its arguments."""
@@ -47,6 +53,49 @@ class Task(Protocol):
     def reward(self, prompt: str, response: str) -> float:
         """Score of a decoded response (special tokens removed), in [0, 1]."""
         ...
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt and what scoring it needs, in verl's layout (it travels to the rollout ranks as JSON)."""
+
+    prompt: str | list[dict[str, Any]]  # plain text, or chat messages [{"role": ..., "content": ...}, ...]
+    data_source: str  # which dataset the record came from (verl's rewards dispatch on it)
+    ground_truth: Any = None  # reward_model.ground_truth: what the reward compares the response with
+    extra_info: dict[str, Any] = field(default_factory=dict)  # free-form record info, passed to the reward
+
+    @property
+    def is_chat(self) -> bool:
+        return not isinstance(self.prompt, str)
+
+    def to_info(self) -> dict[str, Any]:
+        """What a rollout rank needs to score a response (JSON-ready)."""
+        return {"data_source": self.data_source, "ground_truth": self.ground_truth, "extra_info": self.extra_info}
+
+
+def sample_of(task: Any, seed: int, step: int, index: int, per_step: int) -> Sample:
+    """Sample ``index`` of step ``step`` (``per_step`` prompts a step), for either kind of task."""
+    if callable(getattr(task, "sample", None)):
+        return task.sample(seed, step, index, per_step)
+    text = task.prompt(seed, step, index)
+    return Sample(text, type(task).__name__, task.answer(text), {"prompt": text})
+
+
+def reference_answer(task: Any, sample: Sample) -> str:
+    """The response the supervised warm-start teaches for ``sample``."""
+    if callable(getattr(task, "reference", None)):
+        return task.reference(sample)
+    return task.answer(sample.prompt)
+
+
+class TaskReward:
+    """A generated task's own ``reward(prompt, response)`` called with verl's compute_score signature."""
+
+    def __init__(self, task: Any) -> None:
+        self.task = task
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None) -> float:
+        return self.task.reward((extra_info or {})["prompt"], solution_str)
 
 
 def sample_rng(seed: int, step: int, index: int, salt: str = "") -> random.Random:

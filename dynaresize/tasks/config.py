@@ -9,7 +9,7 @@ best train:rollout split drifts.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,6 +32,35 @@ class CurriculumConfig(Section):
         return self
 
 
+class DatasetConfig(Section):
+    """Files and schedule of the dataset task (``task.name: dataset``), verl's record layout."""
+
+    train_files: list[str] = Field(
+        default_factory=list, description="Training records: .jsonl/.json (one object a line) or .parquet files, read in order"
+    )
+    val_files: list[str] = Field(default_factory=list, description="Held-out validation records (same layout); empty: no validation")
+    shuffle: bool = Field(True, description="Shuffle the training records each epoch, by a permutation drawn from run.seed and the epoch")
+    epochs: int | None = Field(
+        None, ge=1, description="Passes over the training records; the run is refused when run.steps needs more (unset: cycle for ever)"
+    )
+    val_every: int = Field(10, ge=0, description="Steps between validation passes (also before the first and after the last step); 0: never")
+    val_samples: int = Field(4, ge=1, description="Responses per validation prompt: k of pass@k (a response with reward >= 1 passes)")
+    val_max_prompts: int | None = Field(None, ge=1, description="Validation prompts used (the first ones in file order; unset: all)")
+
+
+class RewardConfig(Section):
+    """Which function scores a response (on the rollout ranks) and what a failing one does."""
+
+    function: str | None = Field(
+        None, description="'module:function' or 'path/to/file.py:function', called as verl's compute_score(data_source, solution_str, ground_truth, "
+        "extra_info) -> float; built in: dynaresize.rewards.math:compute_score. Unset: the task's own reward"
+    )
+    on_error: Literal["zero", "fail"] = Field(
+        "zero", description="A reward that raises or returns a non-number: score the sample 0 and report it with its key "
+        "(zero), or fail the run with that report (fail)"
+    )
+
+
 class TaskConfig(Section):
     name: str = Field(
         "dynaresize.tasks.reverse:ReverseDigits",
@@ -41,4 +70,7 @@ class TaskConfig(Section):
     curriculum: CurriculumConfig = Field(
         default_factory=CurriculumConfig,
         description="Length distribution and its drift over steps (passed to tasks whose constructor takes 'curriculum')",
+    )
+    dataset: DatasetConfig = Field(
+        default_factory=DatasetConfig, description="Dataset files and schedule (passed to tasks whose constructor takes 'dataset')"
     )

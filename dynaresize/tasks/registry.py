@@ -17,6 +17,7 @@ BUILTIN_TASKS = {
     "reverse_digits": "dynaresize.tasks.reverse:ReverseDigits",
     "sort_letters": "dynaresize.tasks.sort:SortLetters",
     "span_letters": "dynaresize.tasks.span:SpanLetters",
+    "dataset": "dynaresize.tasks.dataset:DatasetTask",
 }
 
 
@@ -58,13 +59,23 @@ def load_task(cfg: TaskConfig) -> Task:
         accepts_curriculum = False
     if accepts_curriculum and "curriculum" not in kwargs:
         kwargs["curriculum"] = Curriculum.from_config(cfg.curriculum)
+    if _accepts(cls, "dataset") and "dataset" not in kwargs:
+        kwargs["dataset"] = cfg.dataset
     try:
         task = cls(**kwargs)
     except TypeError as e:
         raise _config_error(f"task.params = {cfg.params!r}: {cfg.name} does not accept them: {e}") from None
-    missing = [m for m in ("prompt", "answer", "reward") if not callable(getattr(task, m, None))]
-    alphabet = getattr(task, "alphabet", None)
-    if missing or not isinstance(alphabet, str) or not alphabet:
-        what = f"missing methods {missing}" if missing else "'alphabet' must be a non-empty str"
-        raise _config_error(f"task.name = {cfg.name!r}: not a Task ({what}); see dynaresize.tasks.base.Task")
+    if callable(getattr(task, "sample", None)):  # a dataset: samples and references; reward from reward.function
+        missing = [m for m in ("reference",) if not callable(getattr(task, m, None))]
+    else:
+        missing = [m for m in ("prompt", "answer", "reward") if not callable(getattr(task, m, None))]
+    if missing:
+        raise _config_error(f"task.name = {cfg.name!r}: not a Task (missing methods {missing}); see dynaresize.tasks.base.Task")
     return task
+
+
+def _accepts(cls: type, name: str) -> bool:
+    try:
+        return name in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False

@@ -15,15 +15,22 @@ class TinyModelConfig(Section):
     num_heads: int = Field(2, ge=1, description="Attention heads (head_dim = hidden/heads; vLLM wants a multiple of 8, >= 32)")
     intermediate_size: int = Field(512, ge=8, description="MLP intermediate size of the tiny model")
     max_positions: int = Field(512, ge=16, description="max_position_embeddings of the tiny model")
+    vocab_size: int = Field(384, ge=280, description="Entries of the tiny model's byte-level BPE tokenizer (256 bytes, 6 specials, merges)")
+    max_token_chars: int = Field(2, ge=1, description="Longest piece (characters) a merge of the tiny tokenizer may make")
     warmstart_steps: int = Field(300, ge=0, description="Supervised warm-start steps before RL (cached by config hash)")
     warmstart_lr: float = Field(3e-3, gt=0, description="Learning rate of the supervised warm-start")
     warmstart_batch: int = Field(64, ge=1, description="Batch size of the supervised warm-start")
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="HF model directory to load; unset builds the tiny model locally (no hub access)")
+    path: str | None = Field(
+        None, description="Local HF causal-LM directory (config.json, tokenizer, weights; its own chat template, EOS and "
+        "pad tokens); unset builds the tiny model locally in the same layout (no hub access either way)"
+    )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="Shape of the locally built model")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype of the trainer and rollout engines")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Parameter dtype of the trainer and rollout engines (auto: the model directory's own, float32 if unset)"
+    )
     cache_dir: str | None = Field(None, description="Where built models are cached (default: ~/.cache/dynaresize/models)")
 
 

@@ -68,9 +68,9 @@ class WorkerError(RuntimeError):
 class DataPlane(Protocol):
     """Where rollout work comes from and training batches are read (Redis in a real run)."""
 
-    def claim(self, step: int, rank: int, n: int) -> list[Any]: ...  # WorkItem-like: prompt_ids, seed, step, prompt, index
+    def claim(self, step: int, rank: int, n: int, validation: bool = False) -> list[Any]: ...  # WorkItem-like
 
-    def complete(self, step: int, rank: int, results: list[Any]) -> int: ...
+    def complete(self, step: int, rank: int, results: list[Any], validation: bool = False) -> int: ...
 
     def batch(self, key: str) -> Any: ...  # TrainBatch-like
 
@@ -95,6 +95,7 @@ class WorkerSetup:
     loss_fn: Callable | None = None  # default: GRPO from dynaresize.rl when the batch has advantages, else token NLL
     checkpoint_dir: Path | None = None  # stage_state writes <checkpoint_dir>/<tag>/ (shared, resumable) when set
     model_dir: str | None = None  # HF directory of the model (the vLLM engine loads its architecture from it)
+    score: Callable[[Any, list[int]], dict[str, Any]] | None = None  # (work item, response ids) -> {"reward", "reward_error"?}
 
 
 @dataclass
@@ -200,7 +201,8 @@ class Worker:
 
     # -- generate -------------------------------------------------------------------------------------------
 
-    def _cmd_generate(self, step: int, version: int, pull_batch: int, max_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
+    def _cmd_generate(self, step: int, version: int, pull_batch: int, max_tokens: int, temperature: float, top_p: float,
+                      validation: bool = False) -> dict[str, Any]:
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
         if version != self.version:
@@ -212,17 +214,19 @@ class Worker:
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0
         while True:
-            items = self.setup.data.claim(step, self.rank, pull_batch)
+            items = self.setup.data.claim(step, self.rank, pull_batch, validation=validation)
             if not items:
                 break
             gens = self.rollout.generate([it.prompt_ids for it in items], [it.seed for it in items], params)
-            results = [SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, self.version, self.rank)
-                       for it, g in zip(items, gens)]
-            self.setup.data.complete(step, self.rank, results)
+            score = self.setup.score or (lambda it, ids: {})  # rewards are computed here, beside generation
+            results = [SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, self.version, self.rank,
+                                    extra=score(it, g.token_ids)) for it, g in zip(items, gens)]
+            self.setup.data.complete(step, self.rank, results, validation=validation)
             samples += len(results)
             tokens += sum(len(g.token_ids) for g in gens)
         t1 = time.perf_counter()
-        self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
+        if not validation:  # a validation pass is not part of any step's rollout stage
+            self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
         return {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
 
     def generate_direct(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):

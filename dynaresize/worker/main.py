@@ -167,6 +167,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.events import EventLog, Role
     from dynaresize.job.dataplane import RedisDataPlane
     from dynaresize.models import load_model, load_tokenizer
+    from dynaresize.models.hf import model_dtype, pad_token_id, stop_token_ids
     from dynaresize.staging import default_dir
     from dynaresize.worker.core import Worker, WorkerSetup
 
@@ -190,10 +191,11 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     # model loading overlaps communicator creation
     model_dir = launch["model_dir"]
     loaded: dict[str, Any] = {}
+    dtype = model_dtype(model_dir, cfg.model.dtype)
 
     def _load() -> None:
         try:
-            loaded["model"] = load_model(model_dir)
+            loaded["model"] = load_model(model_dir, dtype)
         except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
             loaded["error"] = e
 
@@ -213,11 +215,11 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         return loaded["model"]
 
     tok = load_tokenizer(model_dir)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    eos = stop_token_ids(model_dir, tok)  # the tokenizer's EOS and generation_config.json's (end of turn, of text)
     setup = WorkerSetup(
         rank=rank, world=world, n_train=int(launch["n_train"]), unit=G.unit_from_cluster(cfg.cluster),
         train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging, staging_dir=staging_dir,
-        model_factory=model_factory, eos_ids=eos, pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
+        model_factory=model_factory, eos_ids=eos, pad_id=pad_token_id(tok), score=_scorer(cfg, tok),
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
         model_dir=str(model_dir),
@@ -255,6 +257,20 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     if hb.superseded:
         return _refused(hb.refused or f"rank {rank} superseded", None, client)
     return 0
+
+
+def _scorer(cfg, tokenizer):
+    """The rank's reward: decode a response (special tokens dropped) and score it with the run's reward function,
+    guarded (``dynaresize.rewards.Reward``): a failing reward gives 0 and an error text, never a crashed rank."""
+    from dynaresize.rewards import load_reward
+
+    reward = load_reward(cfg)
+
+    def score(item, token_ids: list[int]) -> dict[str, Any]:
+        r = reward.score(item.key, item.info, tokenizer.decode(token_ids, skip_special_tokens=True))
+        return {"reward": r.score, "reward_error": r.error} if r.error else {"reward": r.score}
+
+    return score
 
 
 REFUSED_EXIT = 3  # exit status of a rank process refused its rank (registration refused, or superseded)

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.models import ensure_model, load_model, load_tokenizer, store
-from dynaresize.models.tokenizer import build_tokenizer
+from dynaresize.models.store import tokenizer_corpus
+from dynaresize.models.tokenizer import train_tokenizer
 from dynaresize.rl import GrpoLoss, collate, group_advantages, sequence_logprobs
 from dynaresize.rl.local import generate, grpo_step
 from dynaresize.tasks import load_task
@@ -38,6 +39,7 @@ def model_dir(small_cfg):
 
 def test_build_is_a_normal_hf_directory_loadable_by_auto_classes(small_cfg, model_dir):
     assert {"config.json", "model.safetensors", "tokenizer.json", store.META_FILE} <= {p.name for p in model_dir.iterdir()}
+    assert any(p.name in ("chat_template.jinja", "tokenizer_config.json") for p in model_dir.iterdir())
     meta = json.loads((model_dir / store.META_FILE).read_text())
     assert meta["key"] == model_dir.name == store.cache_key(small_cfg)
     assert meta["warm_start"]["loss_last"] < meta["warm_start"]["loss_first"] / 2  # the warm-start learned
@@ -45,11 +47,17 @@ def test_build_is_a_normal_hf_directory_loadable_by_auto_classes(small_cfg, mode
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     assert model.config.tie_word_embeddings and model.config.head_dim == 32
-    fresh = build_tokenizer(load_task(small_cfg.task).alphabet)
-    for text in ("r:0123=", "s:zyx=", "r:1 2="):  # exact same ids as the tokenizer we built (incl. <unk> for ' ')
+    fresh = train_tokenizer(tokenizer_corpus(load_task(small_cfg.task), small_cfg.run.seed), small_cfg.model.tiny.vocab_size)
+    for text in ("r:0123=", "s:zyx=", "r:1 2=", "héllo wörld"):  # same ids as a fresh training; bytes: nothing unknown
         assert tok(text)["input_ids"] == fresh(text)["input_ids"]
+        assert tok.decode(tok(text)["input_ids"], skip_special_tokens=True) == text
+    assert 256 < len(tok) <= small_cfg.model.tiny.vocab_size  # the byte alphabet, the specials, what merges the text had
     assert tok.pad_token_id != tok.eos_token_id and tok.padding_side == "left"
-    assert tok.decode(tok("r:42=")["input_ids"], skip_special_tokens=True) == "r:42="
+    assert tok("r:42=")["input_ids"][0] == tok.bos_token_id
+    pieces = [tok.decode([i]) for i in tok("r:9876543210=", add_special_tokens=False)["input_ids"]]
+    assert pieces[2:12] == list("9876543210")  # digits one per token (arithmetic stays learnable)
+    chat = tok.apply_chat_template([{"role": "user", "content": "r:42="}], add_generation_prompt=True, tokenize=False)
+    assert chat == "<bos><|user|>r:42=<eos><|assistant|>"
 
 
 def test_second_call_uses_the_cache(small_cfg, model_dir, monkeypatch):
@@ -79,21 +87,27 @@ def test_model_path_must_be_an_hf_directory(tmp_path):
         ensure_model(load_config(None, [f"model.path={tmp_path}"]))
 
 
-def test_generation_decodes_to_the_task_alphabet(small_cfg, model_dir):
+def test_model_path_is_used_as_is(model_dir, small_cfg):
+    assert ensure_model(load_config(None, [f"model.path={model_dir}"])) == model_dir
+
+
+def test_generation_decodes_to_task_text(small_cfg, model_dir):
     model, tok = load_model(model_dir), load_tokenizer(model_dir)
     task = load_task(small_cfg.task)
     prompts = [task.prompt(0, 0, i) for i in range(16)]
     sampled = generate(model, tok, prompts, max_tokens=8, seed=3)
-    assert all(set(o.text) <= set(task.alphabet) for o in sampled)
+    chars = "".join(o.text for o in sampled)  # a byte vocabulary can sample any byte; the warm-start makes it rare
+    assert sum(c in task.alphabet for c in chars) >= 0.9 * len(chars)
     assert generate(model, tok, prompts, max_tokens=8, seed=3) == sampled  # seeded sampling is reproducible
     greedy = generate(model, tok, prompts, max_tokens=8, greedy=True)
     assert sum(task.reward(o.prompt, o.text) for o in greedy) / len(greedy) > 0.5
+    assert all(set(o.text) <= set(task.alphabet) for o in greedy)
     assert all(o.response_ids[-1] == tok.eos_token_id for o in greedy if len(o.response_ids) < 8)
 
 
 def test_sequence_logprobs_ignore_padding(model_dir):
     model = load_model(model_dir)
-    prompts, responses = [[1, 31, 40, 5, 6, 41], [1, 31, 40, 7, 41]], [[6, 5, 2], [7, 7, 7, 2]]
+    prompts, responses = [[1, 31, 40, 50, 60, 41], [1, 31, 40, 70, 41]], [[60, 50, 2], [70, 70, 70, 2]]
     batch = collate(prompts, responses, pad_id=0)
     together = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"])
     for i in range(2):
@@ -102,7 +116,7 @@ def test_sequence_logprobs_ignore_padding(model_dir):
         width = one.shape[1]
         assert torch.allclose(together[i, :width], one[0], atol=1e-5)
     # left padding (the generation layout) gives the same per-token values thanks to explicit position ids
-    ids = torch.tensor([[0, 0, 1, 31, 40, 7, 41, 7, 7, 7, 2]])
+    ids = torch.tensor([[0, 0, 1, 31, 40, 70, 41, 70, 70, 70, 2]])
     attn = (ids != 0).long()
     resp = torch.zeros_like(ids, dtype=torch.float32)
     resp[0, -4:] = 1
