@@ -197,7 +197,7 @@ class SampleRunResult(RunResult):
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
-    READY, GROUP, TRAIN, STEP, WEIGHTS, SWITCH, HELP = range(7)
+    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP = range(6)  # heap event kinds
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
@@ -213,6 +213,7 @@ class SamplePipeline:
         self.train_cfg = sim.train
         self.info: dict[int, _BatchInfo] = {}
         groups = tuple(self._batch(j).groups for j in range(self.K))
+        self.group_size = self._batch(0).group_size  # G: every batch's groups have the same size
         stream_min = max(1, min(groups) // max(1, stream_chunks))
         self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
         self.core = PipelineScheduler(
@@ -290,7 +291,7 @@ class SamplePipeline:
 
     @property
     def G(self) -> int:
-        return self._batch(0).group_size
+        return self.group_size
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> SampleRunResult:
