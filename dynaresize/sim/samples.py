@@ -227,7 +227,6 @@ class SamplePipeline:
         self.ev: list[Event] = []
         self.res = SampleRunResult(name, 0.0, 0, self.K, gpus=self.N)
         self.rank_batch: dict[tuple[int, int], list[float]] = {}  # (rank, batch) -> [first admission, last end]
-        self.step_busy: dict[int, float] = {}  # batch -> rollout GPU-seconds
         self.train_busy: dict[int, float] = {}  # batch -> trainer compute seconds (wall, on its trainer set)
         self.train_start: dict[int, float] = {}
         self.prev_trainers: tuple[int, ...] = tuple(range(initial.n_train))

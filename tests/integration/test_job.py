@@ -63,6 +63,18 @@ def batches(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "batches.jsonl").read_text().splitlines()]
 
 
+def wait_for_batches(parent: Path, p, n: int = 2, timeout_s: float = 400, poll_s: float = 0.2) -> Path:
+    """The run directory under ``parent`` once its ``batches.jsonl`` holds ``n`` steps (the job must stay alive)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dirs = [d for d in parent.iterdir() if d.is_dir()] if parent.exists() else []
+        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= n:
+            return dirs[0]
+        assert p.poll() is None, p.stdout.read()[-4000:]
+        time.sleep(poll_s)
+    raise AssertionError(f"the run never reached step {n}")
+
+
 def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
     steps = 5
     run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=7")
@@ -99,16 +111,7 @@ def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
 def test_sigterm_then_resume_loses_and_duplicates_nothing(tmp_path, model_cache):
     steps = 7
     p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=3", wait=False)
-    deadline = time.monotonic() + 400
-    rd = None
-    while time.monotonic() < deadline:
-        dirs = [d for d in tmp_path.iterdir() if d.is_dir()] if tmp_path.exists() else []
-        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
-            rd = dirs[0]
-            break
-        assert p.poll() is None, p.stdout.read()[-4000:]
-        time.sleep(0.2)
-    assert rd is not None, "the run never reached step 2"
+    rd = wait_for_batches(tmp_path, p)
     os.killpg(p.pid, signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 130, out[-4000:]
@@ -204,15 +207,7 @@ def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache
     steps, seed = 6, 13
     run(tmp_path / "ref", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO)
     p = run(tmp_path / "cut", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO, wait=False)
-    deadline, rd = time.monotonic() + 400, None
-    while time.monotonic() < deadline:
-        dirs = [d for d in (tmp_path / "cut").iterdir() if d.is_dir()] if (tmp_path / "cut").exists() else []
-        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
-            rd = dirs[0]
-            break
-        assert p.poll() is None, p.stdout.read()[-4000:]
-        time.sleep(0.2)
-    assert rd is not None, "the run never reached step 2"
+    rd = wait_for_batches(tmp_path / "cut", p)
     os.killpg(p.pid, signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 130, out[-4000:]

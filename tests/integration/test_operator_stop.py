@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from test_job import B, G, batches, run  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
+from test_job import B, G, batches, run, wait_for_batches  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = pytest.mark.integration
 
@@ -91,16 +91,7 @@ def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_train
     steps = 6
     p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=5", "policy.enabled=false", wait=False)
     started.add(p.pid)
-    deadline = time.monotonic() + 400
-    rd = None
-    while time.monotonic() < deadline:
-        dirs = [d for d in tmp_path.iterdir() if d.is_dir()] if tmp_path.exists() else []
-        if dirs and (dirs[0] / "batches.jsonl").exists() and len((dirs[0] / "batches.jsonl").read_text().splitlines()) >= 2:
-            rd = dirs[0]
-            break
-        assert p.poll() is None, p.stdout.read()[-4000:]
-        time.sleep(0.1)
-    assert rd is not None, "the run never reached step 2"
+    rd = wait_for_batches(tmp_path, p, poll_s=0.1)
     procs = job_processes(p.pid)
     started.update(procs)
     ranks = [pid for pid, cmd in procs.items() if "dynaresize.worker.main" in cmd]
