@@ -52,11 +52,26 @@ def preload() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def warm_backend() -> None:
-    """Create DeepSpeed's communication wrapper around the existing world group now (it loads a shared-memory op
-    on CPU); it creates no process group. Call once after the world group exists."""
-    import deepspeed
+SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's shared-memory all-reduce for CPU *inference* (TorchBackend builds it)
 
+
+def warm_backend() -> None:
+    """Create DeepSpeed's communication wrapper around the existing world group now; it creates no process group.
+    Call once after the world group exists.
+
+    On CPU, DeepSpeed's wrapper JIT-compiles its shared-memory op (``deepspeed_shm_comm``) at this point: about 50 s
+    on 2 cores in every fresh environment, again whenever the compile command differs from the cached one, and with
+    a file lock that makes every rank of the job wait for the one that compiles (a Slurm job with a 1-minute limit
+    spent all of it there). The op serves only ``inference_all_reduce``, which training never calls, so it is
+    marked unavailable here and the wrapper falls back to the process group, as it does on any machine without it.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() == "cpu":
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", None)  # computed once, on first access
+        if isinstance(compatible, dict):
+            compatible[SHM_OP] = False
     deepspeed.comm.init_distributed(dist_backend=dist.get_backend(), dist_init_required=False, auto_mpi_discovery=False, verbose=False)
 
 
