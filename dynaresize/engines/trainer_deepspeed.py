@@ -182,6 +182,9 @@ def ds_config(train_cfg, global_batch: int, dp: int) -> dict[str, Any]:
             "elastic_checkpoint": True,
             "round_robin_gradients": False,
         },
+        # The caller owns the accumulation boundary: every ``step()`` finalises the gradients of all backward passes
+        # since the last one (``train_step``: one; streaming, ``accumulate`` x k then ``step``: k).
+        "managed_gradient_accumulation": False,
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
         "steps_per_print": 1 << 30,
@@ -214,6 +217,7 @@ class ZeroTrainer:
         self.module = module
         self._pending_hook = None
         self._pending: list[Partition] | Callable[[], list[Partition]] | None = None
+        self._chunks = 0  # backward passes accumulated since the last optimizer step (streaming)
 
     # -- training -------------------------------------------------------------------------------------------
 
@@ -226,6 +230,8 @@ class ZeroTrainer:
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn = token_nll_loss) -> dict[str, float]:
         """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice)."""
         n = int(next(iter(batch.values())).shape[0])
+        if self._chunks:
+            raise TrainerError(f"a whole-batch step while {self._chunks} streamed chunks wait for their step")
         if n < self.dp:
             raise TrainerError(f"batch of {n} samples is smaller than the {self.dp} trainers")
         a, b = self.slice_of(n)
@@ -243,6 +249,46 @@ class ZeroTrainer:
         if norm is not None:
             out["grad_norm"] = float(norm)
         return out
+
+    # -- streaming: a batch trained in chunks of complete groups as they arrive, one optimizer step at the end -------
+
+    def accumulate(self, chunk: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """Forward and backward of this rank's slice of ``chunk``, a part of a batch whose normaliser (its token or
+        sequence count) is not known yet: the loss is taken as a SUM (``loss_denominator`` = 1, so ``loss_fn`` must
+        honour it, as :class:`~dynaresize.rl.grpo.GrpoLoss` does) and the gradients add up across chunks and trainers;
+        :meth:`step` divides them by the whole batch's count. Every trainer must pass every chunk (ZeRO-2 reduces
+        gradients inside each backward), so a chunk needs at least one sample per trainer."""
+        n = int(next(iter(chunk.values())).shape[0])
+        if n < self.dp:
+            raise TrainerError(f"chunk of {n} samples is smaller than the {self.dp} trainers (every trainer takes a part)")
+        a, b = self.slice_of(n)
+        local = {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in chunk.items()}
+        local["loss_denominator"] = torch.tensor(1.0)
+        self.engine.train()
+        loss, stats = loss_fn(self.engine.module, local)
+        self.engine.backward(loss * self.dp)  # DeepSpeed averages over the dp ranks: x dp makes it a sum
+        self._chunks += 1
+        return {"loss_sum_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+
+    def step(self, denominator: float) -> dict[str, float]:
+        """The optimizer step of a batch trained by :meth:`accumulate`: the summed gradients are divided by
+        ``denominator`` (the batch's global token count for ``loss_norm=token``, its sequence count for ``sequence``)
+        before clipping and the update, so the step equals :meth:`train_step` on the whole batch up to float
+        rounding. The division goes through the ZeRO optimizer's loss scale (the gradients are unscaled by it before
+        the norm, the clip and the update; the reported grad norm is the unscaled one); it is 1 again afterwards."""
+        if self._chunks == 0:
+            raise TrainerError("optimizer step without any accumulated chunk")
+        if not (math.isfinite(denominator) and denominator > 0):
+            raise TrainerError(f"normaliser {denominator!r} of the batch must be a finite count > 0")
+        opt = self.zero
+        opt.override_loss_scale(float(denominator))
+        try:
+            self.engine.step()
+        finally:
+            opt.override_loss_scale(1.0)
+            self._chunks = 0
+        norm = self.engine.get_global_grad_norm()
+        return {} if norm is None else {"grad_norm": float(norm)}
 
     @property
     def zero(self):
