@@ -209,7 +209,7 @@ class Worker:
             raise WorkerError(f"rank {self.rank} holds policy version {self.version}, generate asks for {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: generate needs a work queue")
-        from dynaresize.job.workqueue import SampleResult
+        from dynaresize.contract.workqueue import SampleResult
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0

@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-    from dynaresize.job.protocol import PAYLOADS, parse_payload
+    from dynaresize.contract.protocol import parse_payload
 
-    return parse_payload(kind, payload).model_dump() if kind in PAYLOADS else payload
+    return parse_payload(kind, payload).model_dump()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -165,7 +165,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.control.wire import RankState, Registration
     from dynaresize.engines.trainer_deepspeed import preload
     from dynaresize.events import EventLog, Role
-    from dynaresize.job.dataplane import RedisDataPlane
+    from dynaresize.contract.dataplane import RedisDataPlane
     from dynaresize.models import load_model, load_tokenizer
     from dynaresize.models.hf import model_dtype, pad_token_id, stop_token_ids
     from dynaresize.staging import default_dir
