@@ -6,7 +6,7 @@ staged, optimizer state not): ``<rank>:<point>`` fires at the first pass, ``<ran
 step, a tag). With ``DYNARESIZE_TEST_KILL_ONCE=<dir>`` each point fires once per run (a marker file in ``<dir>``),
 so the restarted rank gets past it. ``DYNARESIZE_TEST_STOP_AT`` (same syntax) SIGSTOPs the rank there instead: a
 rank hung in the middle of it. The variables are read here, by the test-side rank entry
-(``tests.support.rank``), never by the runtime.
+(``tests.support.dynaresize_worker``), never by the runtime.
 
 Test commands (sent through :class:`dynaresize.worker.local.LocalCluster` with ``hooks=HOOKS``): inline-batch
 variants of generate and train, and inspection of the optimizer state and of the communicators.

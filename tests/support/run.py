@@ -1,4 +1,4 @@
-"""``dynaresize run`` whose ranks start through ``tests.support.rank`` (the test hooks):
+"""``dynaresize run`` whose ranks start through ``tests.support.dynaresize_worker`` (the test hooks):
 
     python -m tests.support.run CONFIG [overrides] | --resume RUN_DIR
 
@@ -17,7 +17,7 @@ from dynaresize.job.launcher import LocalLauncher
 
 
 def launcher(run_dir, world: int, job_id: str, device: str) -> LocalLauncher:
-    return LocalLauncher(run_dir, world, job_id, device, module="tests.support.rank")
+    return LocalLauncher(run_dir, world, job_id, device, module="tests.support.dynaresize_worker")
 
 
 if __name__ == "__main__":
