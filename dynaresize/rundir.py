@@ -14,6 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from dynaresize import atomic
+
 MARKER = ".dynaresize-run.json"
 
 
@@ -41,10 +43,7 @@ def write_marker(run_dir: Path) -> Path:
     from dynaresize import __version__
 
     path = Path(run_dir) / MARKER
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"run_id": Path(run_dir).name, "dynaresize": __version__, "created": time.time()}) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic.write_json(path, {"run_id": Path(run_dir).name, "dynaresize": __version__, "created": time.time()})
 
 
 def _legacy_run(run_dir: Path) -> bool:

@@ -244,7 +244,7 @@ class RankProcess:
         done.set()
 
     def _handler(self, rank: int):
-        from dynaresize.control.wire import CommandKind
+        from dynaresize.contract.protocol import CommandKind
 
         def handle(cmd):
             now = time.time()
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> dict:
     from dynaresize.control.config import RedisConfig
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import RedisServer, connect
-    from dynaresize.control.wire import CommandKind
+    from dynaresize.contract.protocol import CommandKind
     from dynaresize.events import format_ranks
 
     extra = {} if args.dead_after is None else {"dead_after_heartbeats": args.dead_after}

@@ -50,7 +50,8 @@ def worker(endpoint_file: str, cfg_json: str, ranks: list[int], go, ready) -> No
     from dynaresize.control.config import RedisConfig
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import connect
-    from dynaresize.control.wire import CommandKind, Registration
+    from dynaresize.contract.protocol import CommandKind
+    from dynaresize.control.wire import Registration
 
     cfg = RedisConfig.model_validate_json(cfg_json)
     host = socket.gethostname()
@@ -115,7 +116,7 @@ def main() -> int:
     from dynaresize.control.config import RedisConfig
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import RedisServer, connect
-    from dynaresize.control.wire import CommandKind
+    from dynaresize.contract.protocol import CommandKind
 
     cfg = RedisConfig(heartbeat_s=1.0, dead_after_heartbeats=3, block_ms=500, socket_timeout_s=10)
     if args.appendfsync:

@@ -37,7 +37,7 @@ def measure(policy: str, writes: int, commands: int) -> dict[str, float]:
     from dynaresize.control.commands import CommandBus, CommandReceiver
     from dynaresize.control.config import RedisConfig
     from dynaresize.control.server import RedisServer, connect
-    from dynaresize.control.wire import CommandKind
+    from dynaresize.contract.protocol import CommandKind
 
     cfg = RedisConfig(appendfsync=policy, block_ms=100, socket_timeout_s=5)
     with tempfile.TemporaryDirectory(prefix="bench-fsync-") as tmp, RedisServer(cfg, tmp) as srv:

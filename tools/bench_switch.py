@@ -105,6 +105,7 @@ def main() -> int:
 
     from dynaresize.net import free_port
     from dynaresize.worker.local import LocalCluster
+    from tests.support.hooks import HOOKS
 
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-switch-"))
     spec = model_spec(args.hidden, args.layers, args.vocab)
@@ -119,7 +120,7 @@ def main() -> int:
         n_params = sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**spec)).parameters())
     print(f"starting 3 worker ranks, model {n_params / 1e6:.1f}M parameters", flush=True)
     c = LocalCluster(3, 1, work, global_batch=args.batch, model=spec, config={"train": {"lr": 1e-3}}, timeout_s=600,
-                     events=work / "events.jsonl")
+                     events=work / "events.jsonl", hooks=HOOKS)  # train_direct, comm_stats: the tests' commands
     try:
         c.call("train_direct", {"input_ids": ids, "n_train": 1, "version_after": 1}, ranks=[0])
         c.call("sync_weights", {"version": 1, "n_train": 1})

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from dynaresize import atomic
 from dynaresize.config.base import RuleError
 from dynaresize.config.schema import Config
 
@@ -202,10 +203,7 @@ def dump_config(cfg: Config) -> str:
 def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
     """Write the resolved config into the run directory as ``config.yaml`` (atomically) and return its path."""
     out = Path(run_dir) / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(out)
-    return out
+    return atomic.write_text(out, dump_config(cfg))
 
 
 def iter_fields(model: type[BaseModel] = Config, prefix: str = "") -> Iterator[tuple[str, str, Any, str | None]]:

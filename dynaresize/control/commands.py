@@ -61,9 +61,10 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 import redis
 
+from dynaresize.contract.protocol import CommandKind
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.keys import Keys
-from dynaresize.control.wire import Ack, Command, CommandKind, WireError, decode, encode, new_command_id
+from dynaresize.control.wire import Ack, Command, WireError, decode, encode, new_command_id
 from dynaresize.events import EventLog, count_ranks, format_ranks
 
 log = logging.getLogger("dynaresize.control.commands")

@@ -61,7 +61,8 @@ class SimRank:
         self.thread.start()
 
     def handle(self, cmd) -> dict:
-        from dynaresize.control.wire import CommandKind, RankState
+        from dynaresize.contract.protocol import CommandKind
+        from dynaresize.control.wire import RankState
 
         self.applied += 1
         if cmd.kind is CommandKind.SWITCH_ROLE:
@@ -89,7 +90,7 @@ def main(args: argparse.Namespace) -> int:
     from dynaresize.control.commands import CommandBus
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import RedisServer, connect
-    from dynaresize.control.wire import CommandKind
+    from dynaresize.contract.protocol import CommandKind
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     cfg = load_config(getattr(args, "config", None), getattr(args, "overrides", None) or [])

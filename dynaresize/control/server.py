@@ -56,6 +56,7 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from dynaresize import atomic
 from dynaresize.control.config import LOOPBACK, RedisConfig
 from dynaresize.net import free_port
 
@@ -141,15 +142,7 @@ class Endpoint:
 
 def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
     """Atomically write ``text`` to ``path`` with ``mode`` (created with that mode: never briefly world-readable)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    atomic.write_text(path, text, mode=mode)
 
 
 try:  # loaded here, not between fork and exec: the watchdog forks while other threads of the process run

@@ -1,7 +1,7 @@
 """Wire format of the control plane: small frozen pydantic models, JSON only, never pickle.
 
 Every message is one JSON object stored in field ``m`` of a Redis stream entry (or hash). Decoding is strict:
-unknown keys, unknown command kinds, a newer wire version, a job id that is no job id (``keys.JOB_ID_RE``), wrong types (no coercion: ``"1"`` or ``true`` is not an
+unknown keys, unknown command kinds (:data:`dynaresize.contract.protocol.COMMANDS`), a newer wire version, a job id that is no job id (``keys.JOB_ID_RE``), wrong types (no coercion: ``"1"`` or ``true`` is not an
 epoch), integers outside 64 bits (Redis counters are int64), non-finite timestamps, text that is not UTF-8 and
 messages larger than ``redis.max_message_bytes`` raise :class:`WireError` with a one-line reason (at most
 ``MAX_REASON`` characters) naming the field. A rank logs the reason and skips the message; it never crashes on bad
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dynaresize.contract.protocol import CommandKind  # the kinds: one per command of the contract
 from dynaresize.control.keys import JOB_ID_RE
 from dynaresize.events import Role
 
@@ -41,19 +42,6 @@ class WireError(ValueError):
         super().__init__(reason)
         self.reason = reason
         self.raw_size = raw_size
-
-
-class CommandKind(str, enum.Enum):
-    """What a command asks a rank to do. Extensible: add members here (older ranks reject unknown kinds)."""
-
-    PING = "ping"
-    GENERATE = "generate"
-    TRAIN = "train"
-    SYNC_WEIGHTS = "sync_weights"
-    SWITCH_ROLE = "switch_role"
-    STAGE_STATE = "stage_state"
-    CHECKPOINT = "checkpoint"
-    SHUTDOWN = "shutdown"
 
 
 class RankState(str, enum.Enum):

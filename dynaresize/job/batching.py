@@ -8,12 +8,10 @@ each trainer takes its contiguous slice.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-
 import torch
 
-from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.contract.batch import TrainBatch
+from dynaresize.contract.workqueue import SampleResult, WorkItem
 from dynaresize.rl.dapo import OverlongShaping
 from dynaresize.rl.grpo import group_advantages
 from dynaresize.tasks.base import Task
@@ -87,34 +85,6 @@ def check_staleness(step: int, samples: list[SampleResult], bound: int) -> None:
         raise StalenessError(
             f"batch {step} holds samples of version {oldest} < {step} - {bound} (staleness bound), e.g. {bad}"
         )
-
-
-@dataclass(frozen=True)
-class TrainBatch:
-    step: int
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    logprobs: list[list[float]]
-    advantages: list[float]
-    rewards: list[float]
-    versions: list[int]
-    keys: list[str]
-
-    @property
-    def tokens(self) -> int:
-        return sum(len(r) for r in self.response_ids)
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, raw: bytes | str) -> "TrainBatch":
-        d = json.loads(raw)
-        tb = cls(**d)
-        n = len(tb.keys)
-        if not all(len(getattr(tb, f)) == n for f in ("prompt_ids", "response_ids", "logprobs", "advantages", "rewards", "versions")):
-            raise ValueError("training batch fields have different lengths")
-        return tb
 
 
 def ordered_samples(step: int, items: list[WorkItem], samples: list[SampleResult]) -> list[SampleResult]:

@@ -37,6 +37,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dynaresize import atomic
 from dynaresize.job.state import STATE_FILE, JobState, StateError, read_state, write_state
 from dynaresize.staging import StagingError, verify_snapshot
 
@@ -97,9 +98,7 @@ def claim_tag(run_dir: str | Path, step: int, owner: dict) -> str:
         except FileExistsError:
             n += 1
             continue
-        tmp = ck / tag / f".{OWNER_FILE}.tmp"
-        tmp.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), **owner}) + "\n")
-        tmp.replace(ck / tag / OWNER_FILE)
+        atomic.write_json(ck / tag / OWNER_FILE, {"host": socket.gethostname(), "pid": os.getpid(), **owner})
         return tag
 
 

@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, launcher_factory=None) -> int:
+    """``launcher_factory``: the coordinator's (default: local rank processes of ``dynaresize.worker.main``)."""
     from dynaresize.config.loader import load_config
     from dynaresize.rundir import RunDirError, create_run_dir, require_run_dir
 
@@ -66,7 +67,8 @@ def main(args: argparse.Namespace) -> int:
 
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
     try:
-        coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None)
+        coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None,
+                            launcher_factory=launcher_factory)
     except StateError as e:  # --resume and no intact checkpoint: what is damaged, nothing deleted
         if bar:
             bar.close()

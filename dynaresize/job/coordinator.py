@@ -50,10 +50,11 @@ import redis
 
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
+from dynaresize.contract.batch import TrainBatch
 from dynaresize.control.commands import FencedError
 from dynaresize.control.server import RedisRefusesWrites
 from dynaresize.events import EventLog, Role, format_ranks
-from dynaresize.job.batching import TrainBatch, reward_errors, work_items
+from dynaresize.job.batching import reward_errors, work_items
 from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
 from dynaresize.job.state import JobState, policy_from_dict, policy_to_dict, save_state
 
@@ -173,7 +174,7 @@ class Coordinator:
         from dynaresize.control.commands import CommandBus
         from dynaresize.control.registry import Registry
         from dynaresize.control.server import RedisServer, connect
-        from dynaresize.job.workqueue import RolloutQueue
+        from dynaresize.contract.workqueue import RolloutQueue
         from dynaresize.models.store import ensure_model, load_tokenizer
         from dynaresize.rewards import load_reward
         from dynaresize.tasks.registry import load_task
@@ -458,7 +459,7 @@ class Coordinator:
         rank now), through the validation queue; record the mean reward and pass@k. Seeds depend on (run seed,
         prompt, index) only, so every pass answers the same draws and a resized run matches a static one."""
         from dynaresize.job.batching import val_items
-        from dynaresize.job.workqueue import RolloutQueue
+        from dynaresize.contract.workqueue import RolloutQueue
 
         if not self._val_due(version):
             return

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dynaresize.job.batching import TrainBatch, build_batch, ordered_samples, score_samples
-from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.contract.batch import TrainBatch
+from dynaresize.contract.workqueue import SampleResult, WorkItem
+from dynaresize.job.batching import build_batch, ordered_samples, score_samples
 from dynaresize.rl.dapo import GroupSelection, OverlongShaping, kept_count, next_round_prompts, select_groups
 
 

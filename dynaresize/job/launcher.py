@@ -31,9 +31,10 @@ def worker_env(device: str) -> dict[str, str]:
     return env
 
 
-def worker_argv(run_dir: Path, rank: int, world: int, master_port: int, job_id: str, master_addr: str = "127.0.0.1") -> list[str]:
+def worker_argv(run_dir: Path, rank: int, world: int, master_port: int, job_id: str, master_addr: str = "127.0.0.1",
+                module: str = "dynaresize.worker.main") -> list[str]:
     return [
-        sys.executable, "-m", "dynaresize.worker.main",
+        sys.executable, "-m", module,
         "--run-dir", str(run_dir), "--rank", str(rank), "--world", str(world),
         "--master-addr", master_addr, "--master-port", str(master_port), "--job-id", job_id,
     ]
@@ -59,6 +60,7 @@ class LocalLauncher:
     master_port: int = 0
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     relaunchable: bool = True  # the coordinator may stop every rank and start them again (automatic restart)
+    module: str = "dynaresize.worker.main"  # the rank entry (``python -m``; a test's launcher names its own)
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
@@ -68,7 +70,7 @@ class LocalLauncher:
         for r in range(self.world):
             out = open(logs / f"rank{r}.log", "ab")
             self.procs[r] = subprocess.Popen(
-                worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id),
+                worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module),
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
             )
             out.close()

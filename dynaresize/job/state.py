@@ -8,11 +8,11 @@ live in the run's Redis (append-only file in ``<run_dir>/redis``), keyed by samp
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dynaresize import atomic
 from dynaresize.policy.types import Estimates, PolicyState
 
 STATE_FILE = "coordinator.json"
@@ -68,27 +68,7 @@ def write_state(path: Path, st: JobState) -> Path:
     On any error (a full disk) the temp file is removed and the old file, if any, is untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w") as f:
-            f.write(st.to_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    try:
-        fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return path
-    try:
-        os.fsync(fd)  # the rename itself is durable
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return path
+    return atomic.write_text(path, st.to_json())
 
 
 class StateError(ValueError):

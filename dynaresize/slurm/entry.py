@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dynaresize import atomic
 from dynaresize.config.loader import ConfigError
 from dynaresize.config.schema import Config
 from dynaresize.slurm import identity as identity_mod
@@ -264,9 +265,7 @@ def relaunch(ctx: SlurmContext, why: str) -> int:
     assert ident is not None
     p = Path(ctx.run_dir) / "slurm" / RELAUNCH_FILE
     history.append({"job_id": ident.job_id, "restart_count": ident.restart_count, "t": time.time(), "why": why})
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"relaunches": history}, indent=1))
-    tmp.replace(p)  # counted before the requeue: Slurm kills this process right after it
+    atomic.write_json(p, {"relaunches": history}, indent=1)  # counted before the requeue: Slurm kills this process right after it
     with EventLog(Path(ctx.run_dir) / "events.jsonl") as events:
         events.emit("control", what="restart", reason=f"{why}; Slurm job {ident.job_id}: {d.reason}")
     try:

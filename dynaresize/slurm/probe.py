@@ -19,6 +19,7 @@ import os
 import time
 from pathlib import Path
 
+from dynaresize import atomic
 from dynaresize.slurm import rendezvous
 from dynaresize.slurm.preempt import Action
 
@@ -28,9 +29,7 @@ PROBE_DIR = "probe"
 
 def _write_json(p: Path, obj) -> None:
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(p)
+    atomic.write_json(p, obj, indent=1)
 
 
 def _read_json(p: Path, default):

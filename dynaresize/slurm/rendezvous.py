@@ -10,11 +10,11 @@ match their own Slurm identity. Written atomically (temp file + rename), read as
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from dynaresize import atomic
 from dynaresize.slurm.spec import SLURM_SUBDIR
 
 RENDEZVOUS_FILE = "rendezvous.json"
@@ -47,9 +47,7 @@ def publish(run_dir: str | Path, job_id: str, restart_count: int, endpoint_file:
     rv = Rendezvous(job_id, restart_count, str(endpoint_file) if endpoint_file else None, time.time(), error)
     p = path(run_dir)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rv.__dict__))
-    tmp.replace(p)
+    atomic.write_json(p, rv.__dict__)
     return rv
 
 

@@ -42,6 +42,8 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from dynaresize import atomic
 from typing import Any
 
 import torch
@@ -255,17 +257,8 @@ class Stager:
             raise errors[0]
         manifest = {"format": FORMAT, "name": name, "checksum": self.algo, "chunk_bytes": self.chunk, "total_bytes": offset,
                     "tensors": entries, "chunks": chunks, "meta": meta or {}}
-        tmp = snap / f".{MANIFEST}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(manifest, f, separators=(",", ":"))
-                f.flush()
-                if self.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, snap / MANIFEST)  # atomic: the manifest is either complete or absent
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        # atomic: the manifest is either complete or absent
+        atomic.write_json(snap / MANIFEST, manifest, fsync=self.fsync, separators=(",", ":"))
         return StageResult(snap, offset, time.perf_counter() - t0, len(chunks))
 
     # -- read -----------------------------------------------------------------------------------------------

@@ -21,8 +21,6 @@ Ranks outside the union keep generating: a switch never stops them.
 from __future__ import annotations
 
 import gc
-import os
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,27 +36,7 @@ from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager
-
-
-def fault_point(rank: int, point: str, at: str = "") -> None:
-    """Test hook for the fault matrix (never set in a real run): ``DYNARESIZE_TEST_KILL_AT="1:switch_role.offload,
-    0:stage_state.weights@step-4"`` makes rank 1 SIGKILL itself right after the offload of a switch, and rank 0 in
-    the middle of staging the checkpoint of step 4 (weights staged, optimizer state not). With ``DYNARESIZE_TEST_KILL_ONCE=<dir>``
-    each point fires once per run (a marker file in ``<dir>``), so the restarted rank gets past it.
-    ``DYNARESIZE_TEST_STOP_AT`` (same syntax) SIGSTOPs the rank there instead: a rank hung in the middle of it."""
-    here = {f"{rank}:{point}", f"{rank}:{point}@{at}"}
-    stop = here & set(os.environ.get("DYNARESIZE_TEST_STOP_AT", "").split(","))
-    spec = os.environ.get("DYNARESIZE_TEST_KILL_AT")
-    if not stop and (not spec or not here & set(spec.split(","))):
-        return  # "<rank>:<point>" fires at the first pass, "<rank>:<point>@<at>" only there (a step, a tag)
-    once = os.environ.get("DYNARESIZE_TEST_KILL_ONCE")
-    if once:
-        marker = Path(once) / f"rank{rank}-{point}"
-        if marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{os.getpid()}\n")
-    os.kill(os.getpid(), signal.SIGSTOP if stop else signal.SIGKILL)
+from dynaresize.worker.hooks import Hooks
 
 
 class WorkerError(RuntimeError):
@@ -96,6 +74,7 @@ class WorkerSetup:
     checkpoint_dir: Path | None = None  # stage_state writes <checkpoint_dir>/<tag>/ (shared, resumable) when set
     model_dir: str | None = None  # HF directory of the model (the vLLM engine loads its architecture from it)
     score: Callable[[Any, list[int]], dict[str, Any]] | None = None  # (work item, response ids) -> {"reward", "reward_error"?}
+    hooks: Hooks = field(default_factory=Hooks)  # fault points and extra commands: no-ops in production (worker.hooks)
 
 
 @dataclass
@@ -188,9 +167,12 @@ class Worker:
         """Execute one command; raises WorkerError (or a library error) for the transport to ack as failed."""
         payload = payload or {}
         fn = getattr(self, f"_cmd_{kind}", None)
-        if fn is None:
+        if fn is not None:
+            return fn(**payload)
+        extra = self.setup.hooks.commands().get(kind)
+        if extra is None:
             raise WorkerError(f"rank {self.rank}: unknown command kind {kind!r}")
-        return fn(**payload)
+        return extra(self, **payload)
 
     def _cmd_ping(self, **_: Any) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role.value, "version": self.version, "n_train": self.n_train}
@@ -209,7 +191,7 @@ class Worker:
             raise WorkerError(f"rank {self.rank} holds policy version {self.version}, generate asks for {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: generate needs a work queue")
-        from dynaresize.job.workqueue import SampleResult
+        from dynaresize.contract.workqueue import SampleResult
 
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0
@@ -229,17 +211,6 @@ class Worker:
             self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
         return {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
 
-    def generate_direct(self, prompts: list[list[int]], seeds: list[int], params: SamplingParams):
-        """Batch-in/batch-out generation without a work queue (tests, benchmarks)."""
-        if self.rollout is None:
-            raise WorkerError(f"rank {self.rank} is not a rollout rank")
-        return self.rollout.generate(prompts, seeds, params)
-
-    def _cmd_generate_direct(self, prompts: list[list[int]], seeds: list[int], max_tokens: int = 16,
-                             temperature: float = 1.0, top_p: float = 1.0) -> dict[str, Any]:
-        gens = self.generate_direct(prompts, seeds, SamplingParams(max_tokens, temperature, top_p))
-        return {"token_ids": [g.token_ids for g in gens], "logprobs": [g.logprobs for g in gens], "version": self.version}
-
     # -- train ----------------------------------------------------------------------------------------------
 
     def _cmd_train(self, step: int, batch_key: str, n_train: int, version_after: int, snapshot: bool = False) -> dict[str, Any]:
@@ -251,10 +222,6 @@ class Worker:
         out = self.train_batch(self._tensors_of(self.setup.data.batch(batch_key)), n_train, version_after)
         self._stage(Stage.TRAIN, step, t0, time.perf_counter(), tokens=out["tokens"], version=out["version"])
         return out
-
-    def _cmd_train_direct(self, input_ids: list[list[int]], n_train: int, version_after: int, **_: Any) -> dict[str, Any]:
-        """Train on an inline batch of token ids with the token-NLL loss (tests, benchmarks)."""
-        return self.train_batch({"input_ids": torch.tensor(input_ids, dtype=torch.long)}, n_train, version_after, token_nll_loss)
 
     def train_batch(self, batch: dict[str, torch.Tensor], n_train: int, version_after: int, loss_fn=None) -> dict[str, Any]:
         if self.trainer is None:
@@ -386,7 +353,7 @@ class Worker:
         nbytes = sum(p.master.numel() * 12 for p in old) if old else 0
         if was:
             self._op(switch_id, SwitchOp.OFFLOAD, t0, pc(), bytes=nbytes)
-        fault_point(self.rank, "switch_role.offload", f"step-{step}")
+        self.setup.hooks.point(self.rank, "switch_role.offload", f"step-{step}")
         # comm_select
         t0 = pc()
         union = self.groups.union_group(from_train, to_train)
@@ -473,7 +440,7 @@ class Worker:
         meta: dict[str, Any] = {"rank": self.rank, "version": self.version, "n_train": self.n_train}
         t0 = time.perf_counter()
         res = [self.stager.stage(self._snapshot_name(tag, "weights"), {n: t for n, t in self._weights()}, meta)]
-        fault_point(self.rank, "stage_state.weights", tag)
+        self.setup.hooks.point(self.rank, "stage_state.weights", tag)
         if self.trainer is not None:
             tensors, parts_meta = {}, []
             for p in self.trainer.export_partitions(copy=False):
@@ -516,19 +483,3 @@ class Worker:
 
             self._defer(parts, tag)
         return {"version": self.version, "seconds": t1 - t0}
-
-    # -- inspection (tests, debugging) ----------------------------------------------------------------------
-
-    def _cmd_state_digest(self) -> dict[str, Any]:
-        """blake2b of the logical optimizer state of the trainer group (on rank 0) and of this rank's weights."""
-        h = __import__("hashlib").blake2b(digest_size=16)
-        for n, t in self._weights():
-            h.update(n.encode())
-            h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        out: dict[str, Any] = {"weights": h.hexdigest(), "version": self.version, "role": self.role.value}
-        if self.trainer is not None:
-            out["optimizer"] = R.state_digest(self.trainer.export_partitions(), self.groups.trainer_group(self.n_train), self._dev)
-        return out
-
-    def _cmd_comm_stats(self) -> dict[str, Any]:
-        return {"created_after_startup": self.groups.created_after_startup(), "created_total": G.group_creations()}

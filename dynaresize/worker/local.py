@@ -4,8 +4,11 @@ The same :class:`~dynaresize.worker.core.Worker` runs inside; only the transport
 (``dynaresize.worker.main`` reads the rank's durable command stream in Redis). A command to several ranks is sent
 to all of them before any answer is awaited, because most commands are collective.
 
-    with LocalCluster(world=4, n_train=2, tmp=path) as c:
+    with LocalCluster(world=4, n_train=2, tmp=path, hooks="tests.support.hooks:RankHooks.from_env") as c:
         c.call("train_direct", {"input_ids": ids, "n_train": 2, "version_after": 1}, ranks=[0, 1])
+
+``hooks`` names (``module:attribute``) a callable that each rank process calls for its
+:class:`~dynaresize.worker.hooks.Hooks` (the inline-batch and inspection commands of the tests live there).
 """
 
 from __future__ import annotations
@@ -38,6 +41,17 @@ def tiny_qwen2(spec: dict[str, Any], seed: int = 0):
     return Qwen2ForCausalLM(Qwen2Config(**spec))
 
 
+def _resolve(name: str):
+    """``"package.module:attr.attr"`` -> that object."""
+    import importlib
+
+    module, _, attr = name.partition(":")
+    obj = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
     spec = json.loads(spec_json)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -53,6 +67,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
     from dynaresize.config.schema import Config
     from dynaresize.events import EventLog
     from dynaresize.worker.core import Worker, WorkerSetup
+    from dynaresize.worker.hooks import Hooks
 
     cfg = Config.model_validate(spec.get("config", {}))
     G.init_world(rank, world, "127.0.0.1", port, timeout_s=spec.get("timeout_s", 300))
@@ -64,6 +79,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
         model_factory=lambda: tiny_qwen2(model_spec, spec.get("seed", 0)),
         eos_ids=spec.get("eos_ids", [2]), pad_id=spec.get("pad_id", 0), global_batch=spec["global_batch"],
         events=EventLog(spec["events"]) if spec.get("events") else None,
+        hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(),
     )
     try:
         worker = Worker.start(setup)
@@ -91,12 +107,13 @@ class LocalCluster:
     """``world`` worker processes on this machine, ranks ``0..n_train-1`` training at start."""
 
     def __init__(self, world: int, n_train: int, tmp: str | Path, global_batch: int = 12, config: dict | None = None,
-                 model: dict | None = None, events: str | Path | None = None, timeout_s: float = 240.0, seed: int = 0):
+                 model: dict | None = None, events: str | Path | None = None, timeout_s: float = 240.0, seed: int = 0,
+                 hooks: str | None = None):
         self.world, self.timeout = world, timeout_s
         tmp = Path(tmp)
         spec = {"n_train": n_train, "global_batch": global_batch, "config": config or {},
                 "staging_dir": str(tmp / "staging"), "model": model or TINY_MODEL, "seed": seed,
-                "events": str(events) if events else None, "timeout_s": timeout_s}
+                "events": str(events) if events else None, "timeout_s": timeout_s, "hooks": hooks}
         if events and not Path(events).exists():  # one time axis for every process: they read t0 from run_start
             from dynaresize.events import EventLog, EventType
 

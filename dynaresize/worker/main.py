@@ -43,17 +43,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
-    from dynaresize.job.protocol import PAYLOADS, parse_payload
+    from dynaresize.contract.protocol import parse_payload
 
-    return parse_payload(kind, payload).model_dump() if kind in PAYLOADS else payload
+    return parse_payload(kind, payload).model_dump()
 
 
-def main(args: argparse.Namespace) -> int:
-    """Entry of a locally launched rank (``dynaresize.job.launcher``): everything comes on the command line."""
+def main(args: argparse.Namespace, hooks=None) -> int:
+    """Entry of a locally launched rank (``dynaresize.job.launcher``): everything comes on the command line.
+    ``hooks``: :class:`~dynaresize.worker.hooks.Hooks` (a test-side entry passes its own; default: none)."""
     run_dir = Path(args.run_dir)
     endpoint = run_dir / "redis" / "redis.json"
     _defer_stop_signals(run_dir, endpoint)
-    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port)
+    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port, hooks=hooks)
 
 
 def _defer_stop_signals(run_dir: Path, endpoint_file: Path) -> None:
@@ -142,7 +143,7 @@ def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: fl
 
 
 def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,
-          local_rank: int | None = None) -> int:
+          local_rank: int | None = None, hooks=None) -> int:
     """Run one worker rank until ``shutdown``: see the module docstring for the order of things."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -165,11 +166,12 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.control.wire import RankState, Registration
     from dynaresize.engines.trainer_deepspeed import preload
     from dynaresize.events import EventLog, Role
-    from dynaresize.job.dataplane import RedisDataPlane
+    from dynaresize.contract.dataplane import RedisDataPlane
     from dynaresize.models import load_model, load_tokenizer
     from dynaresize.models.hf import model_dtype, pad_token_id, stop_token_ids
     from dynaresize.staging import default_dir
     from dynaresize.worker.core import Worker, WorkerSetup
+    from dynaresize.worker.hooks import Hooks
 
     events = EventLog(run_dir / "events.jsonl")
     client = connect(endpoint_file, role=f"rank{rank}", cfg=cfg.redis)
@@ -222,7 +224,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         model_factory=model_factory, eos_ids=eos, pad_id=pad_token_id(tok), score=_scorer(cfg, tok),
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
-        model_dir=str(model_dir),
+        model_dir=str(model_dir), hooks=hooks or Hooks(),
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))

@@ -34,7 +34,7 @@ from hypothesis import strategies as st
 from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.server import RedisServer, connect
-from dynaresize.control.wire import CommandKind
+from dynaresize.contract.protocol import CommandKind
 from faultproxy import FaultProxy, Plan
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(900)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dynaresize.control.commands import READ_COUNT, CommandBus, CommandReceiver
-from dynaresize.control.wire import CommandKind
+from dynaresize.contract.protocol import CommandKind
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(120)]
 

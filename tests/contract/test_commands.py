@@ -10,7 +10,8 @@ import redis
 
 from dynaresize.control.commands import CommandBus, CommandReceiver, FencedError
 from dynaresize.control.registry import Registry
-from dynaresize.control.wire import Command, CommandKind, WireError, encode
+from dynaresize.contract.protocol import CommandKind
+from dynaresize.control.wire import Command, WireError, encode
 from dynaresize.events import EventLog, read_events
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]

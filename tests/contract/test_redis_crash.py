@@ -22,9 +22,9 @@ from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.registry import Beat, Heartbeater, Registry
 from dynaresize.control.server import RedisServer, connect
-from dynaresize.control.wire import CommandKind
+from dynaresize.contract.protocol import CommandKind
 from dynaresize.events import EventLog, EventType, read_events
-from dynaresize.job.workqueue import RolloutQueue, SampleResult, WorkItem
+from dynaresize.contract.workqueue import RolloutQueue, SampleResult, WorkItem
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(120)]
 

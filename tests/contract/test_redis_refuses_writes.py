@@ -21,7 +21,7 @@ from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.registry import Heartbeater, Registry
 from dynaresize.control.server import REFUSALS, RedisRefusesWrites, RedisServer, connect
-from dynaresize.control.wire import CommandKind
+from dynaresize.contract.protocol import CommandKind
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(120)]
 

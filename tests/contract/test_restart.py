@@ -11,7 +11,7 @@ from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.registry import Heartbeater, Registry
 from dynaresize.control.server import RedisServer, connect
-from dynaresize.control.wire import CommandKind
+from dynaresize.contract.protocol import CommandKind
 
 pytestmark = [pytest.mark.contract, pytest.mark.timeout(60)]
 

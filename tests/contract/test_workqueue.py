@@ -8,7 +8,7 @@ import pytest
 
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.server import connect
-from dynaresize.job.workqueue import RolloutQueue, SampleResult, WorkItem
+from dynaresize.contract.workqueue import RolloutQueue, SampleResult, WorkItem
 
 pytestmark = pytest.mark.contract
 

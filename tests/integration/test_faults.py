@@ -160,14 +160,8 @@ RESTART = ["run.seed=13", "run.checkpoint_every=2", "policy.enabled=false", "pol
 def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_with_the_same_training(tmp_path, model_cache):
     steps = 6
     run(tmp_path / "ref", model_cache, f"run.steps={steps}", *RESTART)
-    env = {"DYNARESIZE_TEST_KILL_AT": KILLS, "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART)
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    faults = {"DYNARESIZE_TEST_KILL_AT": KILLS, "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
+    run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART, faults=faults)
     assert sorted(os.listdir(tmp_path / "markers")) == ["rank0-stage_state.weights", "rank1-switch_role.offload"]
     rd, ref = run_dir_of(tmp_path / "faulty"), run_dir_of(tmp_path / "ref")
     got, want = assert_nothing_lost(rd, steps), batches(ref)

@@ -36,12 +36,16 @@ def model_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("models"))
 
 
-def run(tmp: Path, cache: str, *overrides: str, resume: Path | None = None, wait: bool = True):
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+def run(tmp: Path, cache: str, *overrides: str, resume: Path | None = None, wait: bool = True,
+        faults: dict[str, str] | None = None):
+    """``dynaresize run``; with ``faults`` (``DYNARESIZE_TEST_*`` variables, see ``tests/support/hooks.py``) its
+    ranks start through the test-side entry that applies them (``python -m tests.support.run``)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(faults or {}))
+    entry = ["tests.support.run"] if faults is not None else ["dynaresize.cli", "run"]
     if resume is not None:
-        argv = [sys.executable, "-m", "dynaresize.cli", "run", "--resume", str(resume), *overrides, "--quiet"]
+        argv = [sys.executable, "-m", *entry, "--resume", str(resume), *overrides, "--quiet"]
     else:
-        argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", *BASE,
+        argv = [sys.executable, "-m", *entry, "configs/quickstart.yaml", *BASE,
                 f"run.output_dir={tmp}", f"model.cache_dir={cache}", *overrides, "--quiet"]
     root = Path(__file__).resolve().parents[2]
     p = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -137,16 +137,11 @@ def test_a_second_signal_abandons_the_stops_checkpoint_cleanly(tmp_path, model_c
     the ranks have exited), the ranks are still shut down, nothing is restarted, and the resume says which steps
     it trains again and loses none."""
     steps = 5
-    env = {"DYNARESIZE_TEST_STOP_AT": ",".join(f"3:stage_state.weights@step-{k}" for k in range(1, steps)),
-           "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:  # no periodic checkpoint: the stop's is the only one; 60 s of heartbeat deadline for the hung rank
-        p = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=9", "policy.enabled=false",
-                "redis.dead_after_heartbeats=120", wait=False)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    faults = {"DYNARESIZE_TEST_STOP_AT": ",".join(f"3:stage_state.weights@step-{k}" for k in range(1, steps)),
+              "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
+    # no periodic checkpoint: the stop's is the only one; 60 s of heartbeat deadline for the hung rank
+    p = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=9", "policy.enabled=false",
+            "redis.dead_after_heartbeats=120", wait=False, faults=faults)
     started.add(p.pid)
     deadline = time.monotonic() + 400
     rd = None

@@ -7,6 +7,7 @@ import torch
 
 from dynaresize.engines.reshard import plan
 from dynaresize.worker.local import LocalCluster
+from tests.support.hooks import HOOKS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -25,7 +26,7 @@ def test_plan_covers_every_element_once():
 def test_zero2_reshard_is_bit_exact(tmp_path):
     ids = torch.randint(3, 48, (12, 16), generator=torch.Generator().manual_seed(3)).tolist()
     cfg = {"train": {"lr": 5e-3, "zero_stage": 2}, "cluster": {"gpus": 5, "initial_train": 2}}
-    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg) as c:
+    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg, hooks=HOOKS) as c:
         for v in (1, 2):
             c.call("train_direct", {"input_ids": ids, "n_train": 2, "version_after": v}, ranks=[0, 1])
         d2 = c.call("state_digest", ranks=[0, 1])[0]["optimizer"]

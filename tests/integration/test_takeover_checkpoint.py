@@ -50,15 +50,10 @@ def state_of(pid: int) -> str:
 def test_a_takeover_during_the_old_coordinators_checkpoint_neither_deletes_it_nor_trusts_replayed_acks(
         tmp_path, model_cache, old_dir):
     steps = 6
-    env = {"DYNARESIZE_TEST_STOP_AT": "3:stage_state.weights@step-4", "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:  # 60 s of heartbeat deadline: the hung rank is not declared lost meanwhile
-        a = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=23", "policy.enabled=false",
-                "run.checkpoint_every=2", "redis.dead_after_heartbeats=120", wait=False)
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    faults = {"DYNARESIZE_TEST_STOP_AT": "3:stage_state.weights@step-4", "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
+    # 60 s of heartbeat deadline: the hung rank is not declared lost meanwhile
+    a = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=23", "policy.enabled=false",
+            "run.checkpoint_every=2", "redis.dead_after_heartbeats=120", wait=False, faults=faults)
     pids: list[int] = [a.pid]
     b = None
     try:

@@ -9,6 +9,7 @@ import torch
 
 from dynaresize.events import read_events
 from dynaresize.worker.local import LocalCluster, LocalWorkerError
+from tests.support.hooks import HOOKS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -28,7 +29,7 @@ def _opt_digest(c, n_train):
 
 def test_roles_switch_both_ways_state_stays_exact(tmp_path):
     events = tmp_path / "events.jsonl"
-    with LocalCluster(4, 2, tmp_path, global_batch=12, config={"train": {"lr": 1e-2, "zero_stage": 1}}, events=events) as c:
+    with LocalCluster(4, 2, tmp_path, global_batch=12, config={"train": {"lr": 1e-2, "zero_stage": 1}}, events=events, hooks=HOOKS) as c:
         _train(c, 2, 1)
         _train(c, 2, 2, seed=2)
         before = _opt_digest(c, 2)

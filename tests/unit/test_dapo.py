@@ -12,7 +12,7 @@ import yaml
 
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.job.filtering import BatchAssembler, UnfilledBatchError
-from dynaresize.job.workqueue import SampleResult, WorkItem
+from dynaresize.contract.workqueue import SampleResult, WorkItem
 from dynaresize.rl import GrpoLoss
 from dynaresize.rl.dapo import OverlongShaping, informative, next_round_prompts, overlong_penalty, select_groups
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dynaresize.config.loader import load_config
-from dynaresize.job.batching import TrainBatch
+from dynaresize.contract.batch import TrainBatch
 from dynaresize.job.coordinator import StepTimes
 from dynaresize.job.state import JobState
 from dynaresize.metrics import (

@@ -7,13 +7,20 @@ only fixes the *content*, as frozen pydantic models that travel as JSON. A worke
 ==============  =====================================================  ===============================================
 kind            payload                                                ack result
 ==============  =====================================================  ===============================================
+ping            :class:`Empty`                                         :class:`PingResult` (rank, role, version)
 generate        :class:`GeneratePayload` (step, version, sampling)    :class:`GenerateResult` (samples, tokens, busy)
 train           :class:`TrainPayload` (step, batch key, topology)      :class:`TrainResult` (loss, metrics, busy)
 sync_weights    :class:`SyncPayload` (version, topology)               :class:`SyncResult` (bytes, seconds, version)
 switch_role     :class:`SwitchPayload` (switch id, old/new trainers)  :class:`SwitchResult` (role, ops)
-stage_state     :class:`StagePayload` (tag)                            ``{"manifest": path, "bytes": n}``
-shutdown        ``{}``                                                  ``{}``
+stage_state     :class:`StagePayload` (tag)                            :class:`StageResult` (manifests, bytes)
+restore_state   :class:`StagePayload` (tag)                            :class:`RestoreResult` (version, seconds)
+shutdown        :class:`Empty`                                         :class:`EmptyResult`
 ==============  =====================================================  ===============================================
+
+:data:`COMMANDS` (kind -> :class:`CommandSpec`) is the one list of command kinds: :class:`CommandKind` (the kinds the
+wire accepts, ``dynaresize.control.wire``) is derived from it, and every kind has a handler ``Worker._cmd_<kind>``
+(``tests/unit/test_structure.py`` checks both ways). ``restore_state`` is applied by a rank to itself at start-up
+(``launch.json`` names the checkpoint), never sent.
 
 Payloads are validated strictly (no coercion: ``"3"``, ``3.0`` or ``true`` is not a step; NaN and infinities are not
 sampling parameters); :func:`parse_payload` raises only :class:`PayloadError`, one line naming the field and its
@@ -25,6 +32,8 @@ prefixes, see :mod:`dynaresize.comm.groups`), so a topology is one integer on th
 
 from __future__ import annotations
 
+import enum
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -38,6 +47,21 @@ class _Payload(_Msg):
     """What the coordinator sends: strict types, finite numbers."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+class Empty(_Payload):
+    """A command without arguments."""
+
+
+class EmptyResult(_Msg):
+    pass
+
+
+class PingResult(_Msg):
+    rank: int
+    role: str
+    version: int
+    n_train: int
 
 
 class GeneratePayload(_Payload):
@@ -99,6 +123,7 @@ class SwitchPayload(_Payload):
 
 class SwitchResult(_Msg):
     role: str
+    from_role: str | None = None  # absent on ranks outside the union of old and new trainers
     ops: list[dict[str, Any]] = []
 
 
@@ -106,13 +131,37 @@ class StagePayload(_Payload):
     tag: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
 
 
-PAYLOADS: dict[str, type[_Payload]] = {
-    "generate": GeneratePayload,
-    "train": TrainPayload,
-    "sync_weights": SyncPayload,
-    "switch_role": SwitchPayload,
-    "stage_state": StagePayload,
+class StageResult(_Msg):
+    manifest: str
+    manifests: list[str]
+    bytes: int
+    seconds: float
+
+
+class RestoreResult(_Msg):
+    version: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CommandSpec:
+    payload: type[_Payload]
+    result: type[_Msg]
+
+
+COMMANDS: dict[str, CommandSpec] = {
+    "ping": CommandSpec(Empty, PingResult),
+    "generate": CommandSpec(GeneratePayload, GenerateResult),
+    "train": CommandSpec(TrainPayload, TrainResult),
+    "sync_weights": CommandSpec(SyncPayload, SyncResult),
+    "switch_role": CommandSpec(SwitchPayload, SwitchResult),
+    "stage_state": CommandSpec(StagePayload, StageResult),
+    "restore_state": CommandSpec(StagePayload, RestoreResult),
+    "shutdown": CommandSpec(Empty, EmptyResult),
 }
+
+CommandKind = enum.Enum("CommandKind", [(k.upper(), k) for k in COMMANDS], type=str, module=__name__)
+CommandKind.__doc__ = "What a command asks a rank to do: one member per entry of :data:`COMMANDS`."
 
 
 class PayloadError(ValueError):
@@ -137,9 +186,10 @@ def _name(part: object) -> str:
 
 def parse_payload(kind: str, payload: dict[str, Any]) -> _Payload:
     """The payload model of ``kind`` validated from ``payload``; raises :class:`PayloadError` (only) if it does not fit."""
-    model = PAYLOADS.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise PayloadError(f"command kind {_shown(kind)} has no payload model (kinds with one: {', '.join(PAYLOADS)})")
+    spec = COMMANDS.get(kind) if isinstance(kind, str) else None
+    if spec is None:
+        raise PayloadError(f"command kind {_shown(kind)} has no payload model (kinds with one: {', '.join(COMMANDS)})")
+    model = spec.payload
     try:
         return model.model_validate(payload)
     except ValidationError as e:

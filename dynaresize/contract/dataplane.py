@@ -1,7 +1,7 @@
 """The worker's data plane in a real run: rollout work pulled from, and training batches read from, the run's Redis.
 
-It implements ``dynaresize.worker.core.DataPlane`` over :class:`~dynaresize.job.workqueue.RolloutQueue` and the
-batch keys the coordinator writes (``dr:<job>:batch:<step>``, JSON :class:`~dynaresize.job.batching.TrainBatch`).
+It implements ``dynaresize.worker.core.DataPlane`` over :class:`~dynaresize.contract.workqueue.RolloutQueue` and the
+batch keys the coordinator writes (``dr:<job>:batch:<step>``, JSON :class:`~dynaresize.contract.batch.TrainBatch`).
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import uuid
 
 import redis
 
-from dynaresize.job.batching import TrainBatch
-from dynaresize.job.workqueue import RolloutQueue, SampleResult, WorkItem
+from dynaresize.contract.batch import TrainBatch
+from dynaresize.contract.workqueue import RolloutQueue, SampleResult, WorkItem
 
-log = logging.getLogger("dynaresize.job.dataplane")
+log = logging.getLogger("dynaresize.contract.dataplane")
 
 
 class RedisDataPlane:
