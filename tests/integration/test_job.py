@@ -77,7 +77,8 @@ def wait_for_batches(parent: Path, p, n: int = 2, timeout_s: float = 400, poll_s
 
 def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
     steps = 5
-    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=7")
+    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=7",
+        "switching.optimizations.deferred_optimizer=true")  # the one setting: the workers defer, the policy plans so
     run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", "run.seed=7")
     dyn_dir, st_dir = run_dir_of(tmp_path / "dyn"), run_dir_of(tmp_path / "static")
     dyn, st = batches(dyn_dir), batches(st_dir)
