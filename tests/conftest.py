@@ -94,6 +94,16 @@ def redis_server(redis_binary, tmp_path_factory):
     srv.stop()
 
 
+# --- warm-started tiny models, built once per session -------------------------------------------------------------
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory) -> str:
+    """``model.cache_dir`` shared by every job a session launches. A model is cached under the hash of its recipe
+    (``dynaresize.models.store.cache_key``: tiny shape, warm-start, task, reward and run.seed), so jobs with the same
+    recipe in any module share one build (a warm-start of 80 steps is ~20 s of CPU) and different recipes never
+    mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason."""
+    return str(tmp_path_factory.mktemp("models"))
+
+
 # --- a real, small tmpfs (disk-full faults); needs root (CI and these machines run tests as root) -----------------
 @pytest.fixture
 def tmpfs(tmp_path):

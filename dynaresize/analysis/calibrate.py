@@ -7,7 +7,7 @@ and written as comments at the top of the YAML file, so the file itself holds on
     dynaresize calibrate runs/quickstart-20261130-101500 -o costs.yaml
     dynaresize calibrate runs/real --json           # the full fit as JSON on stdout
 
-Format: ``sim: {costs, train, rollout, workload, schedule, step_gap_s}``, simulator config that
+Format: ``switching: {costs}`` and ``sim: {train, rollout, workload, schedule, step_gap_s}``, config sections that
 ``dynaresize simulate --costs`` merges whole; :func:`to_costs_section` is the one place that maps the fit onto it.
 A replay of the logged run also needs its step count and split schedule on the command line; the comments at
 the top of the file give them (``sim.steps=N policy.enabled=false 'policy.forced_splits={k: trainers}'``).
@@ -36,12 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def to_costs_section(fit: dict) -> dict:
     """The fit as simulator config sections (only fitted values; the rest keeps the simulator's defaults).
 
-    Written as ``sim: {...}``, the shape of an experiment config, so the file is both a
+    Written as ``switching: {...}`` and ``sim: {...}``, the shape of an experiment config, so the file is both a
     ``dynaresize simulate --costs`` file and a config overlay.
 
-    - ``costs``: :class:`dynaresize.policy.config.SwitchCostConfig` (the simulator's ``sim.costs``): measured
-      per-op medians as ``override_s``; the median weight_sync stage as the ``weight_sync`` override when no
-      weight_sync op was logged.
+    - ``switching.costs``: :class:`dynaresize.policy.config.SwitchCostConfig` (what the policy and the simulator
+      price a switch with): measured per-op medians as ``override_s``; the median weight_sync stage as the
+      ``weight_sync`` override when no weight_sync op was logged.
     - ``train``: the simulator's ``sim.train`` (tokens_per_gpu_s, step_overhead_s; the fit assumes perfect
       data-parallel scaling over the rank counts seen, so scaling_per_doubling = 1, attention term 0).
     - ``rollout``: ``model: empirical`` with the fitted overhead and tokens/s per rank (the simulator's decode
@@ -65,15 +65,14 @@ def to_costs_section(fit: dict) -> dict:
         train["step_overhead_s"] = round(max(f["overhead_s"], 0.0), 6)
     if train:
         train.update(scaling_per_doubling=1.0, attention_per_context_token=0.0)
+    out: dict = {"switching": {"costs": costs}} if costs else {}
     sim: dict = {}
-    if costs:
-        sim["costs"] = costs
     if train:
         sim["train"] = train
     if fit["source"].get("kind") == "sim":
         # a simulated log's rollout and workload come from the physics and workload in its own config: a line
         # fitted to them would replace an exact model by an approximation, so only costs and train are written
-        return {"sim": sim}
+        return {**out, "sim": sim}
     r = fit["rollout"]
     if r["tokens_per_s_per_gpu"] is not None:
         sim["rollout"] = {"model": "empirical", "empirical_overhead_s": round(max(r["overhead_s"], 0.0), 6),
@@ -92,7 +91,7 @@ def to_costs_section(fit: dict) -> dict:
         sim["schedule"] = "lockstep"
         if sc.get("step_gap_s") is not None:
             sim["step_gap_s"] = round(sc["step_gap_s"], 6)
-    return {"sim": sim}
+    return {**out, "sim": sim}
 
 
 def _comments(fit: dict) -> str:

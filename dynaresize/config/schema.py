@@ -6,14 +6,14 @@ them and holds the few sections that belong to the job as a whole (``run``, ``cl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
 from dynaresize.metrics.config import MetricsConfig
-from dynaresize.policy.config import PolicyConfig
+from dynaresize.policy.config import PolicyConfig, SwitchingConfig
 from dynaresize.rl.config import AlgorithmConfig
 from dynaresize.sim.config import SimConfig
 from dynaresize.slurm.config import SlurmConfig
@@ -80,6 +80,29 @@ class FaultsConfig(Section):
     )
 
 
+# Keys that moved to another place: an old config that still sets one fails naming the key and where it lives now.
+MOVED_KEYS: dict[tuple[str, ...], str] = {
+    ("sim", "costs"): "switching.costs",
+    ("sim", "optimizations"): "switching.optimizations",
+    ("staging", "deferred_optimizer"): "switching.optimizations.deferred_optimizer",
+}
+
+
+def moved_key(data: Any, prefix: tuple[str, ...] = ()) -> RuleError | None:
+    """The error for the first moved key set in ``data`` (a config mapping rooted at ``prefix``), else None."""
+    for path, new in MOVED_KEYS.items():
+        if path[: len(prefix)] != prefix:
+            continue
+        node = data
+        for part in path[len(prefix):]:
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return RuleError(path[len(prefix):], node, f"{'.'.join(path)} has moved to {new}")
+    return None
+
+
 class Config(Section):
     """A whole experiment. Top-level keys are sections; ``extends`` (a path) is resolved by the loader."""
 
@@ -99,6 +122,17 @@ class Config(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")
+    switching: SwitchingConfig = Field(
+        default_factory=SwitchingConfig, description="Switch cost model and optimisations (runtime policy, workers and simulator)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: Any) -> Any:
+        err = moved_key(data)
+        if err is not None:
+            raise err
+        return data
 
     @model_validator(mode="after")
     def _forced_splits_fit_the_cluster(self) -> "Config":

@@ -942,7 +942,7 @@ class Coordinator:
 
         n_alive = len(self._alive())
         cands = [Topology(t, n_alive - t) for t in self._valid_counts()]
-        self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.sim.costs, self.cfg.sim.optimizations), cands)
+        self.policy = ResizePolicy(self.cfg.policy, SwitchCostModel(self.cfg.switching.costs, self.cfg.switching.optimizations), cands)
 
     def _can_shrink(self, ranks) -> bool:
         """Only rollout ranks can go while the job runs on: a trainer holds a ZeRO shard nobody else has, rank 0 is

@@ -1,9 +1,11 @@
-"""Config of the resizing policy (section ``policy``) and of the switch cost model it plans with.
+"""Config of the resizing policy (section ``policy``) and of the switch cost model it plans with (``switching``).
 
 The policy itself is pure (``dynaresize/policy/policy.py``); this file only holds its knobs. The cost model's
 knobs (:class:`SwitchCostConfig`, :class:`OptimizationsConfig`) live here too because the policy needs them to price
-a plan; the simulator exposes them as ``sim.costs`` and ``sim.optimizations`` (``dynaresize calibrate`` writes a
-``costs`` YAML file from a real run, ``dynaresize simulate --costs FILE`` reads it).
+a plan. They form the top-level section ``switching`` (:class:`SwitchingConfig`), read by the runtime policy, the
+simulator and the workers alike (``switching.optimizations.deferred_optimizer`` is the one setting that says whether
+a trainer defers its optimizer state); ``dynaresize calibrate`` writes ``switching.costs`` from a real run and
+``dynaresize simulate --costs FILE`` reads it.
 """
 
 from __future__ import annotations
@@ -122,3 +124,14 @@ class SwitchCostConfig(Section):
             if s < 0:
                 raise RuleError((k,), s, f"override for {k!r} is negative ({s})")
         return v
+
+
+class SwitchingConfig(Section):
+    """What a role switch costs and which optimisations it uses: one section for the runtime and the simulator."""
+
+    costs: SwitchCostConfig = Field(
+        default_factory=SwitchCostConfig, description="Switch cost model inputs the policy prices a plan with (dynaresize calibrate writes these)"
+    )
+    optimizations: OptimizationsConfig = Field(
+        default_factory=OptimizationsConfig, description="Switch optimisations in use (the runtime's workers and the simulator's DynaResize run)"
+    )

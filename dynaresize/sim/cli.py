@@ -4,9 +4,9 @@ Without ``--compare``: one simulated DynaResize run (or the static initial split
 written as a run directory (``config.yaml``, ``events.jsonl``, ``summary.json``) that ``dynaresize analyze`` reads.
 With ``--compare``: every static split, DynaResize optimised and naive, greedy and the oracle bound as a table;
 ``--json`` adds one JSON object as the last line. ``--costs FILE.yaml`` merges a calibration file: either the keys
-of ``sim.costs`` at top level, or any ``sim`` keys under ``sim:`` (what ``dynaresize calibrate`` writes: ``costs``,
-``train``, ``rollout``, ``workload``, ``schedule``, ``step_gap_s``); dotted overrides on the command line are
-applied after it, so they win. ``policy.forced_splits`` ({step: trainers}) scripts switches as in a real run
+of ``switching.costs`` at top level, or ``switching`` and ``sim`` sections (what ``dynaresize calibrate`` writes:
+``switching.costs``; ``sim.train``, ``rollout``, ``workload``, ``schedule``, ``step_gap_s``); dotted overrides on
+the command line are applied after it, so they win. ``policy.forced_splits`` ({step: trainers}) scripts switches as in a real run
 (with ``policy.enabled=false``: only those).
 """
 
@@ -23,7 +23,8 @@ from pydantic import ValidationError
 
 from dynaresize.config.loader import ConfigError, load_config, parse_override, write_resolved
 from dynaresize.events import EventLog, EventType, make_event
-from dynaresize.policy.config import SwitchCostConfig
+from dynaresize.config.schema import moved_key
+from dynaresize.policy.config import SwitchCostConfig, SwitchingConfig
 from dynaresize.sim.config import SimConfig
 
 
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "sample-level mechanisms and the bound")
     p.add_argument("--no-samples", action="store_true", help="--compare: leave out the sample-level rows (faster at scale)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-    p.add_argument("--costs", metavar="FILE", help="YAML of switch costs merged into sim.costs (from dynaresize calibrate)")
+    p.add_argument("--costs", metavar="FILE", help="YAML of switch costs merged into switching.costs (from dynaresize calibrate)")
     p.add_argument("--out", metavar="RUN_DIR", help="run directory (default: <run.output_dir>/<run.name>-<timestamp>)")
 
 
@@ -47,25 +48,25 @@ def _deep(dst: dict, src: dict) -> dict:
 def merge_costs(cfg, path: str):
     """Return ``cfg`` with the calibration file at ``path`` merged in (ConfigError naming file and key).
 
-    A file with a top-level ``sim:`` mapping is merged into ``sim`` (every section: costs, train, rollout, workload,
-    schedule, ...); any other mapping is the keys of ``sim.costs``."""
+    A file whose top level holds ``switching`` and/or ``sim`` (what ``dynaresize calibrate`` writes) is merged into
+    those sections (``switching.costs``; ``sim.train``, ``rollout``, ``workload``, ``schedule``, ...); any other
+    mapping is the keys of ``switching.costs``."""
     try:
         data = yaml.safe_load(Path(path).read_text()) or {}
     except OSError as e:
         raise ConfigError(f"{path}: cannot read cost file: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if isinstance(data, dict) and "sim" in data:
-        return _merge_sim(cfg, path, data)
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sim.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
+        raise ConfigError(f"{path}: expected a mapping of switching.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
+    if "switching" in data or "sim" in data:
+        return _merge_sections(cfg, path, data)
     try:
-        costs = SwitchCostConfig.model_validate(_deep(cfg.sim.costs.model_dump(), data))
+        costs = SwitchCostConfig.model_validate(_deep(cfg.switching.costs.model_dump(), data))
     except ValidationError as e:
-        msgs = "; ".join(f"sim.costs.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
+        msgs = "; ".join(f"switching.costs.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
         raise ConfigError(f"{path}: {msgs}; allowed keys: {', '.join(SwitchCostConfig.model_fields)}") from None
-    sim = cfg.sim.model_copy(update={"costs": costs})
-    return cfg.model_copy(update={"sim": sim})
+    return cfg.model_copy(update={"switching": cfg.switching.model_copy(update={"costs": costs})})
 
 
 def _key(er: dict) -> str:
@@ -79,18 +80,25 @@ def _key(er: dict) -> str:
     return ".".join(str(x) for x in loc)
 
 
-def _merge_sim(cfg, path: str, data: dict):
-    other = sorted(k for k in data if k != "sim")
+def _merge_sections(cfg, path: str, data: dict):
+    other = sorted(k for k in data if k not in ("switching", "sim"))
     if other:
-        raise ConfigError(f"{path}: unknown top-level key {other[0]!r} (a calibration file holds only 'sim')")
-    if not isinstance(data["sim"], dict):
-        raise ConfigError(f"{path}: sim: expected a mapping of simulator sections (costs, train, rollout, workload, ...)")
-    try:
-        sim = SimConfig.model_validate(_deep(cfg.sim.model_dump(), data["sim"]))
-    except ValidationError as e:
-        msgs = "; ".join(f"sim.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
-        raise ConfigError(f"{path}: {msgs}") from None
-    return cfg.model_copy(update={"sim": sim})
+        raise ConfigError(f"{path}: unknown top-level key {other[0]!r} (a calibration file holds only 'switching' and 'sim')")
+    moved = moved_key(data)
+    if moved is not None:
+        raise ConfigError(f"{path}: {moved}")
+    update = {}
+    for name, model in (("switching", SwitchingConfig), ("sim", SimConfig)):
+        if name not in data:
+            continue
+        if not isinstance(data[name], dict):
+            raise ConfigError(f"{path}: {name}: expected a mapping of {name} sections (e.g. {'costs' if name == 'switching' else 'train'})")
+        try:
+            update[name] = model.model_validate(_deep(getattr(cfg, name).model_dump(), data[name]))
+        except ValidationError as e:
+            msgs = "; ".join(f"{name}.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
+            raise ConfigError(f"{path}: {msgs}") from None
+    return cfg.model_copy(update=update)
 
 
 def apply_overrides(cfg, overrides: list[str]):

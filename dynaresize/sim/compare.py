@@ -44,18 +44,18 @@ class Setup:
 
 
 def setup(cfg: Config) -> Setup:
-    sim, cl = cfg.sim, cfg.cluster
+    sim, cl, sw = cfg.sim, cfg.cluster, cfg.switching
     cands = from_cluster(cl)
     table = StageTable(sim, cfg.run.seed, sim.steps, cl.gpus)
     return Setup(
         cfg, table, cands, Topology(cl.initial_train, cl.gpus - cl.initial_train),
-        SwitchCostModel(sim.costs, sim.optimizations), SwitchCostModel(sim.costs, OptimizationsConfig.naive()),
+        SwitchCostModel(sw.costs, sw.optimizations), SwitchCostModel(sw.costs, OptimizationsConfig.naive()),
     )
 
 
 def _pipe(s: Setup, name: str, ctl, costs: SwitchCostModel, initial: Topology, log: bool, forced: dict | None = None) -> Pipeline:
-    sim = s.cfg.sim
-    return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, sim.costs.deferred_overlap_fraction,
+    sim, overlap = s.cfg.sim, s.cfg.switching.costs.deferred_overlap_fraction
+    return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, overlap,
                     lockstep=sim.schedule == "lockstep", step_gap_s=sim.step_gap_s, forced=forced)
 
 
@@ -76,11 +76,11 @@ def run_static(s: Setup, topo: Topology, log: bool = False, forced: dict[int, in
 def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, name: str | None = None,
                 record_versions: bool = False) -> SampleRunResult:
     """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy."""
-    sim, p = s.cfg.sim, s.cfg.sim.pipeline
+    p = s.cfg.sim.pipeline
     policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates) if mech.resize else None
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
-                          sim.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
+                          s.cfg.switching.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
                           p.helper_rate, p.helper_cost_s).run()
 
 

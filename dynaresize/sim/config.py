@@ -1,9 +1,9 @@
-"""Config of the discrete-event simulator (section ``sim``): workload, hardware physics and switch costs.
+"""Config of the discrete-event simulator (section ``sim``): workload and hardware physics.
 
 The cluster size, initial split and granularity come from ``cluster``, the staleness bound from ``pipeline``, the
-hysteresis from ``policy`` and the seed from ``run``, so one experiment file drives both a real run and a
-simulated one. Defaults describe a Qwen3-8B-like model on H20-like GPUs; each number says where it comes from
-(DESIGN = ../shared/DESIGN.md public figures, ASSUMPTION = our estimate).
+hysteresis from ``policy``, the switch costs and optimisations from ``switching`` and the seed from ``run``, so one
+experiment file drives both a real run and a simulated one. Defaults describe a Qwen3-8B-like model on H20-like
+GPUs; each number says where it comes from (DESIGN = ../shared/DESIGN.md public figures, ASSUMPTION = our estimate).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from dynaresize.config.base import RuleError, Section
-from dynaresize.policy.config import OptimizationsConfig, SwitchCostConfig
 
 
 class DynamicSamplingConfig(Section):
@@ -172,8 +171,6 @@ class SimConfig(Section):
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
     rollout: RolloutPhysicsConfig = Field(default_factory=RolloutPhysicsConfig, description="Decode physics of a rollout GPU")
     train: TrainPhysicsConfig = Field(default_factory=TrainPhysicsConfig, description="Training physics of a trainer GPU")
-    costs: SwitchCostConfig = Field(default_factory=SwitchCostConfig, description="Switch cost model inputs (dynaresize calibrate writes these)")
-    optimizations: OptimizationsConfig = Field(default_factory=OptimizationsConfig, description="Switch optimisations in the DynaResize run")
     schedule: Literal["pipelined", "lockstep"] = Field(
         "pipelined", description="pipelined: each stage starts when its inputs exist; lockstep: the runtime coordinator's "
         "loop (both pools start a step together after the previous step's stages, the blocking weight sync and step_gap_s)"

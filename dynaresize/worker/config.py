@@ -83,6 +83,3 @@ class StagingConfig(Section):
         "auto", description="Per-chunk checksum of staged files (auto: xxh3 if the xxhash package is installed, else crc32)"
     )
     fsync: bool = Field(False, description="fsync staged data before the manifest (node-local scratch rarely needs it)")
-    deferred_optimizer: bool = Field(
-        True, description="Restore optimizer state lazily at the first optimizer step on a new topology"
-    )

@@ -62,6 +62,7 @@ class WorkerSetup:
     train_cfg: Any  # TrainConfig
     rollout_cfg: Any  # RolloutConfig
     staging_cfg: Any  # StagingConfig
+    deferred_optimizer: bool  # switching.optimizations.deferred_optimizer: restore optimizer state at the first step
     staging_dir: Path
     model_factory: Callable[[], torch.nn.Module]
     eos_ids: list[int]
@@ -421,7 +422,7 @@ class Worker:
     def _defer(self, parts: list[Partition] | Callable[[], list[Partition]], switch_id: str) -> None:
         assert self.trainer is not None
         self._pending_switch = switch_id
-        if self.setup.staging_cfg.deferred_optimizer:
+        if self.setup.deferred_optimizer:
             self.trainer.defer_optimizer_state(parts)
         else:
             self.trainer.install_partitions(parts() if callable(parts) else parts)

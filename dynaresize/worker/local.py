@@ -74,8 +74,8 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
     model_spec = spec.get("model", TINY_MODEL)
     setup = WorkerSetup(
         rank=rank, world=world, n_train=spec["n_train"], unit=spec.get("unit", 1),
-        train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging,
-        staging_dir=Path(spec["staging_dir"]),
+        train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging, staging_dir=Path(spec["staging_dir"]),
+        deferred_optimizer=cfg.switching.optimizations.deferred_optimizer,
         model_factory=lambda: tiny_qwen2(model_spec, spec.get("seed", 0)),
         eos_ids=spec.get("eos_ids", [2]), pad_id=spec.get("pad_id", 0), global_batch=spec["global_batch"],
         events=EventLog(spec["events"]) if spec.get("events") else None,

@@ -221,6 +221,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     setup = WorkerSetup(
         rank=rank, world=world, n_train=int(launch["n_train"]), unit=G.unit_from_cluster(cfg.cluster),
         train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging, staging_dir=staging_dir,
+        deferred_optimizer=cfg.switching.optimizations.deferred_optimizer,
         model_factory=model_factory, eos_ids=eos, pad_id=pad_token_id(tok), score=_scorer(cfg, tok),
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from dynaresize.control.server import connect
+from test_job import SEED  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -42,14 +43,14 @@ def restarted_events(run_dir: Path) -> list[dict]:
     return [e for e in evs if e["type"] == "control" and e["what"] == "redis_restarted"]
 
 
-def test_redis_sigkilled_mid_run_the_run_completes_and_loses_nothing(tmp_path):
+def test_redis_sigkilled_mid_run_the_run_completes_and_loses_nothing(tmp_path, model_cache):
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", "run.progress=false",
             "cluster.gpus=4", "cluster.initial_train=2", f"rollout.prompts_per_step={B}", f"rollout.group_size={G}",
             "rollout.max_tokens=16", "model.tiny.warmstart_steps=20", "run.checkpoint_every=0", "redis.heartbeat_s=1.0",
             "redis.dead_after_heartbeats=5",  # 5 s: a rank starved of CPU on a loaded 2-core machine is not dead
-            f"run.steps={STEPS}", "run.seed=11", f"run.output_dir={tmp_path / 'runs'}",
-            f"model.cache_dir={tmp_path / 'models'}", "--quiet"]
+            f"run.steps={STEPS}", f"run.seed={SEED}", f"run.output_dir={tmp_path / 'runs'}",
+            f"model.cache_dir={model_cache}", "--quiet"]
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     killed: list[int] = []

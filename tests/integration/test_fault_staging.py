@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from test_job import SEED  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +31,7 @@ B, G, STEPS = 4, 4, 4
 BASE = [
     "run.progress=false", "cluster.gpus=3", "cluster.initial_train=2", f"rollout.prompts_per_step={B}",
     f"rollout.group_size={G}", "rollout.max_tokens=16", "model.tiny.warmstart_steps=20", f"run.steps={STEPS}",
-    "run.checkpoint_every=2", "redis.heartbeat_s=2", "policy.enabled=false",
+    "run.checkpoint_every=2", "redis.heartbeat_s=2", "policy.enabled=false", f"run.seed={SEED}",
 ]
 # A fresh run in a directory made beforehand (so its checkpoints/ can be a mount): what `dynaresize run` does after
 # creating the run directory.
@@ -43,11 +45,6 @@ s = Coordinator(load_config("configs/quickstart.yaml", sys.argv[2:]), Path(sys.a
 print(json.dumps({"status": s["status"], "steps": s["steps"]}))
 sys.exit(0 if s["status"] == "completed" else 1)
 """
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture

@@ -27,14 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from test_job import B, G, batches, run, run_dir_of  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
+from test_job import B, G, SEED, batches, run, run_dir_of  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +114,7 @@ def find_run_dir(tmp: Path):
 
 def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_cache):
     steps = 9
-    p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=11", "cluster.initial_train=1", "policy.enabled=false",
+    p = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "cluster.initial_train=1", "policy.enabled=false",
             "rollout.pull_batch=2", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", p)
     # 1. SIGKILL rank 3 while it generates (it holds claimed samples)
@@ -154,7 +149,7 @@ def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_c
 
 
 KILLS = "1:switch_role.offload@step-3,0:stage_state.weights@step-4"
-RESTART = ["run.seed=13", "run.checkpoint_every=2", "policy.enabled=false", "policy.forced_splits={3: 3}"]
+RESTART = [f"run.seed={SEED}", "run.checkpoint_every=2", "policy.enabled=false", "policy.forced_splits={3: 3}"]
 
 
 def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_with_the_same_training(tmp_path, model_cache):
@@ -176,7 +171,7 @@ def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_wit
 
 def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_off(tmp_path, model_cache):
     steps = 8
-    a = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=17", "policy.enabled=false", "policy.forced_splits={4: 3}",
+    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", "policy.forced_splits={4: 3}",
             wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 3, "step 3", a)
@@ -210,7 +205,7 @@ def test_a_killed_coordinator_is_replaced_and_its_ranks_outlive_it(tmp_path, mod
     on, retrying Redis. `--resume` brings Redis back on the same port from its append-only file (journal and
     registry included) and takes the ranks over; a command interrupted by the outage is waited out, not failed."""
     steps = 6
-    a = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=19", "policy.enabled=false", wait=False)
+    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 2, "step 2", a)
     pids = {r: pid_of(rd, r) for r in range(4)}

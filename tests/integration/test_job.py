@@ -29,11 +29,9 @@ BASE = [
     f"rollout.group_size={G}", "rollout.max_tokens=16", "model.tiny.warmstart_steps=80", "run.checkpoint_every=0",
     "redis.heartbeat_s=0.5", "redis.dead_after_heartbeats=8",  # 4 s: a busy 2-core CI box starves heartbeats
 ]
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
+# The seed of every run whose assertions hold for any seed (here and in the modules that import run()): the
+# warm-started model is cached by recipe, seed included (conftest.py's model_cache), so they all share one build
+SEED = 7
 
 
 def run(tmp: Path, cache: str, *overrides: str, resume: Path | None = None, wait: bool = True,
@@ -81,8 +79,9 @@ def wait_for_batches(parent: Path, p, n: int = 2, timeout_s: float = 400, poll_s
 
 def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
     steps = 5
-    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=7")
-    run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", "run.seed=7")
+    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", f"run.seed={SEED}",
+        "switching.optimizations.deferred_optimizer=true")  # the one setting: the workers defer, the policy plans so
+    run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", f"run.seed={SEED}")
     dyn_dir, st_dir = run_dir_of(tmp_path / "dyn"), run_dir_of(tmp_path / "static")
     dyn, st = batches(dyn_dir), batches(st_dir)
     assert [b["step"] for b in dyn] == [b["step"] for b in st] == list(range(steps))
@@ -114,7 +113,7 @@ def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
 
 def test_sigterm_then_resume_loses_and_duplicates_nothing(tmp_path, model_cache):
     steps = 7
-    p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=3", wait=False)
+    p = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", wait=False)
     rd = wait_for_batches(tmp_path, p)
     os.killpg(p.pid, signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
@@ -137,7 +136,7 @@ def test_sigterm_then_resume_loses_and_duplicates_nothing(tmp_path, model_cache)
 
 
 def test_a_dead_rank_fails_the_job_clearly_and_the_run_resumes(tmp_path, model_cache):
-    p = run(tmp_path, model_cache, "run.steps=60", "run.checkpoint_every=2", "run.seed=5", "faults.shrink=false",
+    p = run(tmp_path, model_cache, "run.steps=60", "run.checkpoint_every=2", f"run.seed={SEED}", "faults.shrink=false",
             "faults.max_restarts=0", wait=False)  # the fail-fast path; tests/integration/test_faults.py: the others
     deadline = time.monotonic() + 400
     state = None
@@ -167,18 +166,29 @@ DAPO = ["task.params={partial_credit: false}",  # a binary reward: many groups a
         "train.clip_eps_high=0.28", "train.kl_coef=0.01"]
 
 
-def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cache):
+DAPO_STEPS, DAPO_SEED = 6, 11  # the seed matters: its batches must drop groups (asserted below)
+
+
+@pytest.fixture(scope="module")
+def dapo_static(tmp_path_factory, model_cache) -> Path:
+    """The static DAPO run both dynamic-sampling tests compare with (one launch for the two)."""
+    parent = tmp_path_factory.mktemp("dapo-static")
+    run(parent, model_cache, f"run.steps={DAPO_STEPS}", "policy.enabled=false", f"run.seed={DAPO_SEED}", *DAPO)
+    return run_dir_of(parent)
+
+
+def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cache, dapo_static):
     """DAPO dynamic sampling (with overlong shaping, clip-higher and KL to the reference on): a run resized twice
     and a static run with the same seed generate the same extra rounds, keep the same groups (by prompt order),
-    and train on the same samples; the metrics reach TensorBoard."""
-    steps = 5
-    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", "run.seed=11",
+    and train on the same samples; the metrics reach TensorBoard. 5 steps: the forced splits, and no step after
+    them in which the policy (on, to keep them) may resize by itself."""
+    steps = DAPO_STEPS - 1
+    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", f"run.seed={DAPO_SEED}",
         "metrics.tensorboard=true", *DAPO)
-    run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", "run.seed=11", *DAPO)
-    dyn_dir, st_dir = run_dir_of(tmp_path / "dyn"), run_dir_of(tmp_path / "static")
-    dyn, st = batches(dyn_dir), batches(st_dir)
+    dyn_dir, st_dir = run_dir_of(tmp_path / "dyn"), dapo_static
+    dyn, st = batches(dyn_dir), batches(st_dir)[:steps]  # run.steps changes no earlier step
     assert [b["n_train"] for b in dyn] == [2, 2, 1, 3, 3] and {b["n_train"] for b in st} == {2}
-    for d, s in zip(dyn, st):
+    for d, s in zip(dyn, st, strict=True):
         assert len(d["keys"]) == B * G and d["keys"] == s["keys"] and d["versions"] == s["versions"]
         assert d["rewards"] == s["rewards"]
         assert d["loss"] == pytest.approx(s["loss"], rel=1e-3, abs=1e-5)
@@ -205,21 +215,20 @@ def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cac
     assert {"dynamic_sampling/groups_dropped", "response/length_mean", "throughput/tokens_per_s", "switches/count"} <= set(tb)
 
 
-def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache):
+def test_dynamic_sampling_resumes_without_generating_twice(tmp_path, model_cache, dapo_static):
     """SIGTERM mid-run with dynamic sampling on, then --resume: the extra rounds are replayed from the stored
     samples (nothing generated twice) and every step trains on the groups an uninterrupted run trains on."""
-    steps, seed = 6, 13
-    run(tmp_path / "ref", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO)
+    steps, seed = DAPO_STEPS, DAPO_SEED
     p = run(tmp_path / "cut", model_cache, f"run.steps={steps}", f"run.seed={seed}", "policy.enabled=false", *DAPO, wait=False)
     rd = wait_for_batches(tmp_path / "cut", p)
     os.killpg(p.pid, signal.SIGTERM)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 130, out[-4000:]
     run(tmp_path / "cut", model_cache, resume=rd)
-    ref, cut = batches(run_dir_of(tmp_path / "ref")), batches(rd)
+    ref, cut = batches(dapo_static), batches(rd)
     assert [b["step"] for b in cut] == list(range(steps))
     assert [b["keys"] for b in cut] == [b["keys"] for b in ref]
-    for d in (run_dir_of(tmp_path / "ref"), rd):
+    for d in (dapo_static, rd):
         events = [json.loads(l) for l in (d / "events.jsonl").read_text().splitlines()]
         generated = sum(e.get("samples", 0) for e in events if e["type"] == "stage" and e["stage"] == "rollout")
         planned = sum(e["groups_generated"] for e in events if e["type"] == "step_end") * G
@@ -231,7 +240,9 @@ def test_dynamic_sampling_that_cannot_fill_a_batch_fails_clearly(tmp_path, model
     at the first batch with one message saying what was found, after generating at most max_rounds extra rounds."""
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", *BASE, f"run.output_dir={tmp_path}",
-            f"model.cache_dir={model_cache}", "run.steps=2", "rollout.temperature=0.01", "algorithm.dynamic_sampling.enabled=true",
+            f"model.cache_dir={model_cache}", "run.steps=2", f"run.seed={SEED}", "rollout.temperature=0.01",
+            "cluster.gpus=2", "cluster.initial_train=1",  # the check is the coordinator's: two ranks start faster than four
+            "algorithm.dynamic_sampling.enabled=true",
             "algorithm.dynamic_sampling.max_rounds=1", "algorithm.dynamic_sampling.on_unfilled=fail", "--quiet"]
     p = subprocess.run(argv, cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-2000:]

@@ -17,14 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from test_job import B, G, batches, run, wait_for_batches  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
+from test_job import B, G, SEED, batches, run, wait_for_batches  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
 
 
 def _children() -> dict[int, list[int]]:
@@ -89,7 +84,7 @@ def controls(run_dir: Path, what: str) -> list[dict]:
 def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_trains_no_step_twice(
         tmp_path, model_cache, started, sig):
     steps = 6
-    p = run(tmp_path, model_cache, f"run.steps={steps}", "run.seed=5", "policy.enabled=false", wait=False)
+    p = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", wait=False)
     started.add(p.pid)
     rd = wait_for_batches(tmp_path, p, poll_s=0.1)
     procs = job_processes(p.pid)
@@ -140,7 +135,7 @@ def test_a_second_signal_abandons_the_stops_checkpoint_cleanly(tmp_path, model_c
     faults = {"DYNARESIZE_TEST_STOP_AT": ",".join(f"3:stage_state.weights@step-{k}" for k in range(1, steps)),
               "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
     # no periodic checkpoint: the stop's is the only one; 60 s of heartbeat deadline for the hung rank
-    p = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=9", "policy.enabled=false",
+    p = run(tmp_path / "runs", model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
             "redis.dead_after_heartbeats=120", wait=False, faults=faults)
     started.add(p.pid)
     deadline = time.monotonic() + 400

@@ -23,6 +23,7 @@ import pytest
 import redis
 
 from dynaresize.control.server import connect
+from test_job import SEED  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -34,13 +35,13 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _run(tmp_path: Path, models: Path, name: str, refuse_s: float, wait_s: float) -> tuple[int, str, Path]:
+def _run(tmp_path: Path, models: str, name: str, refuse_s: float, wait_s: float) -> tuple[int, str, Path]:
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
     argv = [sys.executable, "-m", "dynaresize.cli", "run", "configs/quickstart.yaml", "run.progress=false",
             "cluster.gpus=4", "cluster.initial_train=2", "rollout.prompts_per_step=4", "rollout.group_size=4",
             "rollout.max_tokens=16", "model.tiny.warmstart_steps=20", "run.checkpoint_every=0",
             "redis.heartbeat_s=1.0", "redis.dead_after_heartbeats=3", f"redis.write_wait_s={wait_s}",
-            f"run.steps={STEPS}", "run.seed=5", f"run.output_dir={tmp_path / name}",
+            f"run.steps={STEPS}", f"run.seed={SEED}", f"run.output_dir={tmp_path / name}",
             f"model.cache_dir={models}", "--quiet"]
     p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
@@ -80,22 +81,17 @@ def _events(rd: Path, what: str) -> list[dict]:
     return [e for e in map(json.loads, _lines(rd / "events.jsonl")) if e.get("type") == "control" and e.get("what") == what]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("models")  # the warm-started model, built once for both runs
-
-
-def test_redis_refusing_writes_a_while_is_ridden_out(tmp_path, models):
-    code, out, rd = _run(tmp_path, models, "short", refuse_s=4.0, wait_s=60)
+def test_redis_refusing_writes_a_while_is_ridden_out(tmp_path, model_cache):
+    code, out, rd = _run(tmp_path, model_cache, "short", refuse_s=4.0, wait_s=60)
     assert code == 0, out[-4000:]
     steps = [json.loads(l)["step"] for l in _lines(rd / "batches.jsonl")]
     assert sorted(steps) == list(range(STEPS)), f"every step once: {steps}"
     assert not _events(rd, "restart") and not _events(rd, "shrink"), "nobody may be declared lost"
 
 
-def test_redis_refusing_writes_past_the_bound_stops_with_one_message(tmp_path, models):
+def test_redis_refusing_writes_past_the_bound_stops_with_one_message(tmp_path, model_cache):
     t0 = time.monotonic()
-    code, out, rd = _run(tmp_path, models, "long", refuse_s=60.0, wait_s=4)
+    code, out, rd = _run(tmp_path, model_cache, "long", refuse_s=60.0, wait_s=4)
     assert code == 1, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     errors = [l for l in out.splitlines() if l.startswith("dynaresize run:")]

@@ -1,4 +1,5 @@
-"""ZeRO-2 optimizer state is bit-exact across 2 -> 4 -> 2 trainers (four processes, DeepSpeed on CPU)."""
+"""ZeRO-2 optimizer state is bit-exact across 2 -> 4 -> 2 trainers (four processes, DeepSpeed on CPU), installed at
+once (``switching.optimizations.deferred_optimizer=false``; test_worker_switch.py covers the deferred install)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from dynaresize.engines.reshard import plan
+from dynaresize.events import read_events
 from dynaresize.worker.local import LocalCluster
 from tests.support.hooks import HOOKS
 
@@ -25,8 +27,10 @@ def test_plan_covers_every_element_once():
 
 def test_zero2_reshard_is_bit_exact(tmp_path):
     ids = torch.randint(3, 48, (12, 16), generator=torch.Generator().manual_seed(3)).tolist()
-    cfg = {"train": {"lr": 5e-3, "zero_stage": 2}, "cluster": {"gpus": 5, "initial_train": 2}}
-    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg, hooks=HOOKS) as c:
+    cfg = {"train": {"lr": 5e-3, "zero_stage": 2}, "cluster": {"gpus": 5, "initial_train": 2},
+           "switching": {"optimizations": {"deferred_optimizer": False}}}
+    events = tmp_path / "events.jsonl"
+    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg, events=events, hooks=HOOKS) as c:
         for v in (1, 2):
             c.call("train_direct", {"input_ids": ids, "n_train": 2, "version_after": v}, ranks=[0, 1])
         d2 = c.call("state_digest", ranks=[0, 1])[0]["optimizer"]
@@ -39,6 +43,8 @@ def test_zero2_reshard_is_bit_exact(tmp_path):
         c.call("switch_role", {"switch_id": "down", "step": 3, "from_train": 4, "to_train": 2})
         assert c.call("state_digest", ranks=[0, 1])[0]["optimizer"] == d4b
         assert all(s["created_after_startup"] == 0 for s in c.call("comm_stats").values())
+    ops = [e["op"] for e in read_events(events) if e.type.value == "switch_op"]
+    assert "optimizer_reshard" in ops and "optimizer_stage_in" not in ops  # not deferred: no install inside a step
 
 
 def test_candidate_sets_are_nested_prefixes_and_unions_are_candidates():

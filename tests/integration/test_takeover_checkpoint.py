@@ -25,14 +25,9 @@ from pathlib import Path
 import pytest
 
 from test_faults import assert_nothing_lost, controls, find_run_dir, n_batches, pid_of, wait_for  # noqa: E402
-from test_job import run  # noqa: E402
+from test_job import SEED, run  # noqa: E402
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("models"))
 
 
 def tree(d: Path) -> dict[str, str]:
@@ -52,7 +47,7 @@ def test_a_takeover_during_the_old_coordinators_checkpoint_neither_deletes_it_no
     steps = 6
     faults = {"DYNARESIZE_TEST_STOP_AT": "3:stage_state.weights@step-4", "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
     # 60 s of heartbeat deadline: the hung rank is not declared lost meanwhile
-    a = run(tmp_path / "runs", model_cache, f"run.steps={steps}", "run.seed=23", "policy.enabled=false",
+    a = run(tmp_path / "runs", model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
             "run.checkpoint_every=2", "redis.dead_after_heartbeats=120", wait=False, faults=faults)
     pids: list[int] = [a.pid]
     b = None

@@ -44,13 +44,6 @@ def slurm_cluster() -> None:
         pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
-def model_cache(tmp_path_factory) -> Path:
-    """One model cache (``model.cache_dir``) for every GRPO job of the session: the tiny model is built and
-    warm-started once (its directory is keyed by the config hash), not once per test."""
-    return tmp_path_factory.mktemp("models")
-
-
 @pytest.fixture()
 def jobs():
     """Job ids a test started: cancelled at its end (a failed test must not leave a job that holds the nodes or

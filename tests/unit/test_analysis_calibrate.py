@@ -87,7 +87,7 @@ def test_costs_file_is_valid_simulator_config(tmp_path):
     assert text.startswith("# written by dynaresize calibrate")
     doc = yaml.safe_load(text)
     assert doc == to_costs_section(fit)
-    cfg = SwitchCostConfig(**doc["sim"]["costs"])  # extra keys forbidden: the file holds only accepted keys
+    cfg = SwitchCostConfig(**doc["switching"]["costs"])  # extra keys forbidden: the file holds only accepted keys
     assert cfg.override_s["onload"] == pytest.approx(2.0) and cfg.override_s["weight_sync"] == pytest.approx(0.5)
     try:
         from dynaresize.config.schema import Config
@@ -97,7 +97,8 @@ def test_costs_file_is_valid_simulator_config(tmp_path):
         return
     assert TrainPhysicsConfig(**doc["sim"]["train"]).tokens_per_gpu_s == pytest.approx(600.0, rel=1e-6)
     merged = merge_costs(Config(), str(path))  # what `dynaresize simulate --costs` does with the file
-    assert merged.sim.costs.override_s["onload"] == pytest.approx(2.0)
+    assert merged.switching.costs.override_s["onload"] == pytest.approx(2.0)
+    assert merged.sim.train.tokens_per_gpu_s == pytest.approx(600.0, rel=1e-6)
 
 
 def test_degenerate_fits_keep_the_mean_only():
@@ -192,24 +193,32 @@ def test_simulator_round_trip_with_known_switch_costs(tmp_path):
 
 
 def test_costs_file_merges_every_sim_section_and_rejects_unknown_keys(tmp_path):
-    """--costs merges sim.costs, sim.train, sim.rollout, sim.workload and the schedule; an unknown key anywhere is a
-    ConfigError naming the file and the key; dotted overrides on the command line win over the file."""
+    """--costs merges switching.costs, sim.train, sim.rollout, sim.workload and the schedule; an unknown key anywhere
+    is a ConfigError naming the file and the key (an old file's sim.costs: its new place); dotted overrides on the
+    command line win over the file."""
     from dynaresize.config.loader import ConfigError, load_config
     from dynaresize.sim.cli import apply_overrides, merge_costs
 
     config = Path(__file__).parents[2] / "configs" / "sim" / "cpu_quickstart.yaml"
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"sim": {"costs": {"override_s": {"drain": 0.25}}, "train": {"tokens_per_gpu_s": 77.0},
+    f.write_text(yaml.safe_dump({"switching": {"costs": {"override_s": {"drain": 0.25}}},
+                                 "sim": {"train": {"tokens_per_gpu_s": 77.0},
                                          "rollout": {"model": "empirical", "empirical_tokens_per_gpu_s": 55.0},
                                          "workload": {"response_tokens_by_step": [3.0, 4.0]}, "schedule": "lockstep", "step_gap_s": 0.5}}))
     cfg = merge_costs(load_config(config), str(f))
-    assert cfg.sim.costs.override_s["drain"] == 0.25 and cfg.sim.train.tokens_per_gpu_s == 77.0
+    assert cfg.switching.costs.override_s["drain"] == 0.25 and cfg.sim.train.tokens_per_gpu_s == 77.0
     assert cfg.sim.rollout.empirical_tokens_per_gpu_s == 55.0 and cfg.sim.workload.response_tokens_by_step == [3.0, 4.0]
     assert cfg.sim.step_gap_s == 0.5 and cfg.sim.workload.prompts_per_step == 16  # untouched keys keep the config's
     assert apply_overrides(cfg, ["sim.train.tokens_per_gpu_s=99"]).sim.train.tokens_per_gpu_s == 99.0
     for bad, key in (({"rollout": {"bogus": 1}}, "sim.rollout.bogus"), ({"bogus": 1}, "sim.bogus"),
                      ({"workload": {"response_tokens_by_step": [99.0]}}, "response_tokens_by_step")):
         f.write_text(yaml.safe_dump({"sim": bad}))
+        with pytest.raises(ConfigError, match=key) as e:
+            merge_costs(load_config(config), str(f))
+        assert str(f) in str(e.value)
+    for bad, key in (({"switching": {"costs": {"bogus_s": 1}}}, "switching.costs.bogus_s"),
+                     ({"sim": {"costs": {"override_s": {"drain": 0.25}}}}, "sim.costs has moved to switching.costs")):
+        f.write_text(yaml.safe_dump(bad))
         with pytest.raises(ConfigError, match=key) as e:
             merge_costs(load_config(config), str(f))
         assert str(f) in str(e.value)

@@ -38,8 +38,14 @@ BAD = [
     ("unknown-key-2", {"train": {"learning_rate": 1e-5}}, "train.learning_rate", "1e-05", "unknown key; allowed here: engine"),
     ("unknown-key-3", {"model": {"tiny": {"hidden": 64}}}, "model.tiny.hidden", "64", "unknown key; allowed here: hidden_size"),
     ("unknown-key-3b", {"sim": {"workload": {"drfit": "linear"}}}, "sim.workload.drfit", "'linear'", "allowed here: prompts_per_step"),
-    ("unknown-op-4", {"sim": {"costs": {"override_s": {"teleport": 1.0}}}}, "sim.costs.override_s.teleport", "1.0",
+    ("unknown-op-4", {"switching": {"costs": {"override_s": {"teleport": 1.0}}}}, "switching.costs.override_s.teleport", "1.0",
      "unknown switch op 'teleport'"),
+    # keys that moved: named with their new place
+    ("moved-sim-costs", {"sim": {"costs": {"pcie_gbps": 9.0}}}, "sim.costs", "{...}", "sim.costs has moved to switching.costs"),
+    ("moved-sim-optimizations", {"sim": {"optimizations": {"comm_reuse": False}}}, "sim.optimizations", "{...}",
+     "sim.optimizations has moved to switching.optimizations"),
+    ("moved-staging-deferred", {"staging": {"deferred_optimizer": False}}, "staging.deferred_optimizer", "False",
+     "staging.deferred_optimizer has moved to switching.optimizations.deferred_optimizer"),
     # impossible topologies and bounds
     ("all-train", {"cluster": {"gpus": 4, "initial_train": 4}}, "cluster.initial_train", "4", "leaves no rollout rank"),
     ("more-train-than-gpus", {"cluster": {"gpus": 4, "initial_train": 7}}, "cluster.initial_train", "7", "allowed: 1..3"),
@@ -82,7 +88,9 @@ OVERRIDES = [
     ("cluster.gpus=lots", "cluster.gpus = 'lots'", "valid integer"),
     ("pipeline.staleness_bound=-2", "pipeline.staleness_bound = -2", "greater than or equal to 0"),
     ("policy.forced_splits={5: 4}", "policy.forced_splits.5 = 4", "not a valid forced split"),
-    ("sim.costs.override_s={teleport: 2}", "sim.costs.override_s.teleport = 2.0", "unknown switch op"),
+    ("switching.costs.override_s={teleport: 2}", "switching.costs.override_s.teleport = 2.0", "unknown switch op"),
+    ("sim.costs.pcie_gbps=9", "sim.costs = {...}", "sim.costs has moved to switching.costs"),
+    ("staging.deferred_optimizer=false", "staging.deferred_optimizer = False", "has moved to switching.optimizations.deferred_optimizer"),
     ("train.zero_stage=on", "train.zero_stage = True", "got the boolean"),
     ("model.tiny.layers=3", "model.tiny.layers = 3", "unknown key"),
 ]
@@ -90,7 +98,7 @@ OVERRIDES = [
 
 @pytest.mark.parametrize("override,named,says", OVERRIDES, ids=[o[0] for o in OVERRIDES])
 def test_a_bad_override_is_blamed_on_the_override_not_the_file(override, named, says):
-    # quickstart.yaml sets cluster.initial_train and sim.costs.override_s itself: the override must still be blamed
+    # quickstart.yaml sets cluster.initial_train and switching.costs.override_s itself: the override must still be blamed
     with pytest.raises(ConfigError) as e:
         load_config(ROOT / "configs" / "quickstart.yaml", [override])
     msg = str(e.value)

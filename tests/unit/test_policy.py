@@ -142,6 +142,25 @@ def test_naive_plan_is_all_critical_and_dearer():
     assert any(not o.critical for o in COSTS.plan(a, b))  # deferred optimizer state is off the critical path
 
 
+def test_the_policy_prices_switches_from_the_switching_section():
+    """What the runtime coordinator builds (``SwitchCostModel(cfg.switching.costs, cfg.switching.optimizations)``)
+    from a config that sets switching.costs and switching.optimizations prices a plan with those values."""
+    from dynaresize.config.loader import load_config
+
+    a, b = Topology(6, 2), Topology(4, 4)
+    quick = ["policy.min_dwell_steps=0", "policy.consecutive_signals=1", "policy.ewma_alpha=1.0"]
+    for dear in (False, True):
+        cfg = load_config(None, [*quick, "switching.optimizations.deferred_optimizer=false",
+                                 *(["switching.costs.override_s={comm_select: 1000}"] if dear else [])])
+        model = SwitchCostModel(cfg.switching.costs, cfg.switching.optimizations)
+        assert {o.op: o.cost_s for o in model.plan(a, b)}[SwitchOp.COMM_SELECT] == (1000.0 if dear else 0.01)
+        stage_in = [o for o in model.plan(a, b) if o.op == SwitchOp.OPTIMIZER_STAGE_IN]
+        assert stage_in and all(o.critical for o in stage_in)  # not deferred: on the critical path
+        p = ResizePolicy(cfg.policy, model, CANDS)
+        d = p.step(p.initial_state(), obs(0, a, 200, 100))[1]
+        assert d.resize is not dear and (not dear or d.reason.startswith("payback"))  # a 1000 s switch never pays back
+
+
 def test_bad_inputs_are_rejected_clearly():
     with pytest.raises(ValueError, match="at least one GPU per role"):
         Topology(0, 8)

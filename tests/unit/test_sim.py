@@ -137,17 +137,31 @@ def test_compare_summary_has_the_promised_keys(capsys):
     assert 0 < summary["fraction_of_oracle"] <= 1.001
 
 
+def test_the_simulator_reads_switch_costs_and_optimizations_from_the_switching_section():
+    src, dst = Topology(6, 2), Topology(4, 4)
+    base = setup(small())
+    s = setup(small("switching.costs.override_s={comm_select: 77}", "switching.costs.nccl_gbps=50"))
+    assert {p.op.value: p.cost_s for p in s.costs.plan(src, dst)}["comm_select"] == 77.0
+    assert s.costs.weight_sync_s() == pytest.approx(2 * base.costs.weight_sync_s())
+    assert not base.costs.stop_the_world and setup(small("switching.optimizations.comm_reuse=false")).costs.stop_the_world
+    # the runs' switches are priced with them: a scripted switch's ops cost 77 s more for comm_select alone
+    to = Topology(base.initial.n_train - 1, base.initial.n_rollout + 1)
+    a, b = (run_static(x, x.initial, forced={5: to.n_train}) for x in (base, s))
+    extra = s.costs.total_cost_s(base.initial, to) - base.costs.total_cost_s(base.initial, to)
+    assert a.switches == b.switches == 1 and extra > 76 and b.overhead_s - a.overhead_s == pytest.approx(extra)
+
+
 def test_cost_file_merges_and_bad_keys_are_named(tmp_path):
     cfg = small()
     f = tmp_path / "costs.yaml"
-    f.write_text("sim:\n  costs:\n    pcie_gbps: 50\n    override_s: {drain: 0.25}\n")
+    f.write_text("switching:\n  costs:\n    pcie_gbps: 50\n    override_s: {drain: 0.25}\n")
     merged = merge_costs(cfg, str(f))
-    assert merged.sim.costs.pcie_gbps == 50 and merged.sim.costs.override_s == {"drain": 0.25}
-    assert merged.sim.costs.nvme_gbps == cfg.sim.costs.nvme_gbps
+    assert merged.switching.costs.pcie_gbps == 50 and merged.switching.costs.override_s == {"drain": 0.25}
+    assert merged.switching.costs.nvme_gbps == cfg.switching.costs.nvme_gbps
     f.write_text("nvme_gbps: 7\n")
-    assert merge_costs(cfg, str(f)).sim.costs.nvme_gbps == 7
+    assert merge_costs(cfg, str(f)).switching.costs.nvme_gbps == 7
     f.write_text("warp_drive_s: 1\n")
-    with pytest.raises(ConfigError, match=r"costs\.yaml: sim\.costs\.warp_drive_s"):
+    with pytest.raises(ConfigError, match=r"costs\.yaml: switching\.costs\.warp_drive_s"):
         merge_costs(cfg, str(f))
     f.write_text("override_s: {teleport: 1}\n")
     with pytest.raises(ConfigError, match="unknown switch op 'teleport'"):
@@ -187,7 +201,7 @@ def test_rollout_to_train_switch_is_decided_when_the_rollout_ends_and_its_chain_
     s = setup(cfg)
     src, dst = Topology(2, 6), Topology(3, 5)
     ctl = ResizeOnce(3, dst)
-    res = Pipeline("x", s.table, src, ctl, s.costs, 1, True, cfg.sim.costs.deferred_overlap_fraction).run()
+    res = Pipeline("x", s.table, src, ctl, s.costs, 1, True, cfg.switching.costs.deferred_overlap_fraction).run()
     assert ctl.seen[:4] == [0, 1, 2, 3]  # one observation per decision, none skipped
     evs = res.events
     t_end = {e["step"]: e.t for e in evs if e.type is EventType.STEP_END}
