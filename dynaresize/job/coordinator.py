@@ -31,6 +31,12 @@ checkpoint it abandons that checkpoint (the ranks are still shut down cleanly). 
 process of the job at once (``pkill``, ``kill`` of the process list): the ranks defer it until the coordinator's
 ``shutdown`` (like under Slurm), the embedded redis-server is started with both signals blocked (it serves the
 stop's checkpoint; it is SHUTDOWN at the end), and nothing is restarted while the run stops.
+
+This module is the loop only; each decision lives in a component of its own (built by
+:func:`dynaresize.job.bootstrap.wire`, sharing the typed :class:`~dynaresize.job.runtime.Job` and
+:class:`~dynaresize.job.runtime.Services`): ``transport`` (command ids from an explicit :class:`Phase`, acks,
+liveness), ``ranks``, ``planner``, ``recovery``, ``rollout``, ``training``, ``switching``, ``validation``,
+``checkpointing``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator`.
 """
 
 from __future__ import annotations
