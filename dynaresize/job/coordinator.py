@@ -141,8 +141,9 @@ class Coordinator:
             with bootstrap.redis_server(job, self.stop_requested) as srv:
                 svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready)
                 p = self.parts = bootstrap.wire(job, svc, planner, self.launcher_factory, self.stop_requested, self.on_step)
+                attached = self._take_over(p)
                 try:
-                    self._start_and_loop(p)
+                    self._start_and_loop(p, attached)
                     status = "interrupted" if job.state.step < self.cfg.run.steps else "completed"
                     checkpoint = True
                 except KeyboardInterrupt:  # a second signal: stop now; resume from the last checkpoint
@@ -182,15 +183,19 @@ class Coordinator:
         else:
             job.events.emit("control", what="resume", reason=f"incarnation {st.incarnation} from step {st.step}")
 
-    def _start_and_loop(self, p: Parts) -> None:
-        """Take the ranks of a live earlier launch over (a resume), or start them; then the loop. A loss the running
-        job cannot absorb restarts every rank from the checkpoint (``faults.max_restarts``)."""
+    def _take_over(self, p: Parts) -> bool:
+        """A resume takes the ranks of a live earlier launch over (the journal), or clears what is left of it."""
         attached = self.resume and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None)
         if self.resume and not attached:
             kill_leftovers(self.run_dir)  # an incomplete earlier launch cannot be used
             rewind_batches(self.run_dir, self.job.state.step, self.job.events)
         if self.preemption is not None:
             self.preemption.on_checkpoint(lambda reason="": p.checkpointer.checkpoint(self.at, reason))
+        return attached
+
+    def _start_and_loop(self, p: Parts, attached: bool) -> None:
+        """Start the ranks (unless taken over), then the loop. A loss the running job cannot absorb restarts every
+        rank from the checkpoint (``faults.max_restarts``)."""
         while True:
             try:
                 if not attached:
