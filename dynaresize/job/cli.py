@@ -62,7 +62,8 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
     from dynaresize.control.commands import FencedError
-    from dynaresize.job.coordinator import Coordinator, JobError
+    from dynaresize.job.coordinator import Coordinator
+    from dynaresize.job.errors import JobError
     from dynaresize.job.state import StateError
 
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)

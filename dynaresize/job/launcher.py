@@ -61,6 +61,7 @@ class LocalLauncher:
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     relaunchable: bool = True  # the coordinator may stop every rank and start them again (automatic restart)
     module: str = "dynaresize.worker.main"  # the rank entry (``python -m``; a test's launcher names its own)
+    external = False  # the ranks are this host's processes: once stopped, nothing of theirs writes any more
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
@@ -118,6 +119,7 @@ class AttachedRanks:
         here = socket.gethostname()
         self.pids = {r: int(reg.pid) for r, reg in registrations.items() if reg.pid and reg.host == here}
         self.relaunchable = len(self.pids) == len(registrations)  # a restart starts local processes again
+        self.external = False
 
     def start(self) -> None:
         pass

@@ -5,7 +5,7 @@ resolved ``<run_dir>/config.yaml`` written at submit time, build a :class:`Slurm
 Slurm identity, preemption hook) and hand it to the main job, found lazily so this module never imports torch:
 
 ==============  =====================================================================================
-coordinator     ``dynaresize.job.coordinator.run_coordinator(ctx: SlurmContext) -> int``
+coordinator     ``dynaresize.slurm.coordinator.run_coordinator(ctx: SlurmContext) -> int``
 worker          ``dynaresize.worker.main.run_worker(ctx: SlurmContext) -> int``
 ==============  =====================================================================================
 
@@ -23,7 +23,7 @@ checkpoint + self-requeue (:mod:`dynaresize.slurm.preempt`), any other goes to t
 worker rank defers SIGTERM (:class:`~dynaresize.slurm.preempt.TermDeferral`) until the coordinator has checkpointed
 it and sent ``shutdown``. A lost rollout rank is the coordinator's business (it shrinks the job; the worker srun
 runs with ``--kill-on-bad-exit=0`` so the other tasks live on). When ``run_coordinator`` raises
-``dynaresize.job.coordinator.RanksLost`` (a loss the job cannot absorb: a trainer, rank 0, a rank inside a
+``dynaresize.job.errors.RanksLost`` (a loss the job cannot absorb: a trainer, rank 0, a rank inside a
 collective), every rank must start again from the last checkpoint; srun cannot relaunch the tasks of a running step,
 so this entry requeues the whole job (``scontrol requeue``), at most ``faults.max_restarts`` times per run directory
 (counted in ``<run_dir>/slurm/relaunches.json``), with a ``control`` event ``restart``.
@@ -60,7 +60,7 @@ log = logging.getLogger("dynaresize.slurm.entry")
 RELAUNCH_FILE = "relaunches.json"  # <run_dir>/slurm/: the requeues this entry made after lost ranks
 
 JOB_ENTRY_POINTS = {
-    "coordinator": ("dynaresize.job.coordinator", "run_coordinator"),
+    "coordinator": ("dynaresize.slurm.coordinator", "run_coordinator"),
     "worker": ("dynaresize.worker.main", "run_worker"),
 }
 
@@ -223,7 +223,7 @@ def coordinator_gone(run_dir: Path, job_id: str, restart_count: int):
 def _ranks_lost(e: BaseException) -> bool:
     """Whether the main job's coordinator gave up on lost ranks (it relaunches them itself only in local runs)."""
     try:
-        from dynaresize.job.coordinator import RanksLost
+        from dynaresize.job.errors import RanksLost
     except ImportError:
         return False
     return isinstance(e, RanksLost)

@@ -1,6 +1,6 @@
 """The run's redis-server during an operator's stop (SIGTERM/SIGINT to every process of a local job at once).
 
-- started the way the coordinator starts it (``coordinator._shielded``: both signals blocked meanwhile), the
+- started the way the coordinator starts it (``dynaresize.job.bootstrap.shielded``: both signals blocked meanwhile), the
   server and the one its watchdog starts again inherit them blocked: the operator's signal leaves it serving;
 - a clean shutdown (exit code 0: it took a SIGTERM) while the owner is stopping is not a crash: the watchdog does
   not restart it and ``failure`` says why; the same exit while the owner is not stopping is restarted as before.
@@ -70,10 +70,10 @@ def test_a_clean_exit_while_the_owner_goes_on_is_restarted_as_before(redis_binar
 
 
 def test_the_coordinators_server_keeps_serving_through_the_operators_signal(redis_binary, tmp_path):
-    from dynaresize.job.coordinator import _shielded
+    from dynaresize.job.bootstrap import shielded
 
     srv = RedisServer(_cfg(redis_binary), tmp_path, supervise=True, owner_stopping=lambda: False)
-    with _shielded(srv):
+    with shielded(srv):
         assert signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, ())  # only meanwhile
         pid = srv.proc.pid
         assert _blocked(pid) == {signal.SIGTERM, signal.SIGINT}

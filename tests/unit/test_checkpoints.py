@@ -344,17 +344,13 @@ def test_a_resume_leaves_a_checkpoint_another_coordinator_may_be_writing_in_plac
 
 
 def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_path):
-    from dynaresize.config.loader import load_config
     from dynaresize.events import EventLog
-    from dynaresize.job.coordinator import Coordinator
+    from dynaresize.job.checkpointing import rewind_batches
 
-    root = Path(__file__).resolve().parents[2]
-    coord = Coordinator(load_config(root / "configs" / "quickstart.yaml", [f"cluster.gpus={WORLD}", "cluster.initial_train=1"]), tmp_path)
-    coord.state.step = 2
     lines = [json.dumps({"step": k, "keys": []}) for k in range(3)]
     (tmp_path / "batches.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2] + "\n" + '{"step": 3, "ke')
-    with EventLog(tmp_path / "events.jsonl") as coord.events:
-        coord._rewind_batches()
+    with EventLog(tmp_path / "events.jsonl") as events:
+        rewind_batches(tmp_path, 2, events)
     assert (tmp_path / "batches.jsonl").read_text() == lines[0] + "\n" + lines[1] + "\n"
     events = [json.loads(l) for l in (tmp_path / "events.jsonl").read_text().splitlines()]
     reasons = [e["reason"] for e in events if e.get("type") == "control"]
@@ -363,7 +359,7 @@ def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_pat
 
 
 def test_an_operator_stop_names_its_signal_where_it_ended_and_what_a_resume_does():
-    from dynaresize.job.coordinator import OperatorStop
+    from dynaresize.job.errors import OperatorStop
 
     done = OperatorStop("SIGTERM", 3, checkpoint="step-4")
     assert done.describe(4, "checkpoints/step-4") == (

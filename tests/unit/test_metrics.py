@@ -13,7 +13,7 @@ import pytest
 
 from dynaresize.config.loader import load_config
 from dynaresize.contract.batch import TrainBatch
-from dynaresize.job.coordinator import StepTimes
+from dynaresize.job.runtime import StepTimes
 from dynaresize.job.state import JobState
 from dynaresize.metrics import (
     METRICS_FILE, MissingLoggerError, check_available, open_loggers, response_metrics, step_metrics, trainer_metrics,

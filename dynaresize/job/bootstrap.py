@@ -1,0 +1,134 @@
+"""A run's start-up: the task, the reward and the model checked and loaded before any rank starts; the run's Redis
+started shielded from an operator's stop; the services and the coordinator's components built from them."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from dynaresize.job.checkpointing import Checkpointer
+from dynaresize.job.filtering import BatchAssembler
+from dynaresize.job.journal import Journal
+from dynaresize.job.planner import Planner
+from dynaresize.job.ranks import Ranks
+from dynaresize.job.recovery import Recovery
+from dynaresize.job.reporting import Reporter
+from dynaresize.job.rollout import Rollout
+from dynaresize.job.runtime import Job, Services
+from dynaresize.job.switching import Switching
+from dynaresize.job.training import Training
+from dynaresize.job.transport import Transport
+from dynaresize.job.validation import Validation
+
+
+@dataclass
+class Prepared:
+    """What is loaded before the run's Redis starts (a bad task, reward or model fails here, before any rank)."""
+
+    task: Any
+    model_dir: Path
+    tokenizer: Any
+    assembler: BatchAssembler
+
+
+@dataclass
+class Parts:
+    """The coordinator's components, each owning its decisions, built once the services are up."""
+
+    svc: Services
+    planner: Planner
+    tx: Transport
+    recovery: Recovery
+    rollout: Rollout
+    training: Training
+    switching: Switching
+    validation: Validation
+    checkpointer: Checkpointer
+    journal: Journal
+    ranks: Ranks
+    reporter: Reporter
+
+
+def prepare(job: Job) -> Prepared:
+    from dynaresize.models.store import ensure_model, load_tokenizer
+    from dynaresize.rewards import load_reward
+    from dynaresize.tasks.registry import load_task
+
+    cfg = job.cfg
+    task = load_task(cfg.task)
+    if callable(getattr(task, "check_run", None)):
+        task.check_run(cfg.run.steps, cfg.rollout.prompts_per_step)
+    load_reward(cfg, task)  # an import path that does not resolve fails here, before any rank starts
+    model_dir = ensure_model(cfg)
+    tokenizer = load_tokenizer(model_dir)
+    _check_prompts(task, tokenizer, model_dir)
+    return Prepared(task, model_dir, tokenizer, BatchAssembler.from_config(cfg, task, tokenizer))
+
+
+def _check_prompts(task, tokenizer, model_dir: Path) -> None:
+    """Chat-message prompts need the model's chat template: one message naming the record, before ranks start."""
+    from dynaresize.models.hf import check_chat_template
+
+    where = task.chat_record() if callable(getattr(task, "chat_record", None)) else None
+    if where is not None:
+        check_chat_template(tokenizer, model_dir, where)
+
+
+def redis_server(job: Job, stop_requested: threading.Event):
+    """The run's redis-server, supervised (a crash comes back from its append-only file), started shielded."""
+    from dynaresize.control.server import RedisServer
+
+    return shielded(RedisServer(job.cfg.redis, job.run_dir, supervise=True,
+                                on_restart=lambda why: job.events.emit("control", what="redis_restarted", reason=why),
+                                owner_stopping=stop_requested.is_set))  # not a stop's shutdown
+
+
+@contextmanager
+def shielded(srv):
+    """Start the run's redis-server with SIGTERM and SIGINT blocked, so that it, and every server its watchdog
+    starts again (the watchdog thread is created meanwhile and keeps the mask), inherits them blocked: an
+    operator's stop sent to every process of the job leaves Redis serving the stop's checkpoint; the coordinator
+    SHUTDOWNs it at the end. Only this thread's mask changes, and only while the server starts."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        srv.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable[[Any], None] | None) -> Services:
+    """The coordinator's clients of the run's Redis; taking the command bus fences off any older coordinator."""
+    from dynaresize.control.commands import CommandBus
+    from dynaresize.control.registry import Registry
+    from dynaresize.control.server import connect as connect_redis
+    from dynaresize.contract.workqueue import RolloutQueue
+
+    cfg = job.cfg
+    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis)
+    if on_redis_ready is not None:
+        on_redis_ready(srv)
+    bus = CommandBus(r, job.job_id, cfg.redis, events=job.events)  # fences any older one
+    return Services(srv=srv, redis=r, bus=bus, registry=Registry(r, job.job_id, cfg.redis), queue=RolloutQueue(r, job.job_id),
+                    task=prepared.task, model_dir=prepared.model_dir, tokenizer=prepared.tokenizer,
+                    assembler=prepared.assembler, metrics=metrics)
+
+
+def wire(job: Job, svc: Services, planner: Planner, launcher_factory: Callable[..., Any] | None,
+         stop_requested: threading.Event, on_step: Callable[[dict], None] | None) -> Parts:
+    tx = Transport(job, svc)
+    recovery = Recovery(job, svc, planner)
+    rollout = Rollout(job, svc, tx, recovery)
+    training = Training(job, tx)
+    checkpointer = Checkpointer(job, svc, tx)
+    return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=rollout, training=training,
+                 switching=Switching(job, tx, rollout, training), validation=Validation(job, svc, tx, rollout),
+                 checkpointer=checkpointer, journal=Journal(job, svc),
+                 ranks=Ranks(job, svc, tx, planner, launcher_factory, stop_requested), reporter=Reporter(job, svc, on_step))

@@ -1,0 +1,88 @@
+"""The typed values the coordinator's components share: the job (config, state, clock, who holds which role) and
+the services the bootstrap builds (the run's Redis and its clients, the model, the task, the launcher)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dynaresize.config.schema import Config
+from dynaresize.events import EventLog
+from dynaresize.job.filtering import BatchAssembler
+from dynaresize.job.state import JobState
+
+
+@dataclass
+class StepTimes:
+    rollout_s: float = 0.0
+    train_s: float = 0.0
+    sync_s: float = 0.0
+    tokens_generated: int = 0
+    tokens_trained: int = 0
+
+
+@dataclass
+class Job:
+    """The run as the schedule sees it. ``state`` and ``last`` are replaced on a restart and a takeover."""
+
+    cfg: Config
+    run_dir: Path
+    state: JobState
+    events: EventLog | None = None  # opened by Coordinator.run()
+    last: StepTimes = field(default_factory=StepTimes)  # what the last step measured (the policy's observation)
+    switched_last: bool = False  # the last step switched roles (the policy's observation says so; journaled)
+    t_start: float = field(default_factory=time.monotonic)
+    elapsed_before: float | None = None  # state.elapsed_s when this process first measured it
+
+    @property
+    def world(self) -> int:
+        return self.cfg.cluster.gpus
+
+    @property
+    def bound(self) -> int:
+        return self.cfg.pipeline.staleness_bound
+
+    @property
+    def job_id(self) -> str:
+        return self.run_dir.name
+
+    def elapsed(self) -> float:
+        if self.elapsed_before is None:
+            self.elapsed_before = self.state.elapsed_s
+        return self.elapsed_before + time.monotonic() - self.t_start
+
+    def trainers(self) -> list[int]:
+        return list(range(self.state.n_train))
+
+    def rollouts(self) -> list[int]:
+        return [r for r in range(self.state.n_train, self.world) if r not in self.state.lost]
+
+    def alive(self) -> list[int]:
+        return [r for r in range(self.world) if r not in self.state.lost]
+
+    def roles(self) -> str:
+        return "".join("x" if r in self.state.lost else "T" if r < self.state.n_train else "R" for r in range(self.world))
+
+    def live_steps(self) -> range:
+        """The steps whose batches may be queued now: the one in flight and the ``bound`` ahead of it."""
+        return range(self.state.step, min(self.state.step + self.bound + 1, self.cfg.run.steps))
+
+
+@dataclass
+class Services:
+    """Built once at bootstrap (``dynaresize.job.bootstrap``); ``bus`` is replaced on a restart (a new epoch),
+    ``launcher`` whenever ranks are started or taken over."""
+
+    srv: Any  # dynaresize.control.server.RedisServer
+    redis: Any
+    bus: Any  # dynaresize.control.commands.CommandBus
+    registry: Any  # dynaresize.control.registry.Registry
+    queue: Any  # dynaresize.contract.workqueue.RolloutQueue
+    task: Any
+    model_dir: Path
+    tokenizer: Any
+    assembler: BatchAssembler
+    metrics: Any
+    launcher: Any = None

@@ -1,0 +1,67 @@
+"""Role switches: ranks move between training and rollout in place (no process restart, no new communicator),
+at the step boundary or inside the step (the mixed step)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dynaresize.events import Role, format_ranks
+from dynaresize.contract.batch import TrainBatch
+from dynaresize.job.rollout import Rollout
+from dynaresize.job.runtime import Job
+from dynaresize.job.training import Training, TrainResult
+from dynaresize.job.transport import InFlight, Phase, Transport
+
+log = logging.getLogger("dynaresize.job")
+
+
+class Switching:
+    def __init__(self, job: Job, tx: Transport, rollout: Rollout, training: Training):
+        self.job, self.tx, self.rollout, self.training = job, tx, rollout, training
+
+    def switch(self, at: Phase, k: int, decision, ranks=None, rollout_version: int | None = None, mode: str = "optimized") -> str:
+        """Move ranks between roles in place. ``ranks`` get the command now (default: all; ranks outside the old
+        and new trainer sets only take note of the new split, so they may get it later)."""
+        job, st, events = self.job, self.job.state, self.job.events
+        old, new = st.n_train, decision.target.n_train
+        sid = f"sw{len(st.switches)}-s{k}"
+        ranks = job.alive() if ranks is None else [r for r in ranks if r not in st.lost]
+        n_alive = len(job.alive())
+        events.emit(
+            "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=n_alive - old, to_train=new,
+            to_rollout=n_alive - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
+        )
+        t0 = time.monotonic()
+        payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
+        if rollout_version is not None:
+            payload["rollout_version"] = rollout_version
+        self.tx.call(at, "switch_role", ranks, payload)
+        critical = time.monotonic() - t0
+        moved = range(min(old, new), max(old, new))
+        frm, to = (Role.TRAIN, Role.ROLLOUT) if new < old else (Role.ROLLOUT, Role.TRAIN)
+        events.emit("role_change", step=k, ranks=format_ranks(moved), from_role=frm, to_role=to)
+        st.n_train = new
+        events.emit("topology", step=k, train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
+        # hidden seconds are not known yet (the optimizer stage-in runs at the next training step): the analysis
+        # sums the switch's background ops from the log, and so does the summary
+        events.emit("switch_end", switch_id=sid, critical_path_s=round(critical, 6))
+        st.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{n_alive - old}", "to": f"{new}:{n_alive - new}",
+                            "mode": mode, "critical_path_s": round(critical, 4), "hidden_s": 0.0})
+        log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
+        return sid
+
+    def mixed_step(self, at: Phase, k: int, decision, gen: InFlight | None, train: InFlight, batch: TrainBatch) -> TrainResult:
+        """The mixed step: batch k trains on the old trainer set while the rollout of batch k+s runs; then the
+        leaving trainers switch and pull what is left of that rollout. Two rollouts (the old pool's and the
+        newcomers') and one training pass; the old rollout ranks learn the new split when their rollout is done."""
+        old, new = self.job.state.n_train, decision.target.n_train
+        trained = self.training.wait(train, batch)
+        sid = self.switch(at, k, decision, ranks=range(old), rollout_version=self.job.state.version, mode="mixed")
+        late = []
+        if gen is not None:
+            joined = self.tx.send(at, "generate", range(new, old), gen.payload, step=gen.step)
+            late = [InFlight(joined.cmd, joined.ranks, gen.step, gen.sent_at)]
+        self.job.last.rollout_s = self.rollout.await_generate(at, gen, *late) if gen is not None else 0.0
+        self.tx.call(at, "switch_role", range(old, self.job.world), {"switch_id": sid, "step": k, "from_train": old, "to_train": new})
+        return trained

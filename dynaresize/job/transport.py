@@ -1,0 +1,111 @@
+"""Commands to the ranks: send with a repeatable id, wait for the acks while watching the ranks' liveness (a rank
+that exited or went silent raises :class:`RanksLost`), and require that every ack is a success."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dynaresize.control.server import RedisRefusesWrites
+from dynaresize.events import format_ranks
+from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.runtime import Job, Services
+
+
+@dataclass
+class Phase:
+    """Where in the schedule commands are sent from (``start``, ``f<j>``: filling the pipeline with batch j,
+    ``s<k>``: step k): with the launch incarnation and how many commands of a kind the phase sent before, the key of
+    a command's id. A coordinator re-running the same phase from the journal computes the same ids."""
+
+    name: str
+    sent: dict[str, int] = field(default_factory=dict)  # kind -> how many of that kind so far
+
+    def command_id(self, incarnation: int, kind: str, ranks: list[int], payload: dict) -> str:
+        n = self.sent.get(kind, 0)
+        self.sent[kind] = n + 1
+        digest = hashlib.blake2b(json.dumps([ranks, payload], sort_keys=True).encode(), digest_size=4).hexdigest()
+        return f"i{incarnation}.{self.name}.{kind}.{n}.{digest}"
+
+
+@dataclass
+class InFlight:
+    """A command sent and not awaited yet."""
+
+    cmd: Any  # dynaresize.control.commands.Command
+    ranks: list[int]  # the ranks it went to
+    step: int | None = None  # the batch it generates or trains
+    sent_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def payload(self) -> dict:
+        return self.cmd.payload
+
+    def wall_sent_at(self) -> float:
+        """When it was sent, on the wall clock the ranks' acks are stamped with."""
+        return time.time() - (time.monotonic() - self.sent_at)
+
+
+class Transport:
+    def __init__(self, job: Job, svc: Services):
+        self.job, self.svc = job, svc
+        self.writes_refused = False  # Redis refused writes: the final shutdown does not wait for it once more
+
+    def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None) -> InFlight:
+        """Send with an id that a coordinator re-running the same step from the journal computes again: the ranks
+        answer such a resent command with the stored result of its first application instead of applying it twice
+        (launch incarnation, step, kind, how many of that kind so far in the step, digest of ranks and payload)."""
+        ranks = list(ranks)
+        cid = at.command_id(self.job.state.incarnation, kind, ranks, payload)
+        return InFlight(self.svc.bus.send(kind, ranks, payload, command_id=cid), ranks, step)
+
+    def call(self, at: Phase, kind: str, ranks, payload: dict):
+        """Send a command and wait for every rank's ack, watching the ranks' liveness while waiting."""
+        ranks = [r for r in ranks if r not in self.job.state.lost]
+        return self.wait(self.send(at, kind, ranks, payload).cmd, ranks, kind)
+
+    def wait(self, cmd, ranks, what: str):
+        """Wait for acks, watching the ranks waited on: one whose process exited or whose heartbeat is older than
+        the deadline (hung, SIGSTOPped, its node gone) raises :class:`RanksLost`."""
+        ranks = [r for r in ranks if r not in self.job.state.lost]
+        launcher, registry = self.svc.launcher, self.svc.registry
+        while True:
+            res = self.svc.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
+            if not res.missing:
+                self.require(res, what, ranks)
+                return res
+            registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
+            exited = launcher.dead() if hasattr(launcher, "dead") else {}
+            gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
+            silent = registry.dead()
+            gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in res.missing if r in silent and r not in gone})
+            if gone:
+                err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
+                if hasattr(launcher, "log_tail") and any(r in exited for r in gone):
+                    r0 = next(r for r in sorted(gone) if r in exited)
+                    err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
+                raise err
+
+    def require(self, res, what: str, ranks) -> None:
+        if res.missing:
+            raise JobError(f"{what}: no ack from rank(s) {format_ranks(res.missing)}")
+        bad = {r: a.error for r, a in res.acks.items() if not a.ok}
+        if bad:
+            r, err = next(iter(sorted(bad.items())))
+            if (err or "").startswith(RedisRefusesWrites.__name__):  # the rank's Redis writes were refused: not the rank's fault
+                self.writes_refused = True
+                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); the run stopped at step "
+                               f"{self.job.state.step} (the last checkpoint is where a resume starts; fix Redis first)")
+            raise JobError(f"{what} failed on rank {r}: {err}")
+
+    def failures(self, sent: InFlight, marker: str) -> dict[int, str]:
+        """After ``sent`` failed: the ranks whose ack error names ``marker``, with its text; empty when any rank did
+        not ack (dead) or failed for another reason."""
+        res = self.svc.bus.await_acks(sent.cmd.command_id, sent.ranks, timeout=1.0)
+        bad = {r: a.error or "" for r, a in res.acks.items() if not a.ok}
+        if res.missing or not bad or not all(marker in e for e in bad.values()):
+            return {}
+        return bad

@@ -1,0 +1,68 @@
+"""Validation (a dataset task with ``val_files``): held-out prompts, scored like training samples, never trained on."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from dynaresize.job.batching import reward_errors
+from dynaresize.job.rollout import Rollout
+from dynaresize.job.runtime import Job, Services
+from dynaresize.job.transport import Phase, Transport
+
+log = logging.getLogger("dynaresize.job")
+
+
+class Validation:
+    def __init__(self, job: Job, svc: Services, tx: Transport, rollout: Rollout):
+        self.job, self.svc, self.tx, self.rollout = job, svc, tx, rollout
+
+    def due(self, version: int) -> bool:
+        task, cfg = self.svc.task, self.job.cfg
+        every = cfg.task.dataset.val_every
+        samples = task.val_samples() if callable(getattr(task, "val_samples", None)) else []
+        return (bool(samples) and every > 0 and str(version) not in self.job.state.validation
+                and (version % every == 0 or version == cfg.run.steps))
+
+    def run(self, at: Phase, version: int) -> None:
+        """Generate ``val_samples`` responses per validation prompt with policy ``version`` (held by every rollout
+        rank now), through the validation queue; record the mean reward and pass@k. Seeds depend on (run seed,
+        prompt, index) only, so every pass answers the same draws and a resized run matches a static one."""
+        from dynaresize.job.batching import val_items
+        from dynaresize.contract.workqueue import RolloutQueue
+
+        if not self.due(version):
+            return
+        job = self.job
+        t0 = time.monotonic()
+        ds = job.cfg.task.dataset
+        items = val_items(self.svc.task.val_samples(), self.svc.tokenizer, job.cfg.run.seed, version, ds.val_samples)
+        vq = RolloutQueue(self.svc.redis, job.job_id, name="vq")
+        vq.publish(version, items)
+        payload = self.rollout.payload(version, validation=True)
+        for _ in range(3):
+            if vq.done(version) >= vq.total(version) or not job.rollouts():
+                break
+            for r in range(job.world):  # claims of a rank lost in an earlier attempt go back to the queue
+                vq.release(version, r)
+            sent = self.tx.send(at, "generate", job.rollouts(), payload)
+            self.rollout.await_rollout(sent.cmd, job.rollouts(), version)
+        results = vq.results(version)
+        if len(results) < len(items):
+            log.warning("validation at version %d: %d of %d samples generated; not recorded", version, len(results), len(items))
+            return
+        rewards = [float(r.extra.get("reward", 0.0)) for r in results]
+        per_prompt = [rewards[p * ds.val_samples:(p + 1) * ds.val_samples] for p in range(len(items) // ds.val_samples)]
+        rec = {"version": version, "step": version, "prompts": len(per_prompt), "k": ds.val_samples,
+               "reward_mean": round(sum(rewards) / len(rewards), 6),
+               "pass_at_k": round(sum(max(g) >= 1.0 for g in per_prompt) / len(per_prompt), 6),
+               "reward_errors": len(reward_errors(results)), "seconds": round(time.monotonic() - t0, 3)}
+        job.state.validation[str(version)] = rec
+        for name in ("reward_mean", "pass_at_k"):
+            job.events.emit("metric", name=f"val_{name}", value=rec[name], step=version, k=ds.val_samples)
+        with open(job.run_dir / "validation.jsonl", "a") as f:
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+        vq.clear(version)
+        log.info("validation at version %d: mean reward %.3f, pass@%d %.3f (%d prompts, %.1f s)", version,
+                 rec["reward_mean"], ds.val_samples, rec["pass_at_k"], len(per_prompt), rec["seconds"])
