@@ -139,6 +139,23 @@ def allocation_problems(cfg: Config, env: dict[str, str]) -> list[str]:
     return problems
 
 
+def take_early_warning(pre: Preemption, env) -> bool:
+    """The batch shell's half of the USR2 hand-over (see ``sbatch.LAUNCH_BODY``): a warning can reach the shell before
+    this coordinator listens (Slurm sends it 2-32 s after the start when ``signal_before_s`` is close to the time
+    limit, e.g. during the environment check). The shell records it in ``DYNARESIZE_USR2_SEEN`` and forwards later
+    ones only once ``DYNARESIZE_COORDINATOR_LISTENS`` exists; this side creates that file first, then looks for the
+    record, so a warning is never lost between the two (it may be taken twice: :meth:`Preemption.trigger` is
+    idempotent). Call after :meth:`Preemption.install`. True when an earlier warning was taken."""
+    listens, seen = env.get("DYNARESIZE_COORDINATOR_LISTENS"), env.get("DYNARESIZE_USR2_SEEN")
+    if listens:
+        Path(listens).touch()
+    if seen and Path(seen).exists():
+        log.warning("preemption: the batch shell received Slurm's warning before this coordinator listened")
+        pre.trigger()
+        return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dynaresize.slurm.entry", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="role", required=True)
@@ -165,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx = make_context(args.role, args.run_dir)
         if ctx.preemption is not None:
             ctx.preemption.install(watch_term=ctx.identity is not None)
+            take_early_warning(ctx.preemption, os.environ)
         elif ctx.identity is not None:
             TermDeferral(ctx.cfg.slurm.worker_term_timeout_s, coordinator_gone(ctx.run_dir, ctx.identity.job_id,
                                                                               ctx.identity.restart_count)).install()

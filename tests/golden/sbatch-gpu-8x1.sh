@@ -36,6 +36,11 @@ TAG="${SLURM_JOB_ID}.r${SLURM_RESTART_COUNT:-0}"
 WORKER_SRUN=()
 if [ -n "${SLURM_GPUS_PER_NODE_HET_GROUP_1:-}" ]; then WORKER_SRUN=(--gpus-per-task=1); fi  # one GPU per rank
 echo "dynaresize: job $SLURM_JOB_ID restart ${SLURM_RESTART_COUNT:-0} on $(hostname), run dir $RUN_DIR"
+# Slurm's time-out/preemption warning (--signal=B:USR2@s) reaches this shell, possibly before the coordinator runs
+# (USR2 without a trap would end this shell): it is recorded in a file and forwarded once the coordinator listens;
+# the coordinator, once it listens, takes a warning recorded before (each side writes its file, then reads the other's).
+USR2_SEEN="$LOG_DIR/$TAG.usr2-received"; COORD_LISTENS="$LOG_DIR/$TAG.coordinator-listens"; COORD=
+trap 'echo "dynaresize: USR2 received, forwarded to the coordinator"; : > "$USR2_SEEN"; if [ -n "$COORD" ] && [ -e "$COORD_LISTENS" ]; then kill -USR2 "$COORD" 2>/dev/null; fi' USR2
 # The Python environment on the nodes, before any rank starts: every task of both components imports the project
 # and torch; a node that cannot shows its error and the fix here, in the job's main output, not in a rank's log.
 check_python() { local g=$1 out rc; shift
@@ -46,15 +51,14 @@ check_python() { local g=$1 out rc; shift
   return 2; }
 check_python 0 --ntasks=1 || exit 2
 check_python 1 || exit 2
-DYNARESIZE_HET_GROUP=0 srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \
+DYNARESIZE_HET_GROUP=0 DYNARESIZE_USR2_SEEN="$USR2_SEEN" DYNARESIZE_COORDINATOR_LISTENS="$COORD_LISTENS" \
+  srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \
   "${PY[@]}" -m dynaresize.slurm.entry coordinator --run-dir "$RUN_DIR" &
 COORD=$!
 # one dead rank must not take its step down (sites may set KillOnBadExit=1 or a WaitTime): the coordinator decides
 DYNARESIZE_HET_GROUP=1 srun --het-group=1 --unbuffered --kill-on-bad-exit=0 --wait=0 "${WORKER_SRUN[@]}" \
   --output="$LOG_DIR/$TAG-worker-%t.log" "${PY[@]}" -m dynaresize.slurm.entry worker --run-dir "$RUN_DIR" &
 WORKERS=$!
-# Slurm's time-out/preemption warning (--signal=B:USR2@s) reaches this shell: forward it to the coordinator.
-trap 'echo "dynaresize: USR2 received, forwarded to the coordinator"; kill -USR2 "$COORD" 2>/dev/null' USR2
 wait_pid() { local rc; while :; do wait "$1"; rc=$?; if [ "$rc" -gt 128 ] && kill -0 "$1" 2>/dev/null; then continue; fi; return "$rc"; done; }
 wait_pid "$COORD"; RC=$?
 for _ in $(seq 1 "${GRACE_S:-60}"); do kill -0 "$WORKERS" 2>/dev/null || break; sleep 1; done

@@ -6,6 +6,7 @@ Regenerate the golden files after an intended change: ``DYNARESIZE_UPDATE_GOLDEN
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -156,3 +157,52 @@ def test_the_hand_written_script_checks_the_batch_hosts_python_first(tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     assert "dynaresize: batch host: ModuleNotFoundError: No module named 'dynaresize'" in r.stdout
     assert "Fix: export DYNARESIZE_PYTHON=" in r.stdout and calls == []
+
+
+def _usr2_lines() -> str:
+    """The batch shell's USR2 hand-over lines of the launch body (from the file names to the trap)."""
+    lines = LAUNCH_BODY.splitlines()
+    a = next(i for i, l in enumerate(lines) if l.startswith("USR2_SEEN="))
+    b = next(i for i, l in enumerate(lines) if l.startswith("trap ") and "USR2" in l)
+    return "\n".join(lines[a:b + 1])
+
+
+def test_a_warning_before_the_coordinator_listens_is_recorded_and_later_ones_forwarded(tmp_path) -> None:
+    # Real bash: USR2 while no coordinator runs (the environment check) must not end the shell (bash's default for
+    # USR2 without a trap): it is recorded; once the coordinator listens, the next one is forwarded to it.
+    script = f"""set -u
+LOG_DIR={tmp_path}; TAG=7.r0
+{_usr2_lines()}
+kill -USR2 $$; sleep 0.2
+[ -e "$USR2_SEEN" ] && echo recorded
+bash -c 'trap "echo got > {tmp_path}/coord-got; exit 0" USR2; while :; do sleep 0.05; done' &
+COORD=$!
+kill -USR2 $$; sleep 0.3
+[ -e {tmp_path}/coord-got ] && echo early-forwarded
+: > "$COORD_LISTENS"
+kill -USR2 $$
+for _ in $(seq 1 50); do [ -e {tmp_path}/coord-got ] && break; sleep 0.05; done
+[ -e {tmp_path}/coord-got ] && echo forwarded
+wait $COORD
+echo alive
+"""
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    out = p.stdout.splitlines()
+    assert "recorded" in out and "forwarded" in out and out[-1] == "alive"
+    assert "early-forwarded" not in out  # not sent before the coordinator says it listens (USR2 would kill it)
+    assert out.count("dynaresize: USR2 received, forwarded to the coordinator") == 3
+
+
+def test_the_coordinator_takes_a_warning_recorded_before_it_listened(tmp_path) -> None:
+    from dynaresize.slurm.entry import take_early_warning
+    from dynaresize.slurm.preempt import Preemption
+
+    env = {"DYNARESIZE_USR2_SEEN": str(tmp_path / "seen"), "DYNARESIZE_COORDINATOR_LISTENS": str(tmp_path / "listens")}
+    quiet = Preemption("1", 0, True, 1)
+    assert take_early_warning(quiet, env) is False and not quiet.requested
+    assert (tmp_path / "listens").exists()  # from now on the shell forwards the signal itself
+    (tmp_path / "seen").touch()
+    warned = Preemption("1", 0, True, 1)
+    assert take_early_warning(warned, env) is True and warned.requested
+    assert take_early_warning(Preemption("1", 0, True, 1), {}) is False  # outside a batch script: nothing to take
