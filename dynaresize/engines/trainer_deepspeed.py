@@ -227,15 +227,19 @@ class ZeroTrainer:
         start = self.dp_rank * base + min(self.dp_rank, extra)
         return start, start + base + (1 if self.dp_rank < extra else 0)
 
+    def _local_part(self, batch: dict[str, torch.Tensor], what: str) -> tuple[dict[str, torch.Tensor], int, int, int]:
+        """This rank's slice of ``batch`` (per-sample tensors cut, 0-d ones kept), its size ``n`` and ``[a, b)``."""
+        n = int(next(iter(batch.values())).shape[0])
+        if n < self.dp:
+            raise TrainerError(f"{what} of {n} samples is smaller than the {self.dp} trainers (every trainer takes a part)")
+        a, b = self.slice_of(n)
+        return {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}, n, a, b
+
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn = token_nll_loss) -> dict[str, float]:
         """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice)."""
-        n = int(next(iter(batch.values())).shape[0])
         if self._chunks:
             raise TrainerError(f"a whole-batch step while {self._chunks} streamed chunks wait for their step")
-        if n < self.dp:
-            raise TrainerError(f"batch of {n} samples is smaller than the {self.dp} trainers")
-        a, b = self.slice_of(n)
-        local = {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}
+        local, n, a, b = self._local_part(batch, "batch")
         self.engine.train()
         loss, stats = loss_fn(self.engine.module, local)
         # DeepSpeed averages gradients over dp ranks. With a global ``loss_denominator`` the loss function already
@@ -258,11 +262,7 @@ class ZeroTrainer:
         honour it, as :class:`~dynaresize.rl.grpo.GrpoLoss` does) and the gradients add up across chunks and trainers;
         :meth:`step` divides them by the whole batch's count. Every trainer must pass every chunk (ZeRO-2 reduces
         gradients inside each backward), so a chunk needs at least one sample per trainer."""
-        n = int(next(iter(chunk.values())).shape[0])
-        if n < self.dp:
-            raise TrainerError(f"chunk of {n} samples is smaller than the {self.dp} trainers (every trainer takes a part)")
-        a, b = self.slice_of(n)
-        local = {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in chunk.items()}
+        local, _, a, b = self._local_part(chunk, "chunk")
         local["loss_denominator"] = torch.tensor(1.0)
         self.engine.train()
         loss, stats = loss_fn(self.engine.module, local)
