@@ -118,12 +118,19 @@ class PipelineScheduler:
         self.policy_state: PolicyState | None = policy.initial_state() if policy is not None else None
         self.batches = [_Batch(j, g, version_of(j, cfg.staleness)) for j, g in enumerate(cfg.groups)]
         self.ranks = [_Rank(Role.TRAIN if r < cfg.n_train else Role.ROLLOUT) for r in range(cfg.n_ranks)]
+        k = cfg.resume_step
         for r in self.ranks:
             if r.role is Role.ROLLOUT:
-                r.versions.add(0)  # every rank starts from the initial weights
-        self.produced = 0  # newest policy version (number of optimizer steps taken)
-        self.first_open = 0  # oldest batch that may still have unclaimed groups
-        self.released = 0  # barrier: batches < released are open to the rollout pool
+                r.versions.add(k)  # every rank starts from the initial weights (a resume: the checkpoint's)
+        self.produced = k  # newest policy version (number of optimizer steps taken)
+        for b in self.batches[:k + self.s if k > 0 else 0]:  # trained before the checkpoint, or generated and waiting
+            b.cursor, b.done = b.groups, set(range(b.groups))
+            if b.index < k:
+                b.trained = b.groups
+            else:
+                b.ready = list(range(b.groups))
+        self.first_open = min(k + self.s, cfg.steps) if k > 0 else 0  # oldest batch that may still have unclaimed groups
+        self.released = self.first_open  # barrier: batches < released are open to the rollout pool
         self.t_busy = False  # a chunk or an optimizer step is running
         self.t_ranks: tuple[int, ...] = ()  # trainer set of the batch in training (fixed from its first chunk)
         self.t_started = False
@@ -134,6 +141,7 @@ class PipelineScheduler:
         self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
         self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # gradient helper rank -> (batch, groups)
         self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
+        self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -145,6 +153,10 @@ class PipelineScheduler:
         nt = sum(1 for r in self.ranks if not r.lost and ((r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN))
         live = sum(1 for r in self.ranks if not r.lost)
         return Topology(max(1, nt), max(1, live - nt))
+
+    def complete(self, batch: int) -> bool:
+        """Whether every group of ``batch`` was generated."""
+        return self.batches[batch].complete
 
     def role(self, rank: int) -> Role | None:
         return self.ranks[rank].role
@@ -164,6 +176,7 @@ class PipelineScheduler:
     def start(self) -> list[Action]:
         out: list[Action] = []
         self._release(out)
+        self._try_train(out)  # a resume: the batch generated before the checkpoint trains at once
         return out
 
     def handle(self, ev: Event) -> list[Action]:
@@ -344,6 +357,8 @@ class PipelineScheduler:
         first = not self.t_started
         if first:
             self._trainers_leave_now(out)
+            if self.cfg.collective_switch and self._switch_running():
+                return  # the trainers take part in the switch: the batch starts on the new trainer set
             self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
             self.t_started = True
         take = len(b.ready)
@@ -436,6 +451,7 @@ class PipelineScheduler:
             r = self.ranks[rank]
             if r.leaving and not r.lost:
                 self._start_switch(rank, out)
+        self._collective_grow(out)
         self._send_new_version(self.produced, out)
         self._try_train(out)
         self._assign_waiting(out)
@@ -461,13 +477,14 @@ class PipelineScheduler:
         delta = dec.target.n_train - cur.n_train
         if delta > 0:  # rollout ranks at the border become trainers
             movers = [i for i in self.rollout_ranks() if not self.ranks[i].leaving][:delta]
-            for rank in movers:
+            for rank in movers:  # every mover is marked before any starts (a collective switch waits for all)
                 r = self.ranks[rank]
                 r.leaving, r.to, r.switch_id = True, Role.TRAIN, sid
                 self.switching.add(rank)
                 self.waiting.discard(rank)
                 r.capacity = 0
-                if r.inflight == 0 and rank not in self.helping:
+            for rank in movers:
+                if self.ranks[rank].inflight == 0 and rank not in self.helping:
                     self._start_switch(rank, out)
         else:  # trainers at the border become rollout ranks after the step they are in
             movers = [i for i in self.trainers() if not self.ranks[i].leaving][delta:]
@@ -478,9 +495,28 @@ class PipelineScheduler:
                 if not (self.t_started and rank in self.t_ranks):
                     self._start_switch(rank, out)
 
-    def _start_switch(self, rank: int, out: list[Action]) -> None:
+    def _switch_running(self) -> bool:
+        return any(r.role is None and r.to is not None and not r.lost for r in self.ranks)
+
+    def _collective_grow(self, out: list[Action]) -> None:
+        """Collective switches: the rollout ranks moving to training of one resize switch together, once all of them
+        are drained and the trainers are between two batches."""
+        if not self.grow_ready or self.t_started or self.t_busy:
+            return
+        for sid in sorted({self.ranks[r].switch_id for r in self.grow_ready}):
+            movers = [i for i, r in enumerate(self.ranks) if r.switch_id == sid and r.to is Role.TRAIN and not r.lost]
+            if all(i in self.grow_ready for i in movers):
+                for i in movers:
+                    self.grow_ready.discard(i)
+                    self._start_switch(i, out, now=True)
+
+    def _start_switch(self, rank: int, out: list[Action], now: bool = False) -> None:
         r = self.ranks[rank]
         if r.role is None:
+            return
+        if self.cfg.collective_switch and r.to is Role.TRAIN and not now:
+            self.grow_ready.add(rank)
+            self._collective_grow(out)
             return
         if r.role is Role.ROLLOUT:
             self.n_rollout -= 1
@@ -503,6 +539,8 @@ class PipelineScheduler:
             self.n_rollout += 1
             r.versions = {self.produced}  # a former trainer holds the newest weights
             self._release(out)
+            if self.cfg.collective_switch:
+                self._try_train(out)  # the trainers that stayed took part in the switch
         else:
             self._try_train(out)
 
@@ -540,6 +578,9 @@ class PipelineScheduler:
             self._maybe_step(out)
         if returned:
             self._assign_waiting(out)
+        if rank in self.grow_ready:
+            self.grow_ready.discard(rank)
+            self._collective_grow(out)  # the other movers of its resize may go now
 
 
 def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:

@@ -62,6 +62,13 @@ class SchedulerConfig:
     helper_cost_s: float = 1.0  # a helper's own overhead per chunk: leave decoding, send its gradient, come back
     helper_margin: float = 1.5  # a helper joins only when its predicted saving exceeds its cost times this
     train_scaling_per_doubling: float = 0.95  # data-parallel efficiency kept per doubling of trainers
+    # The runtime's role switch is ONE collective over the old and new trainers (it reshards the optimizer state
+    # across them): the movers of a resize switch together, at a training-batch boundary, and the trainers wait for
+    # the switch to end before the next batch's first chunk (the simulator's per-rank switches: False).
+    collective_switch: bool = False
+    # A resume at step k (0: a fresh start): batches < k are trained; batches k .. k+s-1 were generated before the
+    # checkpoint (the driver checks they are complete) and wait for training; every rollout rank holds version k.
+    resume_step: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_train < self.n_ranks:
@@ -72,6 +79,8 @@ class SchedulerConfig:
             raise ValueError("every batch needs at least one group")
         if self.max_versions_per_rank < 1:
             raise ValueError("a rollout rank needs at least one weight buffer")
+        if not 0 <= self.resume_step <= len(self.groups):
+            raise ValueError(f"resume step {self.resume_step} outside the run's {len(self.groups)} steps")
 
     @property
     def steps(self) -> int:

@@ -70,13 +70,26 @@ class World:
     helps: int = 0
 
     def __post_init__(self) -> None:
+        k, s = self.cfg.resume_step, self.cfg.staleness
         for r in range(self.cfg.n_ranks):
-            self.held[r] = {0} if r >= self.cfg.n_train else set()
+            self.held[r] = {k} if r >= self.cfg.n_train else set()
             self.inflight[r] = []
+        for j in range(min(k + s, self.cfg.steps) if k else 0):  # a resume: generated (and trained) before
+            for g in range(self.cfg.groups[j]):
+                self.generated[(j, g)] = version_of(j, s)
+            if j < k:
+                self.trained[j] = set(range(self.cfg.groups[j]))
+        self.steps_done = k
 
     # the world's reaction to the core's actions, with the contract checked on each
     def apply(self, actions) -> None:
+        switched: dict[int, list[int]] = {}
         for a in actions:
+            if isinstance(a, Switch):
+                switched.setdefault(a.switch_id, []).append(a.rank)
+                if self.cfg.collective_switch:  # the trainers take part: never in the middle of a batch
+                    assert self.chunk is None and self.stepping is None, "a collective switch while the trainers train"
+                    assert not self.trained.get(self.steps_done), "a collective switch in the middle of a batch"
             match a:
                 case Assign(rank, batch, groups, version):
                     assert rank not in self.lost and rank not in self.helping, "work for a lost or helping rank"
@@ -131,6 +144,12 @@ class World:
                     self.restarted = True
                 case _:
                     raise AssertionError(f"unexpected action {a!r}")
+        if self.cfg.collective_switch and switched and not self.lost:
+            ranks = self.core.ranks
+            for sid in switched:  # every mover of the resize at once, in one action list
+                assert all(r.switch_id != sid for r in ranks if r.role is not None), f"switch {sid} split in two"
+            heading = [i for i, r in enumerate(ranks) if r.role is Role.TRAIN or r.to is Role.TRAIN]
+            assert heading == list(range(len(heading))), f"trainers {heading} are not a prefix"
 
     def enabled(self) -> list:
         ev = list(self.pending)
@@ -238,6 +257,38 @@ def test_a_lost_rollout_rank_has_its_groups_handed_out_again(data, mech, steps, 
     w = run_world(cfg, data, slots, losses=1)
     check_finished(w)
     assert w.losses_left == 0 or w.core.finished  # a rank holding work was lost (unless the run ended first)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), stream=st.booleans(), n=st.integers(3, 6), steps=st.integers(2, 6),
+       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3))
+def test_collective_switches_move_all_movers_at_a_batch_boundary(data, stream, n, steps, script, slots):
+    """The runtime's switch (one collective over old and new trainers): the contract holds, and every resize
+    switches its movers together, between two training batches, with the trainers a prefix (World.apply checks)."""
+    cfg = SchedulerConfig(n, n // 2, (3,) * steps, staleness=1, mechanisms=Mechanisms(True, stream, True),
+                          collective_switch=True)
+    w = run_world(cfg, data, slots, script=script)
+    check_finished(w)
+    assert w.core.topology().total == n
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, k=st.integers(1, 4), s=st.integers(0, 2), slots=st.integers(1, 3))
+def test_a_resume_trains_the_batches_generated_before_and_generates_only_the_rest(data, mech, k, s, slots):
+    cfg = SchedulerConfig(4, 2, (2,) * 5, staleness=s, mechanisms=mech, resume_step=k, helper_cost_s=0.1)
+    core = PipelineScheduler(cfg)
+    first = core.start()
+    trains = [a for a in first if isinstance(a, Train)]
+    assert (trains and trains[0].batch == k) or s == 0 or mech.streaming_training is None
+    w = World(core, cfg, slots)
+    w.apply(first)
+    for _ in range(5000):
+        if core.finished:
+            break
+        ev = w.enabled()
+        assert ev, "the pipeline stalled"
+        w.fire(ev[data.draw(st.integers(0, len(ev) - 1))])
+    check_finished(w)  # the World's Assign check: nothing generated before the checkpoint is generated again
 
 
 def test_lost_rank_groups_go_to_another_rank_first():
