@@ -67,6 +67,21 @@ class PipelineConfig(Section):
     mixed_switch: bool = Field(
         True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
     )
+    schedule: Literal["lockstep", "continuous"] = Field(
+        "lockstep", description="lockstep: one step at a time with a barrier (generate, train, blocking weight sync); "
+        "continuous: no step barrier, driven by the scheduler core (dynaresize.schedule): a rollout rank takes the next "
+        "batch's groups as soon as it holds the version that batch needs, weight versions reach each rank in the "
+        "background, and (streaming_training) the trainers start on complete groups; the same samples, versions and loss",
+    )
+    streaming_training: bool = Field(
+        True, description="continuous schedule: trainers run forward/backward on a batch's complete GRPO groups as they "
+        "arrive and take the optimizer step once the batch is complete (false: they wait for the whole batch)",
+    )
+    stream_min_groups: int = Field(1, ge=1, description="continuous schedule: the fewest complete groups a training chunk starts with")
+    groups_per_command: int = Field(
+        1, ge=1, description="continuous schedule: GRPO groups in one generate command (each rollout rank has two "
+        "commands queued, so it never waits for the coordinator between them)",
+    )
 
 
 class FaultsConfig(Section):
@@ -145,6 +160,22 @@ class Config(Section):
                     f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _continuous_schedule_fits(self) -> "Config":
+        if self.pipeline.schedule != "continuous":
+            return self
+        if self.algorithm.dynamic_sampling.enabled:
+            raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule does not run dynamic sampling "
+                            "(its extra rounds depend on the whole batch); set algorithm.dynamic_sampling.enabled: false "
+                            "or pipeline.schedule: lockstep")
+        if self.task.dataset.val_every > 0:
+            raise RuleError(("pipeline", "schedule"), "continuous", "validation passes need every rollout rank on one "
+                            "version (a step barrier); set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
+        if self.rollout.engine == "vllm":
+            raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule's background weight load "
+                            "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: lockstep")
         return self
 
     @model_validator(mode="after")

@@ -189,32 +189,46 @@ class CommandBus:
         """Collect acks of ``command_id`` from ``ranks`` until all answered or ``timeout`` seconds passed."""
         want = set(int(r) for r in ranks)
         acks: dict[int, Ack] = {}
-        key = self.keys.ack(command_id)
-        last = b"0-0"
+        cursor = {command_id: b"0-0"}
         deadline = time.monotonic() + timeout
         while len(acks) < len(want):
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 break
-            resp = self.r.xread({key: last}, count=4096, block=max(1, min(self.cfg.block_ms, remaining_ms)))
-            for _stream, entries in resp or []:
-                for entry_id, fields in entries:
-                    last = entry_id
-                    try:
-                        ack = decode(Ack, fields.get(b"m"), self.cfg.max_message_bytes)
-                    except WireError as e:
-                        log.warning("job %s: bad ack on %s skipped: %s", self.job_id, key, e.reason)
-                        _emit(self.events, "bad_ack", e.reason, command_id=command_id)
-                        continue
-                    if ack.job_id != self.job_id or ack.command_id != command_id:
-                        continue
-                    if ack.epoch < self.epoch:
-                        # an ack of an earlier coordinator's copy of this command (same id, resent after a
-                        # coordinator restart): a stale-epoch rejection or an ack the new epoch will get replayed
-                        continue
-                    if ack.rank in want and ack.rank not in acks:
-                        acks[ack.rank] = ack
+            for ack in self.read_acks(cursor, min(self.cfg.block_ms, remaining_ms) / 1000):
+                if ack.rank in want and ack.rank not in acks:
+                    acks[ack.rank] = ack
         return AckResult(acks, sorted(want - acks.keys()))
+
+    def read_acks(self, cursors: dict[str, bytes], timeout: float) -> list[Ack]:
+        """The acks of several commands that arrived after ``cursors`` (command id -> the last ack stream entry
+        read, ``b"0-0"`` at first; advanced in place), waiting up to ``timeout`` seconds for the first one: one
+        XREAD over every ack stream, so an event-driven coordinator hears whichever rank answers first."""
+        if not cursors:
+            return []
+        streams = {self.keys.ack(cid): last for cid, last in cursors.items()}
+        by_key = {self.keys.ack(cid): cid for cid in cursors}
+        resp = self.r.xread(streams, count=4096, block=max(1, int(timeout * 1000)))
+        out: list[Ack] = []
+        for stream, entries in resp or []:
+            key = stream.decode() if isinstance(stream, bytes) else str(stream)
+            command_id = by_key[key]
+            for entry_id, fields in entries:
+                cursors[command_id] = entry_id
+                try:
+                    ack = decode(Ack, fields.get(b"m"), self.cfg.max_message_bytes)
+                except WireError as e:
+                    log.warning("job %s: bad ack on %s skipped: %s", self.job_id, key, e.reason)
+                    _emit(self.events, "bad_ack", e.reason, command_id=command_id)
+                    continue
+                if ack.job_id != self.job_id or ack.command_id != command_id:
+                    continue
+                if ack.epoch < self.epoch:
+                    # an ack of an earlier coordinator's copy of this command (same id, resent after a
+                    # coordinator restart): a stale-epoch rejection or an ack the new epoch will get replayed
+                    continue
+                out.append(ack)
+        return out
 
     def request(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
                 timeout: float = 30.0) -> tuple[Command, AckResult]:

@@ -96,7 +96,7 @@ def summary(job: Job, status: str, stop: OperatorStop | None) -> dict[str, Any]:
         "reward_first3": _mean([rewards[str(s)] for s in steps_done[:3]]),
         "reward_last3": _mean([rewards[str(s)] for s in steps_done[-3:]]),
         "switches": st.switches,
-        "switch_critical_path_s": round(sum(s["critical_path_s"] for s in st.switches), 4),
+        "switch_critical_path_s": round(sum(s["critical_path_s"] or 0.0 for s in st.switches), 4),
         "final_split": f"{st.n_train}:{job.world - st.n_train}",
         **validation_summary(st.validation),
         "policy": "dynamic" if job.cfg.policy.enabled else "static",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 from dynaresize.events import Role, format_ranks
 from dynaresize.contract.batch import TrainBatch
@@ -16,6 +17,17 @@ from dynaresize.job.transport import InFlight, Phase, Transport
 log = logging.getLogger("dynaresize.job")
 
 
+@dataclass(frozen=True)
+class Started:
+    """A switch sent and not finished: its id, the step it belongs to, the trainer counts, the command."""
+
+    switch_id: str
+    step: int
+    old: int
+    new: int
+    sent: InFlight
+
+
 class Switching:
     def __init__(self, job: Job, tx: Transport, rollout: Rollout, training: Training):
         self.job, self.tx, self.rollout, self.training = job, tx, rollout, training
@@ -23,6 +35,14 @@ class Switching:
     def switch(self, at: Phase, k: int, decision, ranks=None, rollout_version: int | None = None, mode: str = "optimized") -> str:
         """Move ranks between roles in place. ``ranks`` get the command now (default: all; ranks outside the old
         and new trainer sets only take note of the new split, so they may get it later)."""
+        started = self.begin(at, k, decision, ranks, rollout_version, mode)
+        self.tx.wait(started.sent.cmd, started.sent.ranks, "switch_role")
+        return self.finish(started)
+
+    def begin(self, at: Phase, k: int, decision, ranks=None, rollout_version: int | None = None,
+              mode: str = "optimized") -> "Started":
+        """Send a switch without waiting for it (the continuous schedule hears its acks with every other rank's);
+        :meth:`finish` once every rank acked."""
         job, st, events = self.job, self.job.state, self.job.events
         old, new = st.n_train, decision.target.n_train
         sid = f"sw{len(st.switches)}-s{k}"
@@ -32,12 +52,17 @@ class Switching:
             "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=n_alive - old, to_train=new,
             to_rollout=n_alive - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
         )
-        t0 = time.monotonic()
         payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
         if rollout_version is not None:
             payload["rollout_version"] = rollout_version
-        self.tx.call(at, "switch_role", ranks, payload)
-        critical = time.monotonic() - t0
+        st.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{n_alive - old}", "to": f"{new}:{n_alive - new}",
+                            "mode": mode, "critical_path_s": None, "hidden_s": 0.0})
+        return Started(sid, k, old, new, self.tx.send(at, "switch_role", ranks, payload))
+
+    def finish(self, started: "Started") -> str:
+        job, st, events = self.job, self.job.state, self.job.events
+        sid, k, old, new = started.switch_id, started.step, started.old, started.new
+        critical = time.monotonic() - started.sent.sent_at
         moved = range(min(old, new), max(old, new))
         frm, to = (Role.TRAIN, Role.ROLLOUT) if new < old else (Role.ROLLOUT, Role.TRAIN)
         events.emit("role_change", step=k, ranks=format_ranks(moved), from_role=frm, to_role=to)
@@ -46,8 +71,9 @@ class Switching:
         # hidden seconds are not known yet (the optimizer stage-in runs at the next training step): the analysis
         # sums the switch's background ops from the log, and so does the summary
         events.emit("switch_end", switch_id=sid, critical_path_s=round(critical, 6))
-        st.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{n_alive - old}", "to": f"{new}:{n_alive - new}",
-                            "mode": mode, "critical_path_s": round(critical, 4), "hidden_s": 0.0})
+        for rec in st.switches:
+            if rec["switch_id"] == sid:
+                rec["critical_path_s"] = round(critical, 4)
         log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
         return sid
 

@@ -71,23 +71,28 @@ class Transport:
         """Wait for acks, watching the ranks waited on: one whose process exited or whose heartbeat is older than
         the deadline (hung, SIGSTOPped, its node gone) raises :class:`RanksLost`."""
         ranks = [r for r in ranks if r not in self.job.state.lost]
-        launcher, registry = self.svc.launcher, self.svc.registry
         while True:
             res = self.svc.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
             if not res.missing:
                 self.require(res, what, ranks)
                 return res
-            registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
-            exited = launcher.dead() if hasattr(launcher, "dead") else {}
-            gone = {r: f"process exited with code {exited[r]}" for r in res.missing if r in exited}
-            silent = registry.dead()
-            gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in res.missing if r in silent and r not in gone})
-            if gone:
-                err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
-                if hasattr(launcher, "log_tail") and any(r in exited for r in gone):
-                    r0 = next(r for r in sorted(gone) if r in exited)
-                    err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
-                raise err
+            self.check_alive(res.missing, what)
+
+    def check_alive(self, ranks, what: str) -> None:
+        """Raise :class:`RanksLost` for the ranks among ``ranks`` whose process exited or whose heartbeat is older
+        than the deadline (and wait, bounded, while Redis refuses writes)."""
+        launcher, registry = self.svc.launcher, self.svc.registry
+        registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
+        exited = launcher.dead() if hasattr(launcher, "dead") else {}
+        gone = {r: f"process exited with code {exited[r]}" for r in ranks if r in exited}
+        silent = registry.dead()
+        gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in ranks if r in silent and r not in gone})
+        if gone:
+            err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
+            if hasattr(launcher, "log_tail") and any(r in exited for r in gone):
+                r0 = next(r for r in sorted(gone) if r in exited)
+                err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
+            raise err
 
     def require(self, res, what: str, ranks) -> None:
         if res.missing:

@@ -100,3 +100,19 @@ def test_resolved_config_round_trips(tmp_path):
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: str(p.relative_to(CONFIGS)))
 def test_shipped_configs_validate(path):
     load_config(path)
+
+
+@pytest.mark.parametrize("override, says", [
+    ("algorithm.dynamic_sampling.enabled=true", "the continuous schedule does not run dynamic sampling"),
+    ("task.dataset.val_every=2", "validation passes need every rollout rank on one version"),
+])
+def test_the_continuous_schedule_refuses_what_it_does_not_run(override, says):
+    base = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
+    assert load_config("configs/quickstart.yaml", base).pipeline.schedule == "continuous"
+    with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'continuous': " + says):
+        load_config("configs/quickstart.yaml", [*base, override])
+
+
+def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
+    with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'barrierless'"):
+        load_config("configs/quickstart.yaml", ["pipeline.schedule=barrierless"])
