@@ -60,6 +60,7 @@ from dynaresize.job import bootstrap
 from dynaresize.job.bootstrap import Parts
 from dynaresize.job.checkpointing import next_incarnation, resume_state, rewind_batches
 from dynaresize.job.errors import JobError, OperatorStop, RanksLost
+from dynaresize.job.pipeline import ContinuousSchedule
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import kill_leftovers
 from dynaresize.job.reporting import open_metrics, summary
@@ -185,7 +186,8 @@ class Coordinator:
 
     def _take_over(self, p: Parts) -> bool:
         """A resume takes the ranks of a live earlier launch over (the journal), or clears what is left of it."""
-        attached = self.resume and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None)
+        attached = (self.resume and self.cfg.pipeline.schedule == "lockstep"  # continuous: the ranks restart instead
+                    and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None))
         if self.resume and not attached:
             kill_leftovers(self.run_dir)  # an incomplete earlier launch cannot be used
             rewind_batches(self.run_dir, self.job.state.step, self.job.events)
@@ -219,6 +221,10 @@ class Coordinator:
     def loop(self) -> None:
         p, job, steps = self.parts, self.job, self.cfg.run.steps
         k = job.state.step
+        if self.cfg.pipeline.schedule == "continuous":  # no step barrier: the scheduler core decides (job.pipeline)
+            self.at = Phase(f"c{k}")
+            ContinuousSchedule(job, p, self.at, self.stop_requested.is_set, self.preemption).run()
+            return
         p.validation.run(self.at, job.state.version)  # before any update (version 0), unless done before a resume
         for j in range(k, min(k + job.bound, steps)):  # fill the pipeline: batches k .. k+s-1 (there after a resume)
             self.at = Phase(f"f{j}")

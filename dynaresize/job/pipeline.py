@@ -1,0 +1,536 @@
+"""The continuous schedule (``pipeline.schedule: continuous``): the coordinator drives the pure scheduler core
+(:mod:`dynaresize.schedule`) from the ranks' acks, with no step barrier.
+
+The loop reads::
+
+    start    -> the core (resumed at the checkpoint's step), every rollout rank's version, its first claims
+    wait     -> the next acks of any command in flight (one XREAD over every ack stream), or a lost rank
+    observe  -> each ack becomes the core's event: GroupsDone + RankReady, WeightsArrived, TrainChunkDone,
+                OptimizerStepDone (+ StepMeasured for the resize policy), SwitchDone
+    act      -> each action the core returns becomes a command: Assign -> ``generate`` (those prompts, that
+                version), SendWeights -> ``fetch_weights`` (read in the background from the snapshot rank 0 staged
+                at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
+                ``optimizer_step`` (the batch's token or sequence count as the normaliser), Switch -> one
+                ``switch_role`` over the old and new trainers (the core's collective mode)
+    drain    -> at a checkpoint, a stop or a time-out warning: the state a lockstep checkpoint has (batches k ..
+                k+s-1 generated, nothing in flight), the checkpoint, then on
+
+What keeps the RL semantics of the lockstep run (``tests/integration/test_continuous_schedule.py`` compares them):
+the core assigns batch ``j``'s groups only to a rank holding version ``max(0, j - s)``; a rank refuses to generate
+with another version; every sample is seeded by its key; a chunk's advantages are its groups' (GRPO normalises
+within a group); the optimizer step divides the gradients summed over every chunk and trainer by the whole batch's
+token (or sequence) count, as the whole-batch step does.
+
+Every event fed to the core and every action it returned go to ``schedule.jsonl`` (its first line: the core's
+configuration), so replaying the events through a fresh core reproduces the run's decisions.
+
+Not here (yet): gradient helpers (within-step role flow) in the runtime; a coordinator takeover of a live continuous
+run (a resume restarts the ranks from the checkpoint instead); dynamic sampling and validation passes (the config
+refuses them with this schedule); vLLM (unverified: the config refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from dynaresize.config.schema import Config
+from dynaresize.control.commands import AckResult
+from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.rollout import BuiltBatch, batch_key
+from dynaresize.job.runtime import Job, StepTimes
+from dynaresize.job.state import policy_from_dict, policy_to_dict
+from dynaresize.job.switching import Started
+from dynaresize.job.training import TrainResult
+from dynaresize.job.transport import InFlight, Phase
+from dynaresize.policy import Topology
+from dynaresize.policy.types import Action as PolicyAction
+from dynaresize.policy.types import Decision, Observation, PolicyState
+from dynaresize.schedule import (
+    Assign, Decided, GroupsDone, Help, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
+    Role, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
+)
+from dynaresize.schedule.codec import encode
+
+log = logging.getLogger("dynaresize.job")
+
+SLOTS = 2  # generate commands queued per rollout rank: one running, one waiting, so no round trip sits between them
+
+
+def scheduler_config(cfg: Config, n_train: int, resume_step: int) -> SchedulerConfig:
+    """The core's configuration for this run (what ``schedule.jsonl`` records, and a replay rebuilds)."""
+    pl = cfg.pipeline
+    return SchedulerConfig(
+        n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
+        staleness=pl.staleness_bound, mechanisms=Mechanisms(True, pl.streaming_training, True, False),
+        stream_min_groups=pl.stream_min_groups, collective_switch=True, resume_step=resume_step,
+    )
+
+
+class PlannedPolicy:
+    """The resize policy the core consults: ``policy.forced_splits`` (tests, experiments) at the steps it names, else
+    the planner's :class:`~dynaresize.policy.ResizePolicy` (when ``policy.enabled``), else hold. The core asks after
+    ``T_k`` (``obs.step == k``); a forced split at step ``k + 1`` answers it, as the lockstep loop moves before step
+    ``k + 1``. Pure, like the policy it wraps."""
+
+    def __init__(self, policy, forced: dict[int, int], enabled: bool):
+        self.policy, self.forced, self.enabled = policy, dict(forced), enabled
+
+    def initial_state(self) -> PolicyState:
+        return self.policy.initial_state()
+
+    def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
+        n = self.forced.get(obs.step + 1)
+        if n is not None and n != obs.topology.n_train and 1 <= n < obs.topology.total:
+            return state, Decision(PolicyAction.RESIZE, Topology(n, obs.topology.total - n), "forced by policy.forced_splits")
+        if not self.enabled or obs.train_s <= 0:
+            return state, Decision(PolicyAction.HOLD, obs.topology, "policy disabled" if not self.enabled else "nothing measured")
+        return self.policy.step(state, obs)
+
+
+@dataclass
+class Sent:
+    """A command in flight and the core's action it carries out."""
+
+    kind: str
+    flight: InFlight
+    batch: int | None = None
+    groups: tuple[int, ...] = ()
+    version: int | None = None
+    started: Started | None = None  # a switch_role over the old and new trainers
+    movers: tuple[int, ...] = ()
+    acks: dict[int, Any] = field(default_factory=dict)
+    cursor: bytes = b"0-0"
+
+    @property
+    def rank(self) -> int:
+        return self.flight.ranks[0]
+
+    def complete(self) -> bool:
+        return all(r in self.acks for r in self.flight.ranks)
+
+
+@dataclass
+class Tally:
+    """What one batch measured, from its first generate command to its optimizer step."""
+
+    gen_busy_s: float = 0.0
+    tokens_generated: int = 0
+    tokens: int = 0  # response tokens of the chunks built: the token normaliser
+    samples: int = 0  # sequences of the chunks built: the sequence normaliser
+    chunks: int = 0
+    train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
+    loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
+    mixed: bool = False  # a switch ran while this batch was generated or trained
+
+
+class ScheduleLog:
+    """``schedule.jsonl``: the core's configuration, then every event fed and the actions returned."""
+
+    def __init__(self, path, cfg: SchedulerConfig, incarnation: int, policy_state: PolicyState | None):
+        self.f = open(path, "a", buffering=1)
+        self.write({"config": encode(cfg), "incarnation": incarnation,
+                    "policy_state": policy_to_dict(policy_state) if policy_state is not None else None})
+
+    def write(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class ContinuousSchedule:
+    """One pass of the continuous schedule from ``job.state.step`` to the end of the run (or a stop)."""
+
+    def __init__(self, job: Job, parts, at: Phase, stop_requested: Callable[[], bool], preemption=None):
+        self.job, self.p, self.at = job, parts, at
+        self.stop_requested, self.preemption = stop_requested, preemption
+        self.cfg = job.cfg
+        st = job.state
+        self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step)
+        self.policy = PlannedPolicy(parts.planner.policy, self.cfg.policy.forced_splits, self.cfg.policy.enabled)
+        self.core = PipelineScheduler(self.core_cfg, self.policy)
+        self.core.policy_state = parts.planner.pstate  # a resume goes on with the checkpoint's policy state
+        self.sent: dict[str, Sent] = {}
+        self.inflight_groups: dict[int, int] = {}  # rollout rank -> groups in its generate commands
+        self.tally: dict[int, Tally] = {}
+        self.published: set[int] = set()
+        self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
+        self.drain: int | None = None  # the step a drain stops at (a checkpoint, a stop)
+        self.parked: list = []  # actions held back while draining
+        self.stopping = False
+        self.t_step: float | None = None  # the loop's clock: from the first batch complete (lockstep: after the fill)
+        self.checked = time.monotonic()
+        self.log = ScheduleLog(job.run_dir / "schedule.jsonl", self.core_cfg, st.incarnation, self.core.policy_state)
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.start()
+            while not self.core.finished and not self.stopping:
+                for sent, ack in self.wait():
+                    self.observe(sent, ack)
+                if self.drain is not None and self.quiescent():
+                    self.checkpoint_and_go_on()
+            self.wait_for_the_rest()
+        finally:
+            self.log.close()
+
+    def start(self) -> None:
+        job, k = self.job, self.job.state.step
+        self.check_generated_before(k)
+        self.act(self.core.start(), "start")
+        self.clock_starts()
+        if job.state.lost:
+            self.log.write({"lost": sorted(job.state.lost)})
+        for r in job.state.lost:  # lost before a restart or a resume: never given work
+            self.feed(RankLost(r))
+        held = self.p.tx.call(self.at, "ping", job.rollouts(), {})
+        for r, ack in sorted(held.acks.items()):  # a restored rank may hold another version than the checkpoint's
+            if int((ack.result or {}).get("version", k)) != k and k > 0:
+                self.send_fetch(r, k)
+        for r in job.rollouts():
+            self.ready(r)
+
+    def check_generated_before(self, k: int) -> None:
+        """A resume at step k trains batches k .. k+s-1 first: they were generated before the checkpoint."""
+        q = self.p.svc.queue
+        for j in range(k, min(k + self.core_cfg.staleness, self.cfg.run.steps)) if k > 0 else ():
+            items, _ = self.p.rollout.work(j)
+            q.publish(j, items)
+            self.published.add(j)
+            if q.done(j) < q.total(j):
+                raise JobError(f"resume at step {k}: batch {j} should have been generated before the checkpoint, but "
+                               f"{q.total(j) - q.done(j)} of its {q.total(j)} samples are not in the run's Redis")
+
+    def wait(self) -> list[tuple[Sent, Any]]:
+        """The acks that arrived (up to 1 s), each with its command; a rank lost meanwhile is handled first."""
+        cursors = {cid: s.cursor for cid, s in self.sent.items()}
+        acks = self.p.svc.bus.read_acks(cursors, timeout=1.0)
+        for cid, cur in cursors.items():
+            self.sent[cid].cursor = cur
+        if not acks or time.monotonic() - self.checked > 2.0:
+            self.checked = time.monotonic()
+            self.check_ranks()
+        out = []
+        for ack in acks:
+            s = self.sent.get(ack.command_id)
+            if s is not None and ack.rank in s.flight.ranks and ack.rank not in s.acks:
+                out.append((s, ack))
+        return out
+
+    def quiescent(self) -> bool:
+        """Draining to step k: nothing in flight, batches k .. k+s-1 generated."""
+        k = self.drain
+        q = self.p.svc.queue
+        return not self.sent and all(q.done(j) >= q.total(j) > 0
+                                     for j in range(k, min(k + self.core_cfg.staleness, self.cfg.run.steps)))
+
+    def wait_for_the_rest(self) -> None:
+        """The run's last optimizer step is done: what is still in flight (weight reads) is awaited, not cut."""
+        deadline = time.monotonic() + 60.0
+        while self.sent and time.monotonic() < deadline:
+            for sent, ack in self.wait():
+                self.observe(sent, ack)
+
+    # --- acks -> the core's events ----------------------------------------------------------------------------------
+    def observe(self, sent: Sent, ack) -> None:
+        if not ack.ok:
+            self.p.tx.require(AckResult({ack.rank: ack}, []), sent.kind, [ack.rank])
+        sent.acks[ack.rank] = ack
+        if not sent.complete():
+            return
+        del self.sent[sent.flight.cmd.command_id]
+        res = {r: a.result or {} for r, a in sent.acks.items()}
+        match sent.kind:
+            case "generate":
+                r = sent.rank
+                t = self.tally.setdefault(sent.batch, Tally())
+                t.gen_busy_s += float(res[r].get("busy_s", 0.0))
+                t.tokens_generated += int(res[r].get("tokens", 0))
+                self.inflight_groups[r] -= len(sent.groups)
+                self.feed(GroupsDone(r, sent.batch, sent.groups))
+                self.clock_starts()
+                self.ready(r)
+            case "fetch_weights":
+                self.feed(WeightsArrived(sent.rank, sent.version))
+            case "train_chunk":
+                t = self.tally.setdefault(sent.batch, Tally())
+                t.train_s += max(float(x.get("busy_s", 0.0)) for x in res.values())
+                for r, x in res.items():
+                    t.loss_sum[r] = t.loss_sum.get(r, 0.0) + float(x.get("loss_sum", 0.0))
+                self.feed(TrainChunkDone(sent.batch))
+            case "optimizer_step":
+                self.stepped(sent.batch, res)
+            case "switch_role":
+                self.p.switching.finish(sent.started)
+                for t in self.tally.values():
+                    t.mixed = True
+                for r in sent.movers:
+                    self.feed(SwitchDone(r))
+                    if self.core.role(r) is Role.ROLLOUT:
+                        self.inflight_groups[r] = 0
+                        self.ready(r)
+            case "switch_note":
+                pass
+
+    def stepped(self, k: int, res: dict[int, dict]) -> None:
+        """T_k took its optimizer step: version k+1 exists (rank 0 staged it for the rollout ranks). The step's
+        report, the core's events, then whether a drain starts here."""
+        job, st, p = self.job, self.job.state, self.p
+        t = self.tally.pop(k, Tally())
+        den = self.denominator(t)
+        built = self.whole_batch(k)
+        job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
+            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=0.0, tokens_generated=t.tokens_generated,
+            tokens_trained=t.tokens)
+        results = [{"loss": t.loss_sum.get(r, 0.0) / den, "metrics": x.get("metrics") or {}, "version": x.get("version")}
+                   for r, x in sorted(res.items())]
+        trained = TrainResult(sum(x["loss"] for x in results), results)
+        st.step, st.version = k + 1, k + 1
+        now = time.monotonic()
+        st.loop_s += now - (self.t_step if self.t_step is not None else now)
+        self.t_step = now
+        st.elapsed_s = job.elapsed()
+        p.reporter.report(k, built, trained)
+        self.forget_old_weights(k + 1)
+        self.feed(OptimizerStepDone(k))
+        if k + 1 < self.cfg.run.steps:
+            n_t = max(1, st.n_train)
+            obs = Observation(step=k, topology=Topology(n_t, max(1, len(job.rollouts()))), rollout_s=job.last.rollout_s,
+                              train_s=job.last.train_s, tokens_generated=t.tokens_generated, tokens_trained=t.tokens,
+                              mixed=t.mixed)
+            per_group = job.last.train_s * n_t / max(1, self.cfg.rollout.prompts_per_step)
+            self.feed(StepMeasured(obs, self.cfg.run.steps - k - 1, per_group))
+            if self.core.policy_state is not None:
+                st.policy = policy_to_dict(self.core.policy_state)
+        if self.drain is None and k + 1 < self.cfg.run.steps and (
+                p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested())):
+            self.drain = k + 1
+
+    def clock_starts(self) -> None:
+        """The loop's time counts from the first batch to train being complete, as the lockstep loop's counts from
+        the end of its fill (so loop seconds per step compare)."""
+        k = self.job.state.step
+        if self.t_step is None and k < self.cfg.run.steps and self.core.complete(k):
+            self.t_step = time.monotonic()
+
+    def denominator(self, t: Tally) -> float:
+        return float(t.tokens if self.cfg.train.loss_norm == "token" else t.samples)
+
+    def whole_batch(self, k: int) -> BuiltBatch:
+        """Batch k as the lockstep run builds it (the report's rewards, scores and statistics)."""
+        rollout, svc = self.p.rollout, self.p.svc
+        items, texts = rollout.work(k)
+        batch, stats = svc.assembler.build(k, items, texts, svc.queue.results(k))
+        rollout.items.pop(k, None)
+        return BuiltBatch(batch, stats)
+
+    def forget_old_weights(self, newest: int) -> None:
+        """Weight snapshots no batch in flight needs: a batch j needs version j - s, a resume version ``newest``."""
+        keep = newest - self.core_cfg.staleness - 1
+        root = self.job.run_dir / "weights"
+        for path in root.glob("v*") if root.is_dir() else ():
+            v = path.name[1:]
+            if v.isdigit() and int(v) < keep:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def check_ranks(self) -> None:
+        """A rank lost while commands wait on it: a rollout rank is fenced off and its groups handed out again (the
+        core's RankLost); a trainer, or a loss the job cannot absorb, goes to the restart path."""
+        busy = sorted({r for s in self.sent.values() for r in s.flight.ranks if r not in s.acks})
+        try:
+            self.p.tx.check_alive(busy, "continuous schedule")
+        except RanksLost as e:
+            if not self.p.recovery.can_shrink(e.ranks):
+                raise
+            self.p.recovery.shrink(e.ranks, e.why)
+            self.policy.policy = self.p.planner.policy  # the policy plans over the live ranks
+            for cid, s in list(self.sent.items()):
+                if any(r in e.ranks for r in s.flight.ranks):
+                    if s.kind not in ("generate", "fetch_weights", "switch_note"):
+                        raise
+                    del self.sent[cid]
+            self.log.write({"lost": sorted(self.job.state.lost)})  # a replay re-plans over the live ranks here too
+            for r in e.ranks:
+                self.inflight_groups.pop(r, None)
+                self.feed(RankLost(r))
+
+    # --- the core ------------------------------------------------------------------------------------------------
+    def feed(self, ev) -> None:
+        actions = self.core.handle(ev)
+        self.log.write({"event": encode(ev), "actions": encode(actions)})
+        self.act(actions)
+
+    def act(self, actions, what: str | None = None) -> None:
+        if what is not None:
+            self.log.write({what: encode(actions)})
+        done_switch: set[int] = set()
+        for a in actions:
+            if self.drain is not None and self.parks(a):
+                self.parked.append(a)
+                continue
+            match a:
+                case Assign():
+                    self.send_generate(a)
+                case Train():
+                    self.send_chunk(a)
+                case Step():
+                    self.send_step(a)
+                case SendWeights(rank, version, _):
+                    self.send_fetch(rank, version)
+                case Decided(step, decision, sid):
+                    self.decided(step, decision, sid)
+                case Switch(_, _, sid) if sid not in done_switch:
+                    done_switch.add(sid)
+                    self.send_switch(sid, [x for x in actions if isinstance(x, Switch) and x.switch_id == sid])
+                case Switch():
+                    pass
+                case Help() | Restart():
+                    raise JobError(f"the runtime has no gradient helpers and restarts through RanksLost: {a!r}")
+
+    def parks(self, a) -> bool:
+        """While draining to step k: work of batches from k + s on, and training of batch k, wait for the checkpoint."""
+        k = self.drain
+        return (isinstance(a, Assign) and a.batch >= k + self.core_cfg.staleness) or (isinstance(a, (Train, Step)) and a.batch >= k)
+
+    def ready(self, rank: int) -> None:
+        if self.core.role(rank) is not Role.ROLLOUT or rank in self.job.state.lost:
+            return
+        free = SLOTS * self.cfg.pipeline.groups_per_command - self.inflight_groups.setdefault(rank, 0)
+        if free > 0:
+            self.feed(RankReady(rank, free))
+
+    # --- the core's actions -> commands ---------------------------------------------------------------------------
+    def send(self, kind: str, ranks, payload: dict, label: str | None = None, **what) -> Sent:
+        flight = self.p.tx.send(self.at, kind, ranks, payload, step=what.get("batch"))
+        s = Sent(label or kind, flight, **what)
+        self.sent[flight.cmd.command_id] = s
+        return s
+
+    def send_generate(self, a: Assign) -> None:
+        if a.batch not in self.published:
+            items, _ = self.p.rollout.work(a.batch)
+            self.p.svc.queue.publish(a.batch, items)
+            self.published.add(a.batch)
+        n = self.cfg.pipeline.groups_per_command
+        for i in range(0, len(a.groups), n):
+            part = a.groups[i:i + n]
+            self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(part)
+            self.send("generate", [a.rank], self.p.rollout.payload(a.batch, version=a.version, prompts=list(part)),
+                      batch=a.batch, groups=part, version=a.version)
+
+    def send_fetch(self, rank: int, version: int) -> None:
+        self.send("fetch_weights", [rank], {"version": version}, version=version)
+
+    def send_chunk(self, a: Train) -> None:
+        """A chunk of batch k's complete groups, as the whole batch has them (a group's advantages are its own)."""
+        job, svc, rollout = self.job, self.p.svc, self.p.rollout
+        if list(a.ranks) != job.trainers():
+            raise JobError(f"the core trains batch {a.batch} on ranks {list(a.ranks)}, the job's trainers are {job.trainers()}")
+        items, texts = rollout.work(a.batch)
+        want = set(a.groups)
+        results = [r for r in svc.queue.results(a.batch) if r.prompt in want]
+        rollout.check_rewards(a.batch, results)
+        chunk, _ = svc.assembler.build(a.batch, [it for it in items if it.prompt in want], texts, results)
+        t = self.tally.setdefault(a.batch, Tally())
+        key = f"{batch_key(job.job_id, a.batch)}:c{t.chunks}"
+        t.chunks += 1
+        t.tokens += chunk.tokens
+        t.samples += len(chunk.keys)
+        svc.redis.set(key, chunk.to_json(), ex=24 * 3600)
+        self.send("train_chunk", list(a.ranks), {"step": a.batch, "batch_key": key, "n_train": len(a.ranks),
+                                                 "version": a.batch}, batch=a.batch, groups=a.groups)
+
+    def send_step(self, a: Step) -> None:
+        t = self.tally.setdefault(a.batch, Tally())
+        self.send("optimizer_step", list(a.ranks), {"step": a.batch, "n_train": len(a.ranks), "version_after": a.batch + 1,
+                                                    "denominator": self.denominator(t), "publish": True}, batch=a.batch)
+
+    def decided(self, step: int, d: Decision, sid: int | None) -> None:
+        self.job.events.emit("decision", step=step + 1, action=d.action.value, reason=d.reason,
+                             imbalance=round(d.imbalance, 4), target_train=d.target.n_train,
+                             target_rollout=d.target.n_rollout, expected_saving_s=round(d.expected_saving_s, 4),
+                             cost_s=round(d.critical_cost_s, 4))
+        if sid is not None:
+            self.decisions[sid] = d
+
+    def send_switch(self, sid: int, switches: list[Switch]) -> None:
+        """One resize: a ``switch_role`` over the old and new trainers (the collective reshards the optimizer
+        state); the other rollout ranks learn the new count from a note queued behind their work."""
+        job, st = self.job, self.job.state
+        movers = sorted(s.rank for s in switches)
+        old = st.n_train
+        new = old + len(movers) if switches[0].to is Role.TRAIN else old - len(movers)
+        if movers != list(range(min(old, new), max(old, new))):
+            raise JobError(f"switch {sid}: ranks {movers} do not border the trainers 0..{old - 1}")
+        n_alive = len(job.alive())
+        d = self.decisions.get(sid) or Decision(PolicyAction.RESIZE, Topology(new, n_alive - new), "the core's resize")
+        if d.target.n_train != new:
+            d = replace(d, target=Topology(new, n_alive - new))
+        union = [r for r in range(max(old, new)) if r not in st.lost]
+        started = self.p.switching.begin(self.at, st.step, d, ranks=union)
+        s = Sent("switch_role", started.sent, started=started, movers=tuple(movers))
+        self.sent[started.sent.cmd.command_id] = s
+        rest = [r for r in job.alive() if r >= max(old, new)]
+        if rest:
+            self.send("switch_role", rest, dict(started.sent.payload), label="switch_note")
+
+    # --- drain, checkpoint ----------------------------------------------------------------------------------------
+    def checkpoint_and_go_on(self) -> None:
+        k, p = self.drain, self.p
+        stop = self.stop_requested()
+        if self.preemption is not None and self.preemption.requested():
+            if self.preemption.poll().value != "continue":  # checkpointed by the preemption hook
+                self.stopping = True
+                return
+        if stop:
+            self.stopping = True  # the final checkpoint is taken when the ranks shut down
+            return
+        if p.checkpointer.due(k):
+            p.checkpointer.checkpoint(self.at)
+        p.journal.write()
+        self.drain = None
+        parked, self.parked = self.parked, []
+        self.act(parked)
+
+
+# --- replay -------------------------------------------------------------------------------------------------------
+def replay_log(run_dir) -> list[tuple[str, list, list]]:
+    """Feed the events of a run's ``schedule.jsonl`` to a fresh core (one per start of the schedule: a restart or a
+    resume begins a new segment at its config line), with the run's own resize policy re-planned over the live ranks
+    where the run did; returns (what, logged actions, replayed actions) for every start and event, encoded."""
+    from pathlib import Path
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.job.planner import Planner
+    from dynaresize.job.state import JobState
+    from dynaresize.schedule.codec import decode
+
+    run_dir = Path(run_dir)
+    cfg = load_config(run_dir / "config.yaml")
+
+    def policy(lost: list[int]) -> PlannedPolicy:
+        planner = Planner(Job(cfg, run_dir, JobState(n_train=cfg.cluster.initial_train, lost=list(lost))))
+        return PlannedPolicy(planner.policy, cfg.policy.forced_splits, cfg.policy.enabled)
+
+    out: list[tuple[str, list, list]] = []
+    core = planned = None
+    for line in (run_dir / "schedule.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "config" in rec:
+            planned = policy([])
+            core = PipelineScheduler(decode(rec["config"]), planned)
+            core.policy_state = policy_from_dict(rec.get("policy_state")) or core.policy_state
+        elif "start" in rec:
+            out.append(("start", rec["start"], encode(core.start())))
+        elif "lost" in rec:
+            planned.policy = policy(rec["lost"]).policy
+        elif "event" in rec:
+            ev = decode(rec["event"])
+            out.append((type(ev).__name__, rec["actions"], encode(core.handle(ev))))
+    return out

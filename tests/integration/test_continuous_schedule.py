@@ -1,0 +1,109 @@
+"""The continuous schedule end to end (``pipeline.schedule: continuous``): real Redis, 4 worker processes, DeepSpeed
+on CPU, GRPO, the scheduler core driving the coordinator.
+
+- RL semantics: with the same seed, a continuous run (continuous rollout, streaming training, one resize each way)
+  and a static lockstep run train on the same samples, from the same policy versions, with the same rewards and
+  losses within the lockstep tests' tolerance; and the continuous run really had no barrier (a batch's generation
+  started before the previous batch was complete, training started before its batch was complete).
+- Replay: the run's ``schedule.jsonl`` fed to a fresh core gives the same actions.
+- Faults: a rollout rank lost while two batches are in flight and a weight version is on its way to it (its
+  groups go to the others; nothing is lost or generated twice); a trainer lost (every rank restarts from the
+  continuous run's checkpoint and the run finishes with the static run's samples).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.integration.test_job import SEED, batches, run, run_dir_of
+
+pytestmark = pytest.mark.integration
+
+STEPS = 6
+CONTINUOUS = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory, model_cache) -> Path:
+    parent = tmp_path_factory.mktemp("static")
+    run(parent, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", "task.dataset.val_every=0")
+    return run_dir_of(parent)
+
+
+def same_samples(got: list[dict], want: list[dict], loss_rel: float = 1e-3) -> None:
+    assert [b["step"] for b in got] == [b["step"] for b in want] == list(range(STEPS))
+    for g, w in zip(got, want):
+        k = g["step"]
+        assert g["keys"] == w["keys"], f"step {k}: other samples"
+        assert g["versions"] == w["versions"], f"step {k}: another sample-to-version map"
+        assert set(g["versions"]) == {max(0, k - 1)}, f"step {k}: versions {set(g['versions'])}"
+        assert g["rewards"] == w["rewards"]
+        assert g["loss"] == pytest.approx(w["loss"], rel=loss_rel, abs=1e-5), f"step {k}"
+
+
+def schedule(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "schedule.jsonl").read_text().splitlines()]
+
+
+def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cache, static_run):
+    from dynaresize.job.pipeline import replay_log
+
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}", *CONTINUOUS)
+    rd = run_dir_of(tmp_path)
+    got = batches(rd)
+    same_samples(got, batches(static_run))
+    n_train = [b["n_train"] for b in got]
+    assert 1 in n_train and 3 in n_train, n_train  # one resize each way: 2 -> 1 -> 3
+    summary = json.loads((rd / "summary.json").read_text())
+    assert [s["from"] + ">" + s["to"] for s in summary["switches"]] == ["2:2>1:3", "1:3>3:1"]
+
+    # no barrier: batch j+1's first group was assigned before batch j's last group was done, and a training chunk
+    # of batch k started before batch k was complete
+    recs = schedule(rd)
+    done: dict[int, int] = {}
+    overlap = early_train = False
+    for rec in recs:
+        ev = rec.get("event") or {}
+        if ev.get("type") == "GroupsDone":
+            done[ev["batch"]] = done.get(ev["batch"], 0) + len(ev["groups"])
+        for a in rec.get("actions", rec.get("start", [])):
+            if a["type"] == "Assign" and a["batch"] >= 1 and done.get(a["batch"] - 1, 0) < 4:
+                overlap = True
+            if a["type"] == "Train" and done.get(a["batch"], 0) < 4:
+                early_train = True
+    assert overlap, "no batch's generation overlapped the previous batch's tail"
+    assert early_train, "no training chunk started before its batch was complete"
+    assert sum(1 for r in recs for a in r.get("actions", []) if a["type"] == "Train") > STEPS  # streamed in chunks
+
+    replayed = replay_log(rd)
+    assert len(replayed) > 50
+    for what, logged, again in replayed:
+        assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
+def test_a_rollout_rank_lost_with_two_batches_in_flight_and_weights_on_the_way(tmp_path, model_cache, static_run):
+    # rank 3 dies as version 2 starts to reach it in the background: batch 1 is training, batch 2 generating
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
+        faults={"DYNARESIZE_TEST_KILL_AT": "3:fetch_weights.started@v2"})
+    rd = run_dir_of(tmp_path)
+    same_samples(batches(rd), batches(static_run))
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("what") == "rank_lost" and e.get("rank") == 3 for e in events)
+    summary = json.loads((rd / "summary.json").read_text())
+    assert summary["status"] == "completed"
+
+
+def test_a_lost_trainer_restarts_every_rank_from_the_continuous_checkpoint(tmp_path, model_cache, static_run):
+    once = tmp_path / "once"
+    once.mkdir()
+    run(tmp_path / "run", model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
+        "run.checkpoint_every=2", faults={"DYNARESIZE_TEST_KILL_AT": "1:train_chunk.accumulated@step-3",
+                                          "DYNARESIZE_TEST_KILL_ONCE": str(once)})
+    rd = run_dir_of(tmp_path / "run")
+    same_samples(batches(rd), batches(static_run))
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    restarts = [e for e in events if e.get("what") == "restart"]
+    assert len(restarts) == 1 and "step 2" in restarts[0]["reason"], restarts
