@@ -220,12 +220,12 @@ class Worker:
         is refused."""
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
+        if version != self.version and version not in self.incoming:
+            fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
+            raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: generate needs a work queue")
         if version != self.version:
-            if version not in self.incoming:
-                fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
-                raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
             self._install(version)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0
