@@ -317,6 +317,7 @@ class Worker:
         t0 = time.perf_counter()
         stats = trainer.accumulate(batch, self._loss_fn(batch))
         t1 = time.perf_counter()
+        self.setup.hooks.point(self.rank, "train_chunk.accumulated", f"step-{step}")
         tokens, samples = self._tokens(batch), int(batch["input_ids"].shape[0])
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
         return {"loss_sum": float(stats["loss_sum_local"]), "tokens": tokens, "samples": samples, "busy_s": t1 - t0,
@@ -434,6 +435,7 @@ class Worker:
         assert self.stager is not None
         path = Path(self.setup.weights_dir).resolve() / f"v{version}"
         self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
+        self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
         return {"version": version, "started": True}
 
     def _log_reads(self) -> None:
