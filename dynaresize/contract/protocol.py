@@ -93,7 +93,7 @@ class GeneratePayload(_Payload):
     prompts: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, max_length=MAX_PROMPTS,
         description="generate exactly these prompts' unfinished samples (claimed at once, generated pull_batch at a "
-        "time); None: pull from the queue until it is empty",
+        "time; [] generates nothing, only installs a fetched version); None: pull from the queue until it is empty",
     )
 
     @field_validator("prompts")

@@ -102,8 +102,12 @@ def test_streamed_training_publishes_weights_that_a_rollout_rank_fetches_and_ins
         done = queue.results(1)
         assert [(s.prompt, s.index) for s in done] == [(0, 0), (0, 1), (2, 0), (2, 1)] and queue.pending(1) == 2
         assert {(s.version, s.rank) for s in done} == {(1, 2)}
+        # no prompts: only the install (what a rank needs before a checkpoint of the new version)
+        c.call("fetch_weights", {"version": 1}, ranks=[3])
+        g3 = c.call("generate", {**gen, "version": 1, "prompts": []}, ranks=[3])[3]
+        assert (g3["samples"], g3["version"], g3["prompts"]) == (0, 1, []) and queue.pending(1) == 2
         dig = c.call("state_digest")  # every rank: the trainers' optimizer digest is collective
-        assert dig[2]["weights"] == dig[0]["weights"] != rollout_v0 and dig[2]["version"] == 1
+        assert dig[2]["weights"] == dig[3]["weights"] == dig[0]["weights"] != rollout_v0 and dig[2]["version"] == 1
         assert dig[2]["incoming"] == []
         assert c.call("fetch_weights", {"version": 1}, ranks=[2])[2]["started"] is False  # held now
 
