@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
-
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 

@@ -35,9 +35,9 @@ late duplicate from a released-but-alive rank is therefore identical and is drop
 Redis restarts and retries: redis-py sends a command again after a connection error; when Redis was killed after
 it applied (and logged) a script but before the reply went out, the retry applies it a second time. Every call here
 is safe under that: ``publish`` is one script (meta and items together, at most once), ``complete`` and ``release``
-are idempotent, and ``claim`` (and ``claim_prompts``) carries a token (one per call, the same on redis-py's retries): a claim whose token
-is the rank's last claim returns that claim's unfinished items again instead of taking new ones, so items taken by
-a claim whose reply was lost are not stranded in the rank's in-flight hash.
+are idempotent, and ``claim`` (like ``claim_prompts``) carries a token (one per call, the same on redis-py's
+retries): a claim whose token is the rank's last claim returns that claim's unfinished items again instead of taking
+new ones, so items taken by a claim whose reply was lost are not stranded in the rank's in-flight hash.
 """
 
 from __future__ import annotations

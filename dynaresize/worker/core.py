@@ -462,7 +462,8 @@ class Worker:
         try:
             tensors, meta = inc.read.result()
         except StagingError as e:
-            raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: {e}") from None
+            raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
+                              f"{e}") from None
         self._log_read(inc)
         if meta.get("version") != version:
             raise WorkerError(f"rank {self.rank}: {inc.path} holds version {meta.get('version')!r}, not {version}")
