@@ -45,6 +45,10 @@ class RedisDataPlane:
         q = self.vqueue if validation else self.queue
         return self._patient(q.claim, step, rank, n, uuid.uuid4().hex)  # one token: a retry takes nothing new
 
+    def claim_prompts(self, step: int, rank: int, prompts: list[int], validation: bool = False) -> list[WorkItem]:
+        q = self.vqueue if validation else self.queue
+        return self._patient(q.claim_prompts, step, rank, prompts, uuid.uuid4().hex)  # one token: a retry takes nothing new
+
     def complete(self, step: int, rank: int, results: list[SampleResult], validation: bool = False) -> int:
         return self._patient((self.vqueue if validation else self.queue).complete, step, rank, results)
 

@@ -8,9 +8,15 @@ only fixes the *content*, as frozen pydantic models that travel as JSON. A worke
 kind            payload                                                ack result
 ==============  =====================================================  ===============================================
 ping            :class:`Empty`                                         :class:`PingResult` (rank, role, version)
-generate        :class:`GeneratePayload` (step, version, sampling)    :class:`GenerateResult` (samples, tokens, busy)
+generate        :class:`GeneratePayload` (step, version, sampling,    :class:`GenerateResult` (samples, tokens, busy,
+                prompts or the pull loop)                              prompts)
 train           :class:`TrainPayload` (step, batch key, topology)      :class:`TrainResult` (loss, metrics, busy)
+train_chunk     :class:`TrainChunkPayload` (step, chunk key,           :class:`TrainChunkResult` (loss sum, tokens,
+                topology, version)                                     samples, busy)
+optimizer_step  :class:`OptimizerStepPayload` (step, topology,         :class:`OptimizerStepResult` (version, metrics,
+                version after, denominator, publish)                   busy, published bytes)
 sync_weights    :class:`SyncPayload` (version, topology)               :class:`SyncResult` (bytes, seconds, version)
+fetch_weights   :class:`FetchWeightsPayload` (version)                 :class:`FetchWeightsResult` (version, started)
 switch_role     :class:`SwitchPayload` (switch id, old/new trainers)  :class:`SwitchResult` (role, ops)
 stage_state     :class:`StagePayload` (tag)                            :class:`StageResult` (manifests, bytes)
 restore_state   :class:`StagePayload` (tag)                            :class:`RestoreResult` (version, seconds)
@@ -28,15 +34,25 @@ value (clipped), for any input.
 
 Roles are positional: with ``n_train`` trainers, ranks ``0..n_train-1`` train and the rest roll out (nested
 prefixes, see :mod:`dynaresize.comm.groups`), so a topology is one integer on the wire.
+
+Two ways through a step. The barrier pipeline: ``generate`` (pull loop) on the rollout ranks, one ``train`` of the
+whole batch, a blocking ``sync_weights``. The barrier-free one (``dynaresize.schedule``): ``generate`` with the
+prompts (GRPO groups) the scheduler assigned, ``train_chunk`` per chunk of complete groups as they arrive, one
+``optimizer_step`` with the whole batch's normaliser (which also publishes the new weights to the run's weights
+directory), and ``fetch_weights`` to read a published version on a rollout rank in the background; the ``generate``
+that asks for that version installs it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+MAX_PROMPTS = 4096  # prompts one generate may name
 
 
 class _Msg(BaseModel):
@@ -72,6 +88,19 @@ class GeneratePayload(_Payload):
     temperature: float = Field(gt=0)
     top_p: float = Field(gt=0, le=1)
     validation: bool = Field(False, description="pull from the validation queue (samples scored, never trained on)")
+    prompts: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=MAX_PROMPTS,
+        description="generate exactly these prompts' unfinished samples (claimed at once, generated pull_batch at a "
+        "time; [] generates nothing, only installs a fetched version); None: pull from the queue until it is empty",
+    )
+
+    @field_validator("prompts")
+    @classmethod
+    def _distinct(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and len(set(v)) != len(v):
+            dup = sorted({p for p in v if v.count(p) > 1})
+            raise ValueError(f"prompt(s) {dup[:5]} listed twice")
+        return v
 
 
 class GenerateResult(_Msg):
@@ -79,6 +108,47 @@ class GenerateResult(_Msg):
     tokens: int
     busy_s: float
     version: int
+    prompts: list[int] | None = None  # the prompts asked for (generate with prompts), echoed
+
+
+class FetchWeightsPayload(_Payload):
+    version: int = Field(ge=1, description="published policy version to read from the run's weights directory (v<version>)")
+
+
+class FetchWeightsResult(_Msg):
+    version: int
+    started: bool  # False: this rank already holds or is reading that version
+
+
+class TrainChunkPayload(_Payload):
+    step: int = Field(ge=0)
+    batch_key: str = Field(description="Redis key of the chunk: a training batch (JSON) of complete GRPO groups only")
+    n_train: int = Field(ge=1)
+    version: int = Field(ge=0, description="policy version the batch trains from (the trainers must hold it)")
+
+
+class TrainChunkResult(_Msg):
+    loss_sum: float  # this rank's summed loss over its part of the chunk (not normalised)
+    tokens: int  # response tokens of the whole chunk (every trainer's part)
+    samples: int  # samples of the whole chunk
+    busy_s: float
+    version: int
+
+
+class OptimizerStepPayload(_Payload):
+    step: int = Field(ge=0)
+    n_train: int = Field(ge=1)
+    version_after: int = Field(ge=1, description="policy version once this update is applied")
+    denominator: float = Field(gt=0, description="the whole batch's normaliser: its response tokens (loss_norm=token) "
+                               "or samples (sequence)")
+    publish: bool = Field(False, description="rank 0 stages the new weights as <weights dir>/v<version_after>")
+
+
+class OptimizerStepResult(_Msg):
+    version: int
+    metrics: dict[str, float] = {}
+    busy_s: float
+    published_bytes: int = 0
 
 
 class TrainPayload(_Payload):
@@ -153,7 +223,10 @@ COMMANDS: dict[str, CommandSpec] = {
     "ping": CommandSpec(Empty, PingResult),
     "generate": CommandSpec(GeneratePayload, GenerateResult),
     "train": CommandSpec(TrainPayload, TrainResult),
+    "train_chunk": CommandSpec(TrainChunkPayload, TrainChunkResult),
+    "optimizer_step": CommandSpec(OptimizerStepPayload, OptimizerStepResult),
     "sync_weights": CommandSpec(SyncPayload, SyncResult),
+    "fetch_weights": CommandSpec(FetchWeightsPayload, FetchWeightsResult),
     "switch_role": CommandSpec(SwitchPayload, SwitchResult),
     "stage_state": CommandSpec(StagePayload, StageResult),
     "restore_state": CommandSpec(StagePayload, RestoreResult),

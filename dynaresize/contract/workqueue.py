@@ -21,6 +21,10 @@ Lifecycle of one sample (step, prompt, index), all transitions atomic (Lua)::
                  ^                |
                  +---release(r)---+      (rank r leaves the rollout role, or is declared dead)
 
+``claim`` takes the next ``n`` items in queue order (the pull loop); ``claim_prompts`` takes every unfinished item of
+the named prompts (a scheduler that assigns whole GRPO groups to ranks). Both end in the same in-flight hash, so
+``complete`` and ``release`` treat their items alike.
+
 A rank the coordinator declared lost (``Registry.fence``) is refused: its claims get nothing and its results
 raise :class:`FencedRankError`, so a process that was only hung (SIGSTOP) and comes back cannot write into a
 step that its released samples were already given to others for.
@@ -31,9 +35,9 @@ late duplicate from a released-but-alive rank is therefore identical and is drop
 Redis restarts and retries: redis-py sends a command again after a connection error; when Redis was killed after
 it applied (and logged) a script but before the reply went out, the retry applies it a second time. Every call here
 is safe under that: ``publish`` is one script (meta and items together, at most once), ``complete`` and ``release``
-are idempotent, and ``claim`` carries a token (one per call, the same on redis-py's retries): a claim whose token
-is the rank's last claim returns that claim's unfinished items again instead of taking new ones, so items taken by
-a claim whose reply was lost are not stranded in the rank's in-flight hash.
+are idempotent, and ``claim`` (like ``claim_prompts``) carries a token (one per call, the same on redis-py's
+retries): a claim whose token is the rank's last claim returns that claim's unfinished items again instead of taking
+new ones, so items taken by a claim whose reply was lost are not stranded in the rank's in-flight hash.
 """
 
 from __future__ import annotations
@@ -87,6 +91,46 @@ while #out < n do
   end
 end
 redis.call('SET', KEYS[5], ARGV[3] .. '|' .. table.concat(keys, ','))
+return out
+"""
+_CLAIM_PROMPTS = """
+if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return false end
+local out = {}
+local last = redis.call('GET', KEYS[5])
+if last then
+  local tok, ks = string.match(last, '^([^|]*)|(.*)$')
+  if tok == ARGV[2] then  -- this very claim, applied before (its reply was lost): the same items again
+    for k in string.gmatch(ks, '[^,]+') do
+      local it = redis.call('HGET', KEYS[2], k)
+      if it then out[#out + 1] = it end
+    end
+    return out
+  end
+end
+local want = {}
+for i = 3, #ARGV do want[tonumber(ARGV[i])] = true end
+local keys, seen = {}, {}
+local function take(it, d)
+  if seen[d['key']] then return end
+  seen[d['key']] = true
+  if redis.call('HEXISTS', KEYS[3], d['key']) == 0 then
+    redis.call('HSET', KEYS[2], d['key'], it)
+    out[#out + 1] = it
+    keys[#keys + 1] = d['key']
+  end
+end
+for _, it in ipairs(redis.call('HVALS', KEYS[2])) do  -- already this rank's (an earlier claim of these prompts)
+  local d = cjson.decode(it)
+  if want[d['prompt']] then take(it, d) end
+end
+for _, it in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
+  local d = cjson.decode(it)
+  if want[d['prompt']] then
+    redis.call('LREM', KEYS[1], 1, it)
+    take(it, d)
+  end
+end
+redis.call('SET', KEYS[5], ARGV[2] .. '|' .. table.concat(keys, ','))
 return out
 """
 _COMPLETE = """
@@ -177,6 +221,7 @@ class RolloutQueue:
         self._publish = client.register_script(_PUBLISH)
         self._extend = client.register_script(_EXTEND)
         self._claim = client.register_script(_CLAIM)
+        self._claim_prompts = client.register_script(_CLAIM_PROMPTS)
         self._complete = client.register_script(_COMPLETE)
         self._release = client.register_script(_RELEASE)
 
@@ -208,6 +253,23 @@ class RolloutQueue:
                 self._k(step, f"lastclaim:{rank}")]
         raw = self._claim(keys=keys, args=[n, int(rank), token])
         return [WorkItem.from_json(x) for x in raw or []]  # a fenced rank gets nothing
+
+    def claim_prompts(self, step: int, rank: int, prompts: Iterable[int], token: str | None = None) -> list[WorkItem]:
+        """Take every unfinished item of ``prompts`` for ``rank``: the pending ones, and those already in this rank's
+        in-flight hash (an earlier claim of the same prompts); items with a result are left out, and a fenced rank
+        gets nothing. Items of these prompts in flight on another rank stay there. Returned in (prompt, index) order.
+
+        ``token`` works as in :meth:`claim`: the same token again returns that claim's unfinished items and takes
+        nothing new. :meth:`release` puts the items back like any other claim's."""
+        wanted = list(prompts)
+        bad = [p for p in wanted if type(p) is not int or p < 0]
+        if bad:
+            raise ValueError(f"claim_prompts: prompt indices must be ints >= 0, got {bad[:5]!r}")
+        token = token or uuid.uuid4().hex
+        keys = [self._k(step, "pending"), self._k(step, f"inflight:{rank}"), self._k(step, "results"), self.fenced_key,
+                self._k(step, f"lastclaim:{rank}")]
+        raw = self._claim_prompts(keys=keys, args=[int(rank), token, *sorted(set(wanted))])
+        return sorted((WorkItem.from_json(x) for x in raw or []), key=lambda it: (it.prompt, it.index))
 
     def complete(self, step: int, rank: int, results: Iterable[SampleResult]) -> int:
         """Record results; returns how many were new (a duplicate of a finished sample is dropped)."""

@@ -16,6 +16,19 @@ pre-built group) is this list of named operations, each written to the event log
     optimizer_stage_in moments installed at the first optimizer step (step pre-hook)         background
 
 Ranks outside the union keep generating: a switch never stops them.
+
+The barrier-free schedule (``dynaresize.schedule``) uses four more commands, still one at a time in stream order:
+
+- ``generate`` with ``prompts``: the rank claims exactly those prompts' samples (``DataPlane.claim_prompts``) and
+  generates them ``pull_batch`` at a time; asked for a version it has fetched, it installs that one first;
+- ``fetch_weights``: a rollout rank starts reading ``<weights_dir>/v<version>`` (written by rank 0's
+  ``optimizer_step(publish=True)``) into fresh host tensors on a background thread (at most ``max_incoming``
+  versions at a time); the read's interval is logged (``weight_sync``, ``background``) at the next command;
+- ``train_chunk``: forward and backward of a chunk of complete groups, loss as a sum (``ZeroTrainer.accumulate``);
+- ``optimizer_step``: the step of the chunks accumulated since the last one, divided by the whole batch's
+  normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 stages the new weights for the rollout ranks.
+
+The weight read is the only work a rank does off its main thread, and it makes no ``torch.distributed`` call.
 """
 
 from __future__ import annotations
@@ -35,7 +48,7 @@ from dynaresize.engines import reshard as R
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
-from dynaresize.staging import Prefetch, Stager
+from dynaresize.staging import Prefetch, Stager, StagingError
 from dynaresize.worker.hooks import Hooks
 
 
@@ -47,6 +60,8 @@ class DataPlane(Protocol):
     """Where rollout work comes from and training batches are read (Redis in a real run)."""
 
     def claim(self, step: int, rank: int, n: int, validation: bool = False) -> list[Any]: ...  # WorkItem-like
+
+    def claim_prompts(self, step: int, rank: int, prompts: list[int], validation: bool = False) -> list[Any]: ...
 
     def complete(self, step: int, rank: int, results: list[Any], validation: bool = False) -> int: ...
 
@@ -76,6 +91,17 @@ class WorkerSetup:
     model_dir: str | None = None  # HF directory of the model (the vLLM engine loads its architecture from it)
     score: Callable[[Any, list[int]], dict[str, Any]] | None = None  # (work item, response ids) -> {"reward", "reward_error"?}
     hooks: Hooks = field(default_factory=Hooks)  # fault points and extra commands: no-ops in production (worker.hooks)
+    weights_dir: Path | None = None  # published weights, <weights_dir>/v<version> (optimizer_step publish, fetch_weights)
+
+
+@dataclass
+class _Incoming:
+    """A published version being read (or read) into host memory on a background thread, not installed yet."""
+
+    version: int
+    path: Path
+    read: Prefetch
+    logged: bool = False
 
 
 @dataclass
@@ -92,6 +118,8 @@ class Worker:
     stopped: bool = False
     vllm: Any = None  # VllmRollout, created once at start-up on every rank when rollout.engine=vllm (GPU only)
     ref_model: torch.nn.Module | None = None  # frozen reference policy for train.kl_coef > 0, loaded at first use
+    incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
+    max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -167,6 +195,7 @@ class Worker:
     def handle(self, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any]:
         """Execute one command; raises WorkerError (or a library error) for the transport to ack as failed."""
         payload = payload or {}
+        self._log_reads()
         fn = getattr(self, f"_cmd_{kind}", None)
         if fn is not None:
             return fn(**payload)
@@ -185,32 +214,51 @@ class Worker:
     # -- generate -------------------------------------------------------------------------------------------
 
     def _cmd_generate(self, step: int, version: int, pull_batch: int, max_tokens: int, temperature: float, top_p: float,
-                      validation: bool = False) -> dict[str, Any]:
+                      validation: bool = False, prompts: list[int] | None = None) -> dict[str, Any]:
+        """Pull samples until the queue is empty, or (``prompts``) generate exactly those prompts' unfinished samples.
+        A ``version`` this rank fetched (``fetch_weights``) is installed first; any other version but the one held
+        is refused."""
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
-        if version != self.version:
-            raise WorkerError(f"rank {self.rank} holds policy version {self.version}, generate asks for {version}")
+        if version != self.version and version not in self.incoming:
+            fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
+            raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: generate needs a work queue")
-        from dynaresize.contract.workqueue import SampleResult
-
+        if version != self.version:
+            self._install(version)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0
-        while True:
-            items = self.setup.data.claim(step, self.rank, pull_batch, validation=validation)
-            if not items:
-                break
-            gens = self.rollout.generate([it.prompt_ids for it in items], [it.seed for it in items], params)
-            score = self.setup.score or (lambda it, ids: {})  # rewards are computed here, beside generation
-            results = [SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, self.version, self.rank,
-                                    extra=score(it, g.token_ids)) for it, g in zip(items, gens)]
-            self.setup.data.complete(step, self.rank, results, validation=validation)
-            samples += len(results)
-            tokens += sum(len(g.token_ids) for g in gens)
+        if prompts is None:
+            while True:
+                items = self.setup.data.claim(step, self.rank, pull_batch, validation=validation)
+                if not items:
+                    break
+                n, k = self._generate_items(step, items, params, validation)
+                samples, tokens = samples + n, tokens + k
+        else:  # one claim (one token: a retried claim takes nothing new), generated a slice at a time
+            items = self.setup.data.claim_prompts(step, self.rank, list(prompts), validation=validation)
+            for i in range(0, len(items), pull_batch):
+                n, k = self._generate_items(step, items[i:i + pull_batch], params, validation)
+                samples, tokens = samples + n, tokens + k
         t1 = time.perf_counter()
         if not validation:  # a validation pass is not part of any step's rollout stage
             self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
-        return {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
+        out = {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
+        if prompts is not None:
+            out["prompts"] = list(prompts)
+        return out
+
+    def _generate_items(self, step: int, items: list[Any], params: SamplingParams, validation: bool) -> tuple[int, int]:
+        """Generate and score claimed items, then complete their results; returns (samples, response tokens)."""
+        from dynaresize.contract.workqueue import SampleResult
+
+        gens = self.rollout.generate([it.prompt_ids for it in items], [it.seed for it in items], params)
+        score = self.setup.score or (lambda it, ids: {})  # rewards are computed here, beside generation
+        results = [SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, self.version, self.rank,
+                                extra=score(it, g.token_ids)) for it, g in zip(items, gens)]
+        self.setup.data.complete(step, self.rank, results, validation=validation)
+        return len(results), sum(len(g.token_ids) for g in gens)
 
     # -- train ----------------------------------------------------------------------------------------------
 
@@ -224,24 +272,79 @@ class Worker:
         self._stage(Stage.TRAIN, step, t0, time.perf_counter(), tokens=out["tokens"], version=out["version"])
         return out
 
-    def train_batch(self, batch: dict[str, torch.Tensor], n_train: int, version_after: int, loss_fn=None) -> dict[str, Any]:
+    def _trainer_for(self, n_train: int, version_after: int | None = None) -> ZeroTrainer:
+        """This rank's training engine, after checking that the command fits its role, topology and version."""
         if self.trainer is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a trainer")
         if n_train != self.n_train:
             raise WorkerError(f"rank {self.rank} trains with {self.n_train} trainers, the command says {n_train}")
-        if version_after != self.version + 1:
-            raise WorkerError(f"rank {self.rank} is at version {self.version}; train would make it {version_after}")
-        pending = self.trainer.has_pending_state()
+        if version_after is not None and version_after != self.version + 1:
+            raise WorkerError(f"rank {self.rank} is at version {self.version}; the update would make it {version_after}")
+        return self.trainer
+
+    def _stepped(self, trainer: ZeroTrainer, step: Callable[[], dict[str, float]]) -> tuple[dict[str, float], float, float]:
+        """Run an optimizer step (``step``) and log the deferred optimizer state's stage-in when it went in there,
+        hidden behind the forward/backward before it. Returns (stats, start, end)."""
+        pending = trainer.has_pending_state()
         t0 = time.perf_counter()
-        stats = self.trainer.train_step(batch, loss_fn or self._loss_fn(batch))
+        stats = step()
         t1 = time.perf_counter()
-        if pending:  # the deferred optimizer state went in during this step, hidden behind forward/backward
-            moved = sum(lay.size * 12 for lay in self.trainer.layouts())  # fp32 master + exp_avg + exp_avg_sq
+        if pending:
+            moved = sum(lay.size * 12 for lay in trainer.layouts())  # fp32 master + exp_avg + exp_avg_sq
             self._op(self._pending_switch, SwitchOp.OPTIMIZER_STAGE_IN, t0, t1, critical=False, bytes=moved)
+        return stats, t0, t1
+
+    @staticmethod
+    def _tokens(batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["response_mask"].sum()) if "response_mask" in batch else int(batch["input_ids"].numel())
+
+    def train_batch(self, batch: dict[str, torch.Tensor], n_train: int, version_after: int, loss_fn=None) -> dict[str, Any]:
+        trainer = self._trainer_for(n_train, version_after)
+        stats, t0, t1 = self._stepped(trainer, lambda: trainer.train_step(batch, loss_fn or self._loss_fn(batch)))
         self.version = version_after
-        tokens = int(batch["response_mask"].sum()) if "response_mask" in batch else int(batch["input_ids"].numel())
-        return {"loss": float(stats.get("loss", stats.get("loss_local", 0.0))), "metrics": stats, "tokens": tokens,
+        return {"loss": float(stats.get("loss", stats.get("loss_local", 0.0))), "metrics": stats, "tokens": self._tokens(batch),
                 "busy_s": t1 - t0, "version": self.version}
+
+    def _cmd_train_chunk(self, step: int, batch_key: str, n_train: int, version: int) -> dict[str, Any]:
+        """Forward and backward of this rank's part of a chunk of complete groups; the loss is a sum, the gradients
+        wait for ``optimizer_step``. ``tokens`` and ``samples`` are the whole chunk's (for the batch's normaliser)."""
+        trainer = self._trainer_for(n_train)
+        if version != self.version:
+            raise WorkerError(f"rank {self.rank} is at version {self.version}; the chunk trains from version {version}")
+        if self.setup.data is None:
+            raise WorkerError("no data plane: train_chunk needs the batch store")
+        batch = self._tensors_of(self.setup.data.batch(batch_key))
+        t0 = time.perf_counter()
+        stats = trainer.accumulate(batch, self._loss_fn(batch))
+        t1 = time.perf_counter()
+        self.setup.hooks.point(self.rank, "train_chunk.accumulated", f"step-{step}")
+        tokens, samples = self._tokens(batch), int(batch["input_ids"].shape[0])
+        self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
+        return {"loss_sum": float(stats["loss_sum_local"]), "tokens": tokens, "samples": samples, "busy_s": t1 - t0,
+                "version": self.version}
+
+    def _cmd_optimizer_step(self, step: int, n_train: int, version_after: int, denominator: float,
+                            publish: bool = False) -> dict[str, Any]:
+        """The optimizer step of the chunks accumulated since the last one, their summed gradients divided by the
+        whole batch's ``denominator``. With ``publish``, rank 0 then stages the new weights as
+        ``<weights_dir>/v<version_after>`` (manifest last: a reader sees the whole snapshot or none)."""
+        trainer = self._trainer_for(n_train, version_after)
+        target = None
+        if publish and self.rank == 0:
+            if self.setup.weights_dir is None:
+                raise WorkerError(f"rank {self.rank}: optimizer_step publish=True needs the run's weights directory "
+                                  "(WorkerSetup.weights_dir)")
+            target = Path(self.setup.weights_dir).resolve() / f"v{version_after}"
+        stats, t0, t1 = self._stepped(trainer, lambda: trainer.step(denominator))
+        self.version = version_after
+        self._stage(Stage.TRAIN, step, t0, t1, version=self.version, optimizer_step=True)
+        published, end = 0, t1
+        if target is not None:
+            assert self.stager is not None
+            res = self.stager.stage(str(target), {n: t for n, t in self._weights()}, {"version": version_after})
+            published, end = res.bytes, time.perf_counter()
+            self._stage(Stage.WEIGHT_SYNC, step, t1, end, version=version_after, bytes=published, publish=True)
+        return {"version": self.version, "metrics": stats, "busy_s": end - t0, "published_bytes": published}
 
     def _loss_fn(self, batch: dict[str, torch.Tensor]):
         if self.setup.loss_fn is not None:
@@ -314,6 +417,73 @@ class Worker:
         self._stage(Stage.WEIGHT_SYNC, max(0, got - 1), t0, t1, version=got, bytes=moved)
         return {"version": got, "bytes": moved, "seconds": t1 - t0}
 
+    # -- background weight transfer through the host -----------------------------------------------------------
+
+    def _cmd_fetch_weights(self, version: int) -> dict[str, Any]:
+        """Start reading published ``version`` into host memory on a background thread; ``started`` is False when
+        this rank already holds it (or a newer one) or is reading it. A read error surfaces at the install."""
+        if self.rollout is None:
+            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
+        if self.setup.weights_dir is None:
+            raise WorkerError(f"rank {self.rank}: fetch_weights needs the run's weights directory (WorkerSetup.weights_dir)")
+        if version <= self.version or version in self.incoming:
+            return {"version": version, "started": False}
+        if len(self.incoming) >= self.max_incoming:
+            raise WorkerError(f"rank {self.rank} already holds {len(self.incoming)} fetched versions "
+                              f"({', '.join(map(str, sorted(self.incoming)))}), at most {self.max_incoming}: "
+                              f"install one (generate with its version) before fetching version {version}")
+        assert self.stager is not None
+        path = Path(self.setup.weights_dir).resolve() / f"v{version}"
+        self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
+        self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
+        return {"version": version, "started": True}
+
+    def _log_reads(self) -> None:
+        """Log the interval of every finished background read not logged yet (on the main thread)."""
+        for inc in self.incoming.values():
+            self._log_read(inc)
+
+    def _log_read(self, inc: _Incoming) -> None:
+        if inc.logged or inc.read.finished is None:
+            return
+        inc.logged = True
+        try:
+            tensors, _ = inc.read.result()
+        except Exception:  # noqa: BLE001 - a failed read is reported by the install that needs it
+            return
+        self._stage(Stage.WEIGHT_SYNC, max(0, inc.version - 1), inc.read.started, inc.read.finished, version=inc.version,
+                    bytes=sum(t.numel() * t.element_size() for t in tensors.values()), background=True)
+
+    def _install(self, version: int) -> None:
+        """Install fetched ``version`` (waiting for its read if it still runs) into the rollout engine in place;
+        fetched versions older than it are dropped."""
+        inc = self.incoming.pop(version)
+        t0 = time.perf_counter()
+        try:
+            tensors, meta = inc.read.result()
+        except StagingError as e:
+            raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
+                              f"{e}") from None
+        self._log_read(inc)
+        if meta.get("version") != version:
+            raise WorkerError(f"rank {self.rank}: {inc.path} holds version {meta.get('version')!r}, not {version}")
+        named = []
+        for n, p in self._weights():
+            t = tensors.get(n)
+            if t is None or t.shape != p.shape or t.dtype != p.dtype:
+                got = "missing" if t is None else f"{t.dtype}{list(t.shape)}"
+                raise WorkerError(f"rank {self.rank}: {inc.path}: weight {n!r} is {got}, the model has {p.dtype}{list(p.shape)}")
+            named.append((n, t))
+        self.rollout.load_weights(named)  # the sync's path: in place (torch), or vLLM's own loader
+        if self.rollout is self.vllm and self.vllm is not None:
+            self.vllm.finish_weight_update(version)
+            self._module_stale = True
+        self.version = self.rollout.version = version
+        for v in [v for v in self.incoming if v < version]:
+            del self.incoming[v]
+        self._stage(Stage.WEIGHT_SYNC, max(0, version - 1), t0, time.perf_counter(), version=version,
+                    bytes=sum(t.numel() * t.element_size() for _, t in named))
+
     # -- role switch ----------------------------------------------------------------------------------------
 
     def _stage(self, stage: Stage, step: int, start: float, end: float, **extra: Any) -> None:
@@ -347,6 +517,7 @@ class Worker:
             self.n_train = to_train
             return {"role": self.role.value, "ops": []}
         old_role = self.role
+        self.incoming.clear()  # fetched versions are for rollout engines: a rank that switches drops them
         pc = time.perf_counter
         # offload: old trainers' ZeRO partitions to host
         t0 = pc()

@@ -9,6 +9,8 @@ to all of them before any answer is awaited, because most commands are collectiv
 
 ``hooks`` names (``module:attribute``) a callable that each rank process calls for its
 :class:`~dynaresize.worker.hooks.Hooks` (the inline-batch and inspection commands of the tests live there).
+``redis`` (an endpoint file and a job id) gives every rank the data plane of a real run (work queue and training
+batches in that Redis); ``weights_dir`` is where published weights go (``optimizer_step``, ``fetch_weights``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,12 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
     from dynaresize.worker.hooks import Hooks
 
     cfg = Config.model_validate(spec.get("config", {}))
+    data = None
+    if spec.get("redis"):
+        from dynaresize.contract.dataplane import RedisDataPlane
+        from dynaresize.control.server import connect
+
+        data = RedisDataPlane(connect(spec["redis"]["endpoint"], role=f"rank{rank}"), spec["redis"]["job_id"])
     G.init_world(rank, world, "127.0.0.1", port, timeout_s=spec.get("timeout_s", 300))
     model_spec = spec.get("model", TINY_MODEL)
     setup = WorkerSetup(
@@ -79,7 +87,8 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
         model_factory=lambda: tiny_qwen2(model_spec, spec.get("seed", 0)),
         eos_ids=spec.get("eos_ids", [2]), pad_id=spec.get("pad_id", 0), global_batch=spec["global_batch"],
         events=EventLog(spec["events"]) if spec.get("events") else None,
-        hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(),
+        hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(), data=data,
+        weights_dir=Path(spec["weights_dir"]) if spec.get("weights_dir") else None,
     )
     try:
         worker = Worker.start(setup)
@@ -108,12 +117,15 @@ class LocalCluster:
 
     def __init__(self, world: int, n_train: int, tmp: str | Path, global_batch: int = 12, config: dict | None = None,
                  model: dict | None = None, events: str | Path | None = None, timeout_s: float = 240.0, seed: int = 0,
-                 hooks: str | None = None):
+                 hooks: str | None = None, redis: tuple[str | Path, str] | None = None,
+                 weights_dir: str | Path | None = None):
         self.world, self.timeout = world, timeout_s
         tmp = Path(tmp)
         spec = {"n_train": n_train, "global_batch": global_batch, "config": config or {},
                 "staging_dir": str(tmp / "staging"), "model": model or TINY_MODEL, "seed": seed,
-                "events": str(events) if events else None, "timeout_s": timeout_s, "hooks": hooks}
+                "events": str(events) if events else None, "timeout_s": timeout_s, "hooks": hooks,
+                "redis": {"endpoint": str(redis[0]), "job_id": redis[1]} if redis else None,
+                "weights_dir": str(weights_dir) if weights_dir else None}
         if events and not Path(events).exists():  # one time axis for every process: they read t0 from run_start
             from dynaresize.events import EventLog, EventType
 

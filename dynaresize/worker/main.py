@@ -225,7 +225,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         model_factory=model_factory, eos_ids=eos, pad_id=pad_token_id(tok), score=_scorer(cfg, tok),
         global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
-        model_dir=str(model_dir), hooks=hooks or Hooks(),
+        model_dir=str(model_dir), hooks=hooks or Hooks(), weights_dir=run_dir / "weights",
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))

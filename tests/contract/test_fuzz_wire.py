@@ -277,9 +277,12 @@ def test_non_utf8_and_surrogates():
 
 # -- payloads --------------------------------------------------------------------------------------------------
 VALID_PAYLOADS = {
-    "generate": dict(step=3, version=2, pull_batch=8, max_tokens=16, temperature=1.0, top_p=0.9),
+    "generate": dict(step=3, version=2, pull_batch=8, max_tokens=16, temperature=1.0, top_p=0.9, prompts=[4, 0, 9]),
     "train": dict(step=3, batch_key="dr:j:batch:3", n_train=2, version_after=4, snapshot=True),
+    "train_chunk": dict(step=3, batch_key="dr:j:chunk:3:0", n_train=2, version=3),
+    "optimizer_step": dict(step=3, n_train=2, version_after=4, denominator=517.0, publish=True),
     "sync_weights": dict(version=4, n_train=2, lost=[3]),
+    "fetch_weights": dict(version=4),
     "switch_role": dict(switch_id="s1", step=3, from_train=2, to_train=3, rollout_version=3),
     "stage_state": dict(tag="step-3_a.b"),
     "restore_state": dict(tag="step-3_a.b"),
@@ -358,6 +361,29 @@ def test_payload_edge_cases_are_payload_errors():
         with pytest.raises(PayloadError) as e:
             parse_payload(kind, payload)
         assert_one_line(e.value, 400)
+
+
+@pytest.mark.parametrize("kind,field,value,why", [
+    ("generate", "prompts", [3, -1], "payload.prompts.1 = -1: Input should be greater than or equal to 0"),
+    ("generate", "prompts", [3, "4"], "payload.prompts.1 = '4': Input should be a valid integer"),
+    ("generate", "prompts", [2, 5, 2], "payload.prompts = [2, 5, 2]: Value error, prompt(s) [2] listed twice"),
+    ("generate", "prompts", list(range(4097)), "List should have at most 4096 items"),
+    ("train_chunk", "version", -1, "payload.version = -1: Input should be greater than or equal to 0"),
+    ("train_chunk", "n_train", 0, "payload.n_train = 0: Input should be greater than or equal to 1"),
+    ("train_chunk", "batch_key", 7, "payload.batch_key = 7: Input should be a valid string"),
+    ("optimizer_step", "denominator", 0.0, "payload.denominator = 0.0: Input should be greater than 0"),
+    ("optimizer_step", "denominator", math.nan, "payload.denominator = nan: Input should be a finite number"),
+    ("optimizer_step", "denominator", "12", "payload.denominator = '12': Input should be a valid number"),
+    ("optimizer_step", "publish", 1, "payload.publish = 1: Input should be a valid boolean"),
+    ("optimizer_step", "version_after", 0, "payload.version_after = 0: Input should be greater than or equal to 1"),
+    ("fetch_weights", "version", 0, "payload.version = 0: Input should be greater than or equal to 1"),
+    ("fetch_weights", "version", 2.0, "payload.version = 2.0: Input should be a valid integer"),
+])
+def test_the_streaming_payloads_name_a_bad_field(kind, field, value, why):
+    with pytest.raises(PayloadError) as e:
+        parse_payload(kind, {**VALID_PAYLOADS[kind], field: value})
+    assert why in assert_one_line(e.value, 400)
+    assert parse_payload("generate", {**VALID_PAYLOADS["generate"], "prompts": None}).prompts is None  # the pull loop
 
 
 # -- end to end: garbage in a rank's command stream -----------------------------------------------------------

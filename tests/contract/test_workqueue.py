@@ -113,3 +113,49 @@ def test_an_extra_round_is_queued_once_and_counted(queue):
     assert sorted(x.key for x in more) == sorted(x.key for x in extra)
     queue.complete(5, 2, [result(it, 2) for it in more])
     assert queue.done(5) == 20 and [(s.prompt, s.index) for s in queue.results(5)][-8:] == [(p, i) for p in (3, 4) for i in range(4)]
+
+
+def test_claim_prompts_takes_only_those_prompts_and_skips_finished_items(queue):
+    queue.publish(6, items(6, prompts=4, group=3))
+    other = queue.claim(6, rank=3, n=1)  # (0, 0) goes to another rank first: it stays there
+    queue.complete(6, 3, [result(other[0], 3)])
+    got = queue.claim_prompts(6, rank=1, prompts=[2, 0])
+    assert [(x.prompt, x.index) for x in got] == [(0, 1), (0, 2), (2, 0), (2, 1), (2, 2)]
+    assert queue.pending(6) == 6  # prompts 1 and 3 untouched, in their order
+    assert [(x.prompt, x.index) for x in queue.claim(6, rank=2, n=100)] == [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)]
+    # the same prompts again: nothing pending, this rank's unfinished items of them come back (a lost reply)
+    queue.complete(6, 1, [result(got[0], 1)])
+    assert [x.key for x in queue.claim_prompts(6, rank=1, prompts=[0, 2])] == [x.key for x in got[1:]]
+    assert queue.claim_prompts(6, rank=4, prompts=[0, 2, 7]) == []  # held by rank 1, done, or never published
+    # a pending item that got its result meanwhile (a late duplicate of a released rank) is dropped, not handed out
+    queue.publish(7, items(7, prompts=1, group=2))
+    first = queue.claim(7, rank=5, n=2)
+    queue.release(7, rank=5)
+    queue.complete(7, 5, [result(first[0], 5)])
+    assert [x.key for x in queue.claim_prompts(7, rank=1, prompts=[0])] == [first[1].key] and queue.pending(7) == 0
+
+
+def test_claim_prompts_retried_with_its_token_takes_nothing_new(queue):
+    queue.publish(8, items(8, prompts=3, group=2))
+    first = queue.claim_prompts(8, rank=1, prompts=[1], token="p1")
+    assert [x.key for x in queue.claim_prompts(8, rank=1, prompts=[1, 2], token="p1")] == [x.key for x in first]
+    assert queue.pending(8) == 4, "a replay with the same token must not take prompt 2"
+    queue.complete(8, 1, [result(first[0], 1)])
+    assert [x.key for x in queue.claim_prompts(8, rank=1, prompts=[1], token="p1")] == [first[1].key]
+    assert len(queue.claim_prompts(8, rank=1, prompts=[2], token="p2")) == 2 and queue.pending(8) == 2
+
+
+def test_claim_prompts_refuses_a_fenced_rank_and_release_puts_its_items_back(queue):
+    queue.publish(9, items(9, prompts=2, group=2))
+    got = queue.claim_prompts(9, rank=1, prompts=[0, 1])
+    assert len(got) == 4 and queue.pending(9) == 0
+    assert queue.release(9, rank=1) == 4 and queue.pending(9) == 4
+    assert [x.key for x in queue.claim_prompts(9, rank=2, prompts=[1])] == ["9.1.0", "9.1.1"]
+    queue.r.sadd(queue.fenced_key, 3)  # what Registry.fence records
+    assert queue.claim_prompts(9, rank=3, prompts=[0]) == [] and queue.pending(9) == 2
+
+
+def test_claim_prompts_rejects_bad_prompt_indices(queue):
+    for bad in ([-1], [1.0], ["2"], [True]):
+        with pytest.raises(ValueError, match="prompt indices must be ints >= 0"):
+            queue.claim_prompts(0, rank=1, prompts=bad)

@@ -9,7 +9,7 @@ rank hung in the middle of it. The variables are read here, by the test-side ran
 (``tests.support.dynaresize_worker``), never by the runtime.
 
 Test commands (sent through :class:`dynaresize.worker.local.LocalCluster` with ``hooks=HOOKS``): inline-batch
-variants of generate and train, and inspection of the optimizer state and of the communicators.
+variants of generate and train, and inspection of the weights, the optimizer state and the communicators.
 """
 
 from __future__ import annotations
@@ -53,10 +53,17 @@ def state_digest(w: Worker) -> dict[str, Any]:
     for n, t in w.module.named_parameters():
         h.update(n.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    out: dict[str, Any] = {"weights": h.hexdigest(), "version": w.version, "role": w.role.value}
+    out: dict[str, Any] = {"weights": h.hexdigest(), "version": w.version, "role": w.role.value,
+                           "incoming": sorted(w.incoming)}
     if w.trainer is not None:
         out["optimizer"] = R.state_digest(w.trainer.export_partitions(), w.groups.trainer_group(w.n_train), w._dev)
     return out
+
+
+def weight_values(w: Worker) -> dict[str, Any]:
+    """This rank's weights as one flat list of floats (parameter order): for numeric comparisons across commands."""
+    flat = torch.cat([p.detach().float().cpu().reshape(-1) for _, p in w.module.named_parameters()])
+    return {"values": flat.tolist(), "version": w.version}
 
 
 def comm_stats(w: Worker) -> dict[str, Any]:
@@ -64,7 +71,8 @@ def comm_stats(w: Worker) -> dict[str, Any]:
 
 
 TEST_COMMANDS: dict[str, Handler] = {"generate_direct": generate_direct, "train_direct": train_direct,
-                                     "state_digest": state_digest, "comm_stats": comm_stats}
+                                     "state_digest": state_digest, "weight_values": weight_values,
+                                     "comm_stats": comm_stats}
 
 
 def _points(spec: str | None) -> frozenset[str]:
