@@ -177,6 +177,8 @@ class ContinuousSchedule:
                 if self.drain is not None and self.quiescent():
                     self.checkpoint_and_go_on()
             self.wait_for_the_rest()
+            if self.core.finished:
+                self.install_newest(self.job.state.step)  # the end's checkpoint, like a lockstep run's
         finally:
             self.log.close()
 
@@ -481,9 +483,21 @@ class ContinuousSchedule:
             self.send("switch_role", rest, dict(started.sent.payload), label="switch_note")
 
     # --- drain, checkpoint ----------------------------------------------------------------------------------------
+    def install_newest(self, k: int) -> None:
+        """Before a checkpoint at step k every rollout rank holds version k, as after a lockstep step's sync (a
+        resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
+        job, tx = self.job, self.p.tx
+        held = tx.call(self.at, "ping", job.rollouts(), {})
+        behind = [r for r, a in sorted(held.acks.items()) if int((a.result or {}).get("version", k)) != k]
+        if not behind:
+            return
+        tx.call(self.at, "fetch_weights", behind, {"version": k})  # a no-op where the read is under way or done
+        tx.call(self.at, "generate", behind, self.p.rollout.payload(k, version=k, prompts=[]))
+
     def checkpoint_and_go_on(self) -> None:
         k, p = self.drain, self.p
         stop = self.stop_requested()
+        self.install_newest(k)  # whichever checkpoint follows (this one, the preemption's, the stop's)
         if self.preemption is not None and self.preemption.requested():
             if self.preemption.poll().value != "continue":  # checkpointed by the preemption hook
                 self.stopping = True
