@@ -77,10 +77,13 @@ class PipelineConfig(Section):
         True, description="continuous schedule: trainers run forward/backward on a batch's complete GRPO groups as they "
         "arrive and take the optimizer step once the batch is complete (false: they wait for the whole batch)",
     )
-    stream_min_groups: int = Field(1, ge=1, description="continuous schedule: the fewest complete groups a training chunk starts with")
+    stream_min_groups: int = Field(
+        4, ge=1, description="continuous schedule: the fewest complete groups a training chunk starts with (each chunk "
+        "is one forward/backward with its own gradient reduction: small chunks start training sooner and cost more)",
+    )
     groups_per_command: int = Field(
-        1, ge=1, description="continuous schedule: GRPO groups in one generate command (each rollout rank has two "
-        "commands queued, so it never waits for the coordinator between them)",
+        4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
+        "rank has two commands queued, so it never waits for the coordinator between them)",
     )
 
 

@@ -23,7 +23,9 @@ from tests.integration.test_job import SEED, batches, run, run_dir_of
 pytestmark = pytest.mark.integration
 
 STEPS = 6
-CONTINUOUS = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
+# one group per command and per chunk: the most events, and batches of 4 groups overlap and stream
+CONTINUOUS = ["pipeline.schedule=continuous", "task.dataset.val_every=0", "pipeline.groups_per_command=1",
+              "pipeline.stream_min_groups=1"]
 
 
 @pytest.fixture(scope="module")
