@@ -22,7 +22,8 @@ within a group); the optimizer step divides the gradients summed over every chun
 token (or sequence) count, as the whole-batch step does.
 
 Every event fed to the core and every action it returned go to ``schedule.jsonl`` (its first line: the core's
-configuration), so replaying the events through a fresh core reproduces the run's decisions.
+configuration), so replaying the events through a fresh core reproduces the run's decisions
+(:func:`dynaresize.job.core_io.replay_log`).
 
 Not here (yet): gradient helpers (within-step role flow) in the runtime; a coordinator takeover of a live continuous
 run (a resume restarts the ranks from the checkpoint instead); dynamic sampling and validation passes (the config
@@ -31,65 +32,33 @@ refuses them with this schedule); vLLM (unverified: the config refuses it).
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from dynaresize.config.schema import Config
 from dynaresize.control.commands import AckResult
+from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.runtime import Job, StepTimes
-from dynaresize.job.state import policy_from_dict, policy_to_dict
+from dynaresize.job.state import policy_to_dict
 from dynaresize.job.switching import Started
 from dynaresize.job.training import TrainResult
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
 from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation, PolicyState
+from dynaresize.policy.types import Decision, Observation
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Help, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
-    Role, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
+    Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
+    Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
 )
 from dynaresize.schedule.codec import encode
 
 log = logging.getLogger("dynaresize.job")
 
 SLOTS = 2  # generate commands queued per rollout rank: one running, one waiting, so no round trip sits between them
-
-
-def scheduler_config(cfg: Config, n_train: int, resume_step: int) -> SchedulerConfig:
-    """The core's configuration for this run (what ``schedule.jsonl`` records, and a replay rebuilds)."""
-    pl = cfg.pipeline
-    return SchedulerConfig(
-        n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
-        staleness=pl.staleness_bound, mechanisms=Mechanisms(True, pl.streaming_training, True, False),
-        stream_min_groups=pl.stream_min_groups, collective_switch=True, resume_step=resume_step,
-    )
-
-
-class PlannedPolicy:
-    """The resize policy the core consults: ``policy.forced_splits`` (tests, experiments) at the steps it names, else
-    the planner's :class:`~dynaresize.policy.ResizePolicy` (when ``policy.enabled``), else hold. The core asks after
-    ``T_k`` (``obs.step == k``); a forced split at step ``k + 1`` answers it, as the lockstep loop moves before step
-    ``k + 1``. Pure, like the policy it wraps."""
-
-    def __init__(self, policy, forced: dict[int, int], enabled: bool):
-        self.policy, self.forced, self.enabled = policy, dict(forced), enabled
-
-    def initial_state(self) -> PolicyState:
-        return self.policy.initial_state()
-
-    def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
-        n = self.forced.get(obs.step + 1)
-        if n is not None and n != obs.topology.n_train and 1 <= n < obs.topology.total:
-            return state, Decision(PolicyAction.RESIZE, Topology(n, obs.topology.total - n), "forced by policy.forced_splits")
-        if not self.enabled or obs.train_s <= 0:
-            return state, Decision(PolicyAction.HOLD, obs.topology, "policy disabled" if not self.enabled else "nothing measured")
-        return self.policy.step(state, obs)
 
 
 @dataclass
@@ -126,21 +95,6 @@ class Tally:
     train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
     loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
     mixed: bool = False  # a switch ran while this batch was generated or trained
-
-
-class ScheduleLog:
-    """``schedule.jsonl``: the core's configuration, then every event fed and the actions returned."""
-
-    def __init__(self, path, cfg: SchedulerConfig, incarnation: int, policy_state: PolicyState | None):
-        self.f = open(path, "a", buffering=1)
-        self.write({"config": encode(cfg), "incarnation": incarnation,
-                    "policy_state": policy_to_dict(policy_state) if policy_state is not None else None})
-
-    def write(self, rec: dict) -> None:
-        self.f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-
-    def close(self) -> None:
-        self.f.close()
 
 
 class ContinuousSchedule:
@@ -511,40 +465,3 @@ class ContinuousSchedule:
         self.drain = None
         parked, self.parked = self.parked, []
         self.act(parked)
-
-
-# --- replay -------------------------------------------------------------------------------------------------------
-def replay_log(run_dir) -> list[tuple[str, list, list]]:
-    """Feed the events of a run's ``schedule.jsonl`` to a fresh core (one per start of the schedule: a restart or a
-    resume begins a new segment at its config line), with the run's own resize policy re-planned over the live ranks
-    where the run did; returns (what, logged actions, replayed actions) for every start and event, encoded."""
-    from pathlib import Path
-
-    from dynaresize.config.loader import load_config
-    from dynaresize.job.planner import Planner
-    from dynaresize.job.state import JobState
-    from dynaresize.schedule.codec import decode
-
-    run_dir = Path(run_dir)
-    cfg = load_config(run_dir / "config.yaml")
-
-    def policy(lost: list[int]) -> PlannedPolicy:
-        planner = Planner(Job(cfg, run_dir, JobState(n_train=cfg.cluster.initial_train, lost=list(lost))))
-        return PlannedPolicy(planner.policy, cfg.policy.forced_splits, cfg.policy.enabled)
-
-    out: list[tuple[str, list, list]] = []
-    core = planned = None
-    for line in (run_dir / "schedule.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "config" in rec:
-            planned = policy([])
-            core = PipelineScheduler(decode(rec["config"]), planned)
-            core.policy_state = policy_from_dict(rec.get("policy_state")) or core.policy_state
-        elif "start" in rec:
-            out.append(("start", rec["start"], encode(core.start())))
-        elif "lost" in rec:
-            planned.policy = policy(rec["lost"]).policy
-        elif "event" in rec:
-            ev = decode(rec["event"])
-            out.append((type(ev).__name__, rec["actions"], encode(core.handle(ev))))
-    return out

@@ -51,7 +51,7 @@ def schedule(run_dir: Path) -> list[dict]:
 
 
 def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cache, static_run):
-    from dynaresize.job.pipeline import replay_log
+    from dynaresize.job.core_io import replay_log
 
     run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}", *CONTINUOUS)
     rd = run_dir_of(tmp_path)
