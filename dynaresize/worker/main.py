@@ -146,9 +146,9 @@ def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: fl
 def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,
           local_rank: int | None = None, hooks=None) -> int:
     """Run one worker rank until ``shutdown``: see the module docstring for the order of things."""
-    # Start-up allocates millions of objects that live as long as the process (torch, transformers, DeepSpeed):
-    # cycle collections meanwhile rescan them again and again (~1 s of CPU per rank). Worker.start collects once
-    # and freezes what it built; collections resume after it.
+    # The imports below create millions of objects that live as long as the process (torch, transformers,
+    # DeepSpeed): cycle collections during them rescan those again and again (~1 s of CPU per rank). None runs
+    # until preload() is done; then one collection, and what is left is kept out of every later one.
     gc.disable()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -210,6 +210,9 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     loader = threading.Thread(target=_load, name="model-load", daemon=True)
     loader.start()
     preload()
+    gc.collect()
+    gc.freeze()
+    gc.enable()
     if master_addr is None:
         master_addr = _master_addr(client, job_id, rank, launch.get("incarnation", 0))
     if cfg.cluster.device == "cuda" and os.environ.get("DYNARESIZE_CUDA_DEVICE"):
@@ -234,7 +237,6 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         model_dir=str(model_dir), hooks=hooks or Hooks(),
     )
     worker = Worker.start(setup)
-    gc.enable()
     worker.version = int(launch.get("version", 0))
     if launch.get("checkpoint"):
         worker.handle("restore_state", {"tag": Path(launch["checkpoint"]).name})
