@@ -23,9 +23,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dynaresize.models.hf import check_model_dir, load_model, load_tokenizer, prompt_text
-from dynaresize.models.tiny import build_model
-from dynaresize.models.tokenizer import train_tokenizer
-from dynaresize.models.warmstart import SFT_SEED_OFFSET, greedy_reward, warm_start
 from dynaresize.tasks.base import reference_answer, sample_of
 from dynaresize.tasks.registry import load_task
 
@@ -104,7 +101,13 @@ def ensure_model(cfg) -> Path:
 
 def build_tiny_model(cfg, out_dir: Path) -> dict:
     """Train the tokenizer, build the model, warm-start it, save both to ``out_dir``; returns the metadata written
-    there. Everything is then read back from ``out_dir`` like any HF directory (no object of this build is used)."""
+    there. Everything is then read back from ``out_dir`` like any HF directory (no object of this build is used).
+
+    What only a build needs (the model class, tokenizer training, the warm-start) is imported here: a run whose
+    model is cached, and every worker rank, start without it."""
+    from dynaresize.models.tiny import build_model
+    from dynaresize.models.tokenizer import train_tokenizer
+    from dynaresize.models.warmstart import SFT_SEED_OFFSET, greedy_reward, warm_start
     from dynaresize.rewards import load_reward
 
     task = load_task(cfg.task)

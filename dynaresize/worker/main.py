@@ -21,6 +21,7 @@ Redis from the rendezvous file, the world group's port from ``launch.json`` and 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -145,6 +146,10 @@ def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: fl
 def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,
           local_rank: int | None = None, hooks=None) -> int:
     """Run one worker rank until ``shutdown``: see the module docstring for the order of things."""
+    # The imports below create millions of objects that live as long as the process (torch, transformers,
+    # DeepSpeed): cycle collections during them rescan those again and again (~1 s of CPU per rank). None runs
+    # until preload() is done; then one collection, and what is left is kept out of every later one.
+    gc.disable()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(message)s")
@@ -168,6 +173,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.events import EventLog, Role
     from dynaresize.contract.dataplane import RedisDataPlane
     from dynaresize.models import load_model, load_tokenizer
+    import transformers.modeling_utils  # noqa: F401 - in this thread: the model-load thread imports only its class
     from dynaresize.models.hf import model_dtype, pad_token_id, stop_token_ids
     from dynaresize.staging import default_dir
     from dynaresize.worker.core import Worker, WorkerSetup
@@ -204,6 +210,9 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     loader = threading.Thread(target=_load, name="model-load", daemon=True)
     loader.start()
     preload()
+    gc.collect()
+    gc.freeze()
+    gc.enable()
     if master_addr is None:
         master_addr = _master_addr(client, job_id, rank, launch.get("incarnation", 0))
     if cfg.cluster.device == "cuda" and os.environ.get("DYNARESIZE_CUDA_DEVICE"):

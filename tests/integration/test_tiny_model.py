@@ -4,6 +4,9 @@ move the policy the right way (real torch model, real tokenizer, no hub)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,13 +73,33 @@ def test_second_call_uses_the_cache(small_cfg, model_dir, monkeypatch):
     assert store.cache_key(other) != store.cache_key(small_cfg)  # the seed is part of the recipe
 
 
+def test_a_cached_model_is_found_without_importing_the_build(small_cfg, model_dir):
+    """The coordinator asks for the model before any rank starts: on a cache hit it must not pay for the model
+    class, tokenizer training and warm-start imports (transformers' whole modeling stack, ~1 s of CPU)."""
+    code = (
+        "import sys\n"
+        "from dynaresize.config.loader import load_config\n"
+        "from dynaresize.models.store import ensure_model\n"
+        f"cfg = load_config(None, {SMALL + [f'model.cache_dir={small_cfg.model.cache_dir}']!r})\n"
+        "print(ensure_model(cfg))\n"
+        "print(sorted(m for m in ('transformers.modeling_utils', 'dynaresize.models.tiny', 'dynaresize.models.warmstart',"
+        " 'dynaresize.models.tokenizer') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    found, imported = out.stdout.splitlines()[-2:]
+    assert found == str(model_dir)
+    assert imported == "[]", imported
+
+
 def test_a_failed_build_leaves_no_partial_directory(tmp_path, monkeypatch):
     cfg = load_config(None, SMALL + [f"model.cache_dir={tmp_path}", "model.tiny.warmstart_steps=1"])
 
     def crash(*a, **k):
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setattr(store, "warm_start", crash)
+    monkeypatch.setattr("dynaresize.models.warmstart.warm_start", crash)  # the build imports it when it runs
     with pytest.raises(RuntimeError, match="killed mid-build"):
         ensure_model(cfg)
     assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
