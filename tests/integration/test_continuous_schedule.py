@@ -109,3 +109,25 @@ def test_a_lost_trainer_restarts_every_rank_from_the_continuous_checkpoint(tmp_p
     events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
     restarts = [e for e in events if e.get("what") == "restart"]
     assert len(restarts) == 1 and "step 2" in restarts[0]["reason"], restarts
+
+
+def test_sigterm_drains_checkpoints_and_the_resume_goes_on_with_the_static_runs_samples(tmp_path, model_cache, static_run):
+    """An operator's stop of a continuous run: the step in flight finishes, the coordinator drains to the state of a
+    lockstep checkpoint, the ranks stage it; ``--resume`` starts the core there and ends with the static run's
+    samples, versions and losses, no step trained twice."""
+    import os
+    import signal
+
+    from tests.integration.test_job import wait_for_batches
+
+    p = run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS, wait=False)
+    rd = wait_for_batches(tmp_path, p)
+    os.killpg(p.pid, signal.SIGTERM)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 130, out[-4000:]
+    state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
+    assert 2 <= state["step"] == len(batches(rd)) < STEPS
+    run(tmp_path, model_cache, resume=rd)
+    same_samples(batches(rd), batches(static_run))
+    assert json.loads((rd / "summary.json").read_text())["status"] == "completed"
+    assert sum(1 for r in schedule(rd) if "config" in r) == 2  # the core started twice: at 0, then at the checkpoint
