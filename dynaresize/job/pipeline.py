@@ -130,6 +130,8 @@ class ContinuousSchedule:
                     self.observe(sent, ack)
                 if self.drain is not None and self.quiescent():
                     self.checkpoint_and_go_on()
+                elif not self.sent:
+                    self.stalled()
             self.wait_for_the_rest()
             if self.core.finished:
                 self.install_newest(self.job.state.step)  # the end's checkpoint, like a lockstep run's
@@ -185,6 +187,14 @@ class ContinuousSchedule:
         q = self.p.svc.queue
         return not self.sent and all(q.done(j) >= q.total(j) > 0
                                      for j in range(k, min(k + self.core_cfg.staleness, self.cfg.run.steps)))
+
+    def stalled(self) -> None:
+        """Nothing in flight and the run not done: the core waits for an event no command will bring (a bug). Say
+        so, and where, instead of waiting forever; the last checkpoint is where a resume starts."""
+        k = self.job.state.step
+        raise JobError(f"continuous schedule stalled at step {k}: no command in flight, {len(self.parked)} action(s) "
+                       f"held for a drain to step {self.drain}; the core's trainers {list(self.core.trainers())}, rollout "
+                       f"ranks {list(self.core.rollout_ranks())} (see schedule.jsonl; --resume starts from the last checkpoint)")
 
     def wait_for_the_rest(self) -> None:
         """The run's last optimizer step is done: what is still in flight (weight reads) is awaited, not cut."""
