@@ -130,7 +130,7 @@ class ContinuousSchedule:
                     self.observe(sent, ack)
                 if self.drain is not None and self.quiescent():
                     self.checkpoint_and_go_on()
-                elif not self.sent:
+                elif not self.sent and not self.core.finished and not self.stopping:
                     self.stalled()
             self.wait_for_the_rest()
             if self.core.finished:
