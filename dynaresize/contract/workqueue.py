@@ -64,13 +64,16 @@ redis.call('HINCRBY', KEYS[1], 'total', #ARGV - 1)
 for i = 2, #ARGV do redis.call('RPUSH', KEYS[2], ARGV[i]) end
 return #ARGV - 1
 """
-_CLAIM = """
-if redis.call('SISMEMBER', KEYS[4], ARGV[2]) == 1 then return false end
+# Both claims start alike: a fenced rank gets nothing, and a claim whose token is the rank's last claim (its reply
+# was lost, redis-py sent it again) returns that claim's unfinished items instead of taking new ones. $RANK and
+# $TOKEN name the ARGV slots of the rank and the token; each claim ends by recording its token and keys.
+_FENCED_OR_REPLAYED = """
+if redis.call('SISMEMBER', KEYS[4], $RANK) == 1 then return false end
 local out = {}
 local last = redis.call('GET', KEYS[5])
 if last then
   local tok, ks = string.match(last, '^([^|]*)|(.*)$')
-  if tok == ARGV[3] then  -- this very claim, applied before (its reply was lost): the same items again
+  if tok == $TOKEN then  -- this very claim, applied before (its reply was lost): the same items again
     for k in string.gmatch(ks, '[^,]+') do
       local it = redis.call('HGET', KEYS[2], k)
       if it then out[#out + 1] = it end
@@ -78,7 +81,15 @@ if last then
     return out
   end
 end
-local keys = {}
+"""
+
+
+def _claim_script(rank: str, token: str, body: str) -> str:
+    head = _FENCED_OR_REPLAYED.replace("$RANK", rank).replace("$TOKEN", token)
+    return head + body + f"redis.call('SET', KEYS[5], {token} .. '|' .. table.concat(keys, ','))\nreturn out\n"
+
+
+_CLAIM = _claim_script("ARGV[2]", "ARGV[3]", """local keys = {}
 local n = tonumber(ARGV[1])
 while #out < n do
   local it = redis.call('LPOP', KEYS[1])
@@ -90,24 +101,8 @@ while #out < n do
     keys[#keys + 1] = k
   end
 end
-redis.call('SET', KEYS[5], ARGV[3] .. '|' .. table.concat(keys, ','))
-return out
-"""
-_CLAIM_PROMPTS = """
-if redis.call('SISMEMBER', KEYS[4], ARGV[1]) == 1 then return false end
-local out = {}
-local last = redis.call('GET', KEYS[5])
-if last then
-  local tok, ks = string.match(last, '^([^|]*)|(.*)$')
-  if tok == ARGV[2] then  -- this very claim, applied before (its reply was lost): the same items again
-    for k in string.gmatch(ks, '[^,]+') do
-      local it = redis.call('HGET', KEYS[2], k)
-      if it then out[#out + 1] = it end
-    end
-    return out
-  end
-end
-local want = {}
+""")
+_CLAIM_PROMPTS = _claim_script("ARGV[1]", "ARGV[2]", """local want = {}
 for i = 3, #ARGV do want[tonumber(ARGV[i])] = true end
 local keys, seen = {}, {}
 local function take(it, d)
@@ -130,9 +125,7 @@ for _, it in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
     take(it, d)
   end
 end
-redis.call('SET', KEYS[5], ARGV[2] .. '|' .. table.concat(keys, ','))
-return out
-"""
+""")
 _COMPLETE = """
 if redis.call('SISMEMBER', KEYS[3], ARGV[#ARGV]) == 1 then return -1 end
 local new = 0
