@@ -298,6 +298,13 @@ class RolloutQueue:
         out.sort(key=lambda s: (s.prompt, s.index))
         return out
 
+    def results_of(self, step: int, keys: list[str]) -> list[SampleResult]:
+        """The results of these sample keys of a step, in the order given (one HMGET; a key without a result is
+        left out)."""
+        if not keys:
+            return []
+        return [SampleResult.from_json(v) for v in self.r.hmget(self._k(step, "results"), keys) if v is not None]
+
     def clear(self, step: int) -> None:
         keys = list(self.r.scan_iter(match=f"{self.ns}:{self.name}:{int(step)}:*", count=500))
         if keys:

@@ -94,6 +94,7 @@ class Tally:
     chunks: int = 0
     train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
     loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
+    results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
     mixed: bool = False  # a switch ran while this batch was generated or trained
 
 
@@ -147,10 +148,8 @@ class ContinuousSchedule:
             self.log.write({"lost": sorted(job.state.lost)})
         for r in job.state.lost:  # lost before a restart or a resume: never given work
             self.feed(RankLost(r))
-        held = self.p.tx.call(self.at, "ping", job.rollouts(), {})
-        for r, ack in sorted(held.acks.items()):  # a restored rank may hold another version than the checkpoint's
-            if int((ack.result or {}).get("version", k)) != k and k > 0:
-                self.send_fetch(r, k)
+        for r in self.behind(k) if k > 0 else ():  # a restored rank may hold another version than the checkpoint's
+            self.send_fetch(r, k)
         for r in job.rollouts():
             self.ready(r)
 
@@ -250,7 +249,7 @@ class ContinuousSchedule:
         job, st, p = self.job, self.job.state, self.p
         t = self.tally.pop(k, Tally())
         den = self.denominator(t)
-        built = self.whole_batch(k)
+        built = self.whole_batch(k, t.results)
         job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
             float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=0.0, tokens_generated=t.tokens_generated,
             tokens_trained=t.tokens)
@@ -288,11 +287,12 @@ class ContinuousSchedule:
     def denominator(self, t: Tally) -> float:
         return float(t.tokens if self.cfg.train.loss_norm == "token" else t.samples)
 
-    def whole_batch(self, k: int) -> BuiltBatch:
-        """Batch k as the lockstep run builds it (the report's rewards, scores and statistics)."""
+    def whole_batch(self, k: int, results: list) -> BuiltBatch:
+        """Batch k as the lockstep run builds it (the report's rewards, scores and statistics), from the samples
+        its chunks read (every group went through one chunk)."""
         rollout, svc = self.p.rollout, self.p.svc
         items, texts = rollout.work(k)
-        batch, stats = svc.assembler.build(k, items, texts, svc.queue.results(k))
+        batch, stats = svc.assembler.build(k, items, texts, results)
         rollout.items.pop(k, None)
         return BuiltBatch(batch, stats)
 
@@ -400,10 +400,12 @@ class ContinuousSchedule:
             raise JobError(f"the core trains batch {a.batch} on ranks {list(a.ranks)}, the job's trainers are {job.trainers()}")
         items, texts = rollout.work(a.batch)
         want = set(a.groups)
-        results = [r for r in svc.queue.results(a.batch) if r.prompt in want]
+        mine = [it for it in items if it.prompt in want]
+        results = svc.queue.results_of(a.batch, [it.key for it in mine])
         rollout.check_rewards(a.batch, results)
-        chunk, _ = svc.assembler.build(a.batch, [it for it in items if it.prompt in want], texts, results)
+        chunk, _ = svc.assembler.build(a.batch, mine, texts, results)
         t = self.tally.setdefault(a.batch, Tally())
+        t.results.extend(results)
         key = f"{batch_key(job.job_id, a.batch)}:c{t.chunks}"
         t.chunks += 1
         t.tokens += chunk.tokens
@@ -447,12 +449,16 @@ class ContinuousSchedule:
             self.send("switch_role", rest, dict(started.sent.payload), label="switch_note")
 
     # --- drain, checkpoint ----------------------------------------------------------------------------------------
+    def behind(self, k: int) -> list[int]:
+        """The rollout ranks whose installed version is not ``k`` (they say so: ``ping``)."""
+        held = self.p.tx.call(self.at, "ping", self.job.rollouts(), {})
+        return [r for r, a in sorted(held.acks.items()) if int((a.result or {}).get("version", k)) != k]
+
     def install_newest(self, k: int) -> None:
         """Before a checkpoint at step k every rollout rank holds version k, as after a lockstep step's sync (a
         resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
-        job, tx = self.job, self.p.tx
-        held = tx.call(self.at, "ping", job.rollouts(), {})
-        behind = [r for r, a in sorted(held.acks.items()) if int((a.result or {}).get("version", k)) != k]
+        tx = self.p.tx
+        behind = self.behind(k)
         if not behind:
             return
         tx.call(self.at, "fetch_weights", behind, {"version": k})  # a no-op where the read is under way or done

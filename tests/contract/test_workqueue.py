@@ -159,3 +159,12 @@ def test_claim_prompts_rejects_bad_prompt_indices(queue):
     for bad in ([-1], [1.0], ["2"], [True]):
         with pytest.raises(ValueError, match="prompt indices must be ints >= 0"):
             queue.claim_prompts(0, rank=1, prompts=bad)
+
+
+def test_results_of_reads_the_named_samples_in_the_order_given(queue):
+    queue.publish(4, items(4))
+    got = queue.claim(4, rank=1, n=12)
+    queue.complete(4, 1, [result(x, 1) for x in got if x.prompt != 2])  # prompt 2's samples not done
+    res = queue.results_of(4, ["4.1.3", "4.0.0", "4.2.0", "4.1.0"])
+    assert [s.key for s in res] == ["4.1.3", "4.0.0", "4.1.0"]  # the unfinished one left out
+    assert queue.results_of(4, []) == []
