@@ -12,6 +12,7 @@ from pydantic import Field, model_validator
 
 from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
+from dynaresize.emulation.config import EmulationConfig
 from dynaresize.metrics.config import MetricsConfig
 from dynaresize.policy.config import PolicyConfig, SwitchingConfig
 from dynaresize.rl.config import AlgorithmConfig
@@ -35,7 +36,11 @@ class RunConfig(Section):
 
 
 class ClusterConfig(Section):
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Device kind of worker ranks: cpu (one slot per rank) or cuda (one GPU per rank)")
+    device: Literal["cpu", "cuda", "emulated"] = Field(
+        "cpu", description="Device kind of worker ranks: cpu (one slot per rank), cuda (one GPU per rank), or emulated "
+        "(an EMULATED GPU: the real engines on the CPU, each operation lasting the wall time the GPU profile in sim.* "
+        "and switching.costs predicts, scaled by emulation.time_scale)"
+    )
     gpus: int = Field(4, ge=2, description="Worker ranks (GPUs, or CPU device slots); at least one per role")
     gpus_per_node: int = Field(4, ge=1, description="Ranks per node; a node is the resize unit when granularity=node")
     granularity: Literal["gpu", "node"] = Field("gpu", description="Smallest number of GPUs moved between roles: one GPU or one node")
@@ -140,6 +145,9 @@ class Config(Section):
     slurm: SlurmConfig = Field(default_factory=SlurmConfig, description="Slurm submission")
     sim: SimConfig = Field(default_factory=SimConfig, description="Discrete-event simulator")
     faults: FaultsConfig = Field(default_factory=FaultsConfig, description="What the job does when a rank is lost")
+    emulation: EmulationConfig = Field(
+        default_factory=EmulationConfig, description="The emulated accelerator (cluster.device: emulated): time scale, token scale"
+    )
     switching: SwitchingConfig = Field(
         default_factory=SwitchingConfig, description="Switch cost model and optimisations (runtime policy, workers and simulator)"
     )
