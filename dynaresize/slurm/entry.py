@@ -54,6 +54,7 @@ from dynaresize.slurm import identity as identity_mod
 from dynaresize.slurm.identity import SlurmIdentity
 from dynaresize.slurm.preempt import Action, Decision, Preemption, TermDeferral
 from dynaresize.slurm.rundir import load_run_config, prepare_in_job
+from dynaresize.slurm.spec import COORDINATOR_LISTENS_ENV, USR2_SEEN_ENV
 
 log = logging.getLogger("dynaresize.slurm.entry")
 
@@ -146,7 +147,7 @@ def take_early_warning(pre: Preemption, env) -> bool:
     ones only once ``DYNARESIZE_COORDINATOR_LISTENS`` exists; this side creates that file first, then looks for the
     record, so a warning is never lost between the two (it may be taken twice: :meth:`Preemption.trigger` is
     idempotent). Call after :meth:`Preemption.install`. True when an earlier warning was taken."""
-    listens, seen = env.get("DYNARESIZE_COORDINATOR_LISTENS"), env.get("DYNARESIZE_USR2_SEEN")
+    listens, seen = env.get(COORDINATOR_LISTENS_ENV), env.get(USR2_SEEN_ENV)
     if listens:
         Path(listens).touch()
     if seen and Path(seen).exists():

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import shlex
 
-from dynaresize.slurm.spec import Component, HetComponent, HetJobSpec
+from dynaresize.slurm.spec import COORDINATOR_LISTENS_ENV, USR2_SEEN_ENV, Component, HetComponent, HetJobSpec
 
 HETJOB_SEPARATOR = "#SBATCH hetjob"
 BODY_BEGIN = "# ---- launch: identical in `dynaresize submit` scripts and slurm/dynaresize.sbatch ----"
@@ -61,7 +61,7 @@ trap 'echo "dynaresize: USR2 received, forwarded to the coordinator"; : > "$USR2
 {PYTHON_CHECK}
 check_python 0 --ntasks=1 || exit 2
 check_python 1 || exit 2
-DYNARESIZE_HET_GROUP=0 DYNARESIZE_USR2_SEEN="$USR2_SEEN" DYNARESIZE_COORDINATOR_LISTENS="$COORD_LISTENS" \\
+DYNARESIZE_HET_GROUP=0 {USR2_SEEN_ENV}="$USR2_SEEN" {COORDINATOR_LISTENS_ENV}="$COORD_LISTENS" \\
   srun --het-group=0 --ntasks=1 --unbuffered --output="$LOG_DIR/$TAG-coordinator.log" \\
   "${{PY[@]}}" -m dynaresize.slurm.entry coordinator --run-dir "$RUN_DIR" &
 COORD=$!

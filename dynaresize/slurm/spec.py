@@ -17,6 +17,9 @@ from dynaresize.config.loader import ConfigError
 from dynaresize.config.schema import Config
 
 SLURM_SUBDIR = "slurm"  # <run_dir>/slurm: sbatch text, submitit's job files, per-component logs
+# The batch shell -> coordinator hand-over of Slurm's USR2 warning (sbatch.LAUNCH_BODY writes them, entry reads them)
+USR2_SEEN_ENV = "DYNARESIZE_USR2_SEEN"  # a file the shell creates when USR2 reached it
+COORDINATOR_LISTENS_ENV = "DYNARESIZE_COORDINATOR_LISTENS"  # a file the coordinator creates once it handles USR2
 
 
 class Component(enum.IntEnum):
