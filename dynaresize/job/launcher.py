@@ -1,4 +1,5 @@
-"""Start the worker ranks of a local run: one OS process per device slot, each ``dynaresize worker ...``.
+"""Start the worker ranks of a local run: one OS process per device slot, each running ``dynaresize worker ...``
+(forked from one pre-imported parent, :mod:`dynaresize.job.zygote`).
 
 On Slurm the ranks are started by ``srun`` instead (``dynaresize.slurm``); both paths run the same worker entry
 with the same arguments, so a rank cannot tell how it was launched.
@@ -6,10 +7,12 @@ with the same arguments, so a rank cannot tell how it was launched.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,60 +54,144 @@ def log_tail(run_dir: Path, rank: int, lines: int = 20) -> str:
 
 @dataclass
 class LocalLauncher:
-    """Worker processes on this machine; their output goes to ``<run_dir>/logs/rank<r>.log``."""
+    """Worker processes on this machine, forked by one pre-imported parent (:mod:`dynaresize.job.zygote`: the
+    third-party imports are paid once, not once per rank); their output goes to ``<run_dir>/logs/rank<r>.log``,
+    the parent's to ``logs/zygote.log``. Each rank leads its own session, as a ``python -m <module>`` process
+    would; ``zygote=False`` starts each rank as such a process instead."""
 
     run_dir: Path
     world: int
     job_id: str
     device: str = "cpu"
     master_port: int = 0
-    procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     relaunchable: bool = True  # the coordinator may stop every rank and start them again (automatic restart)
     module: str = "dynaresize.worker.main"  # the rank entry (``python -m``; a test's launcher names its own)
+    zygote: bool = True
     external = False  # the ranks are this host's processes: once stopped, nothing of theirs writes any more
+    procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # zygote=False: the rank processes
+    _parent: subprocess.Popen | None = None
+    _pids: dict[int, int] = field(default_factory=dict)  # rank -> pid (zygote)
+    _exits: dict[int, int] = field(default_factory=dict)  # rank -> exit status (zygote; negative: signal)
+    _failed: str | None = None  # the zygote could not start ranks: why
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         env = worker_env(self.device)
-        for r in range(self.world):
-            out = open(logs / f"rank{r}.log", "ab")
-            self.procs[r] = subprocess.Popen(
-                worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module),
-                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        if not self.zygote:
+            for r in range(self.world):
+                out = open(logs / f"rank{r}.log", "ab")
+                self.procs[r] = subprocess.Popen(
+                    worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module),
+                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                )
+                out.close()
+            return
+        self._pids, self._exits, self._failed = {}, {}, None
+        with open(logs / "zygote.log", "ab") as err:
+            self._parent = subprocess.Popen(
+                [sys.executable, "-m", "dynaresize.job.zygote", "--module", self.module, "--run-dir", str(self.run_dir)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
             )
-            out.close()
+        for r in range(self.world):  # read once its imports are done
+            argv = worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module)[3:]
+            self._parent.stdin.write((json.dumps({"rank": r, "argv": argv, "log": str(logs / f"rank{r}.log")}) + "\n").encode())
+        self._parent.stdin.flush()
+        threading.Thread(target=self._read, args=(self._parent,), name="zygote-reader", daemon=True).start()
+
+    def _read(self, parent: subprocess.Popen) -> None:
+        for raw in parent.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            with self._lock:
+                if "spawned" in msg:
+                    self._pids[int(msg["spawned"])] = int(msg["pid"])
+                elif "exited" in msg:
+                    self._exits[int(msg["exited"])] = int(msg["code"])
+                elif "error" in msg:
+                    self._failed = str(msg["error"])
 
     def dead(self) -> dict[int, int]:
-        """Ranks whose process has exited, with their exit codes."""
-        return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+        """Ranks whose process has exited, with their exit codes (-1: gone, status unknown; a rank the zygote
+        could not start counts as exited with the zygote's status)."""
+        if not self.zygote:
+            return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
+        from dynaresize.control.server import pid_alive
+
+        parent = self._parent
+        parent_rc = parent.poll() if parent is not None else 1
+        with self._lock:
+            out = dict(self._exits)
+            for r in range(self.world):
+                if r in out:
+                    continue
+                pid = self._pids.get(r)
+                if pid is None:
+                    if self._failed is not None or parent_rc is not None:
+                        out[r] = parent_rc if parent_rc else 1  # never started
+                elif parent_rc is not None and not pid_alive(pid):
+                    out[r] = -1  # its parent is gone, so is it: no status to read
+        return out
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
-        return log_tail(self.run_dir, rank, lines)
+        tail = log_tail(self.run_dir, rank, lines)
+        if self.zygote and rank not in self._pids:
+            why = self._failed or ""
+            z = self.run_dir / "logs" / "zygote.log"
+            try:
+                zt = "\n".join(z.read_text(errors="replace").splitlines()[-lines:])
+            except OSError:
+                zt = ""
+            tail = "\n".join(x for x in (tail, why, zt) if x)
+        return tail
+
+    def _alive(self) -> list[int]:
+        if not self.zygote:
+            return [p.pid for p in self.procs.values() if p.poll() is None]
+        from dynaresize.control.server import pid_alive
+
+        dead = self.dead()
+        with self._lock:
+            return [pid for r, pid in self._pids.items() if r not in dead and pid_alive(pid)]
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Wait for the ranks to exit (they were told to shut down), then terminate, then kill what is left."""
+        """Wait for the ranks to exit (they were told to shut down), then terminate, then kill what is left; then
+        the zygote, which exits once it has reaped them."""
         deadline = time.monotonic() + grace_s
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        while self._alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in self.procs.values() if p.poll() is None]
+            alive = self._alive()
             if not alive:
                 break
-            for p in alive:
+            for pid in alive:
                 try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
+                    os.killpg(pid, sig)
+                except (ProcessLookupError, PermissionError):
                     pass
-            for p in alive:
-                try:
-                    p.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    pass
+            end = time.monotonic() + 5
+            while self._alive() and time.monotonic() < end:
+                time.sleep(0.05)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                pass
+        parent, self._parent = self._parent, None
+        if parent is not None:
+            try:
+                parent.stdin.close()
+            except OSError:
+                pass
+            try:
+                parent.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                parent.kill()
+                parent.wait()
 
 
 class AttachedRanks:

@@ -51,7 +51,8 @@ class Ranks:
             for r in range(world):  # claims of the processes of an earlier launch are void
                 svc.queue.release(j, r)
         write_launch_file(job, svc.model_dir)
-        factory = self.launcher_factory or (lambda run_dir, world, job_id, device: LocalLauncher(run_dir, world, job_id, device))
+        factory = self.launcher_factory or (lambda run_dir, world, job_id, device: LocalLauncher(
+            run_dir, world, job_id, device, zygote=job.cfg.cluster.fork_ranks))
         svc.launcher = factory(job.run_dir, world, job.job_id, job.cfg.cluster.device)
         svc.launcher.start()
         deadline = time.monotonic() + 600

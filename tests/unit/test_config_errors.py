@@ -32,7 +32,7 @@ BAD = [
     ("str-for-bool", {"run": {"progress": "maybe"}}, "run.progress", "'maybe'", "valid boolean"),
     ("scalar-for-section", {"cluster": 4}, "cluster", "4", "valid dictionary"),
     ("str-for-mapping", {"policy": {"forced_splits": "x"}}, "policy.forced_splits", "'x'", "valid dictionary"),
-    ("not-a-choice", {"cluster": {"device": "tpu"}}, "cluster.device", "'tpu'", "'cpu' or 'cuda'"),
+    ("not-a-choice", {"cluster": {"device": "tpu"}}, "cluster.device", "'tpu'", "'cpu', 'cuda' or 'emulated'"),
     # unknown keys, depth 1 to 4
     ("unknown-section", {"trian": {"lr": 1}}, "trian", None, "unknown key; allowed here: run, cluster"),
     ("unknown-key-2", {"train": {"learning_rate": 1e-5}}, "train.learning_rate", "1e-05", "unknown key; allowed here: engine"),
