@@ -112,11 +112,15 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     if cfg.cluster.device != "emulated":
         raise ConfigError(f"{run_dir / 'config.yaml'}: cluster.device is {cfg.cluster.device!r}, not an emulated run")
     tf = trace_file(run_dir)
+    try:
+        steps = _trace_steps(run_dir)
+    except TraceError as e:
+        raise ConfigError(f"sim.workload.trace: {e}") from None
     values: dict[str, object] = {
         "sim.workload.trace": str(tf), "sim.workload.trace_token_scale": cfg.emulation.tokens_per_token,
         "sim.workload.response_tokens_by_step": [], "sim.workload.tasks": [], "sim.workload.task_weights": {},
         "sim.workload.cap_share": 0.0, "sim.workload.dynamic_sampling.enabled": False,
-        "sim.steps": _trace_steps(run_dir),
+        "sim.steps": steps,
     }
     if cfg.pipeline.schedule == "lockstep":
         values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})

@@ -147,6 +147,7 @@ def make_batch(w: WorkloadConfig, seed: int, step: int, steps: int) -> Batch:
     rng = np.random.default_rng([seed, step])
     if w.trace is not None:
         lengths, prompts, task, kept, correct = _trace_batch(w, step)
+        G = len(lengths) // len(prompts)  # the trace's group size, not responses_per_prompt
     elif not d.enabled:
         lengths, prompts, task = _draw(w, rng, B, step, steps)
         kept = np.ones(len(lengths), dtype=bool)
