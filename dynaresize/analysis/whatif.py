@@ -205,6 +205,14 @@ def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
     return _cpu_replay(run_dir, rd)
 
 
+def _filtered_note(rep: Replay, run_dir: Path) -> Replay:
+    """A runtime run with dynamic sampling logged only its kept groups: the dropped groups' rollout is missing."""
+    if rep.kind != "simulated" and _config(run_dir).algorithm.dynamic_sampling.enabled:
+        rep.left_out.append("dynamic sampling: batches.jsonl holds the trained (kept) groups only, so the rollout of "
+                            "the dropped groups is not replayed (every rollout row is short of that work)")
+    return rep
+
+
 def _forced(rd: RunData, cfg: Config, notes: list[str]) -> dict[int, int]:
     fit_splits = fit_costs(rd)["forced_splits"]
     ok = {k: n for k, n in fit_splits.items() if 1 <= k < cfg.sim.steps and 1 <= n <= cfg.cluster.gpus - 1}
@@ -218,7 +226,7 @@ def whatif(run: str | Path) -> dict:
     from dynaresize.sim.compare import compare, run_static, setup
 
     rd = load_run(run)
-    rep = replay_of(run, rd)
+    rep = _filtered_note(replay_of(run, rd), _run_dir(run))
     measured = analyze(rd).totals["span_s"]
     s = setup(rep.cfg)
     k = rep.time_scale

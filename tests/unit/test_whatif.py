@@ -77,12 +77,12 @@ def test_whatif_of_a_real_cpu_run_uses_its_fit_and_its_trace(capsys, tmp_path):
     assert len(lines) == 1 and json.loads(lines[0])["kind"] == "cpu"
 
 
-def _emulated_run(tmp_path: Path) -> Path:
+def _emulated_run(tmp_path: Path, *more: str) -> Path:
     """A run directory as an emulated run leaves it: its config (cluster.device: emulated) and its logs."""
     rd = tmp_path / "emu"
-    rd.mkdir()
+    rd.mkdir(parents=True)
     cfg = load_config(TRACE_RUN / "config.yaml", ["cluster.device=emulated", "emulation.time_scale=0.01",
-                                                  "emulation.tokens_per_token=150", "run.name=emu"])
+                                                  "emulation.tokens_per_token=150", "run.name=emu", *more])
     write_resolved(cfg, rd)
     for f in ("events.jsonl", "batches.jsonl"):
         shutil.copy(TRACE_RUN / f, rd / f)
@@ -108,6 +108,10 @@ def test_emulated_run_maps_to_its_profile_its_trace_and_its_time_scale(tmp_path)
     forced = {int(k): v for k, v in w["own_schedule"].items()}
     assert w["replay_s"] == pytest.approx(run_static(s, s.initial, forced=forced).total_s * 0.01, rel=1e-9)
     _check_rows(w)
+    assert not w["left_out"]
+    # a run with dynamic sampling logged its kept groups only: the what-if says what that leaves out
+    ds = whatif(_emulated_run(tmp_path / "ds", "algorithm.dynamic_sampling.enabled=true"))
+    assert any("dropped groups is not replayed" in x for x in ds["left_out"])
 
 
 def test_emulated_mapping_errors_are_clear(tmp_path):
