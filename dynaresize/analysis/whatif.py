@@ -50,7 +50,7 @@ CHAIN = (
     ("streaming_training", "dyn +cont+stream", "+ streaming training"),
     ("gradient_helpers", "dyn +cont+stream+helpers", "+ gradient helpers"),
 )
-SAMPLE_ROW_NAMES = {"best static (samples)", "best static +cont+stream"} | {c for _, c, _ in CHAIN}
+SAMPLE_ROW_NAMES = {"best static (samples)"} | {c for _, c, _ in CHAIN}
 
 
 @dataclass
@@ -193,10 +193,9 @@ def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
     """How the simulator replays ``run`` (see the module docstring)."""
     run_dir = _run_dir(run)
     rd = rd or load_run(run)
-    if rd.source == "sim":
-        cfg = _config(run_dir)
-        return Replay("simulated", cfg, notes=["replay: the run's own config and seed (the same batches)"])
     cfg = _config(run_dir)
+    if rd.source == "sim":
+        return Replay("simulated", cfg, notes=["replay: the run's own config and seed (the same batches)"])
     if cfg.cluster.device == "emulated":
         c, scale = emulated_sim_config(run_dir)
         return Replay("emulated", c, time_scale=scale, notes=[
@@ -205,9 +204,9 @@ def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
     return _cpu_replay(run_dir, rd)
 
 
-def _filtered_note(rep: Replay, run_dir: Path) -> Replay:
+def _filtered_note(rep: Replay) -> Replay:
     """A runtime run with dynamic sampling logged only its kept groups: the dropped groups' rollout is missing."""
-    if rep.kind != "simulated" and _config(run_dir).algorithm.dynamic_sampling.enabled:
+    if rep.kind != "simulated" and rep.cfg.algorithm.dynamic_sampling.enabled:
         rep.left_out.append("dynamic sampling: batches.jsonl holds the trained (kept) groups only, so the rollout of "
                             "the dropped groups is not replayed (every rollout row is short of that work)")
     return rep
@@ -226,7 +225,7 @@ def whatif(run: str | Path) -> dict:
     from dynaresize.sim.compare import compare, run_static, setup
 
     rd = load_run(run)
-    rep = _filtered_note(replay_of(run, rd), _run_dir(run))
+    rep = _filtered_note(replay_of(run, rd))
     measured = analyze(rd).totals["span_s"]
     s = setup(rep.cfg)
     k = rep.time_scale
