@@ -11,6 +11,11 @@ Examples::
     dynaresize analyze runs/quickstart-20261130-101500
     dynaresize analyze runs/static runs/dynamic --out cmp/ --no-plot
     dynaresize analyze runs/naive runs/optimized --baseline runs/naive
+    dynaresize analyze runs/quickstart-20261130-101500 --whatif    # what the other schedules would have taken
+
+With ``--whatif`` (:mod:`dynaresize.analysis.whatif`), each run's own work is replayed through the simulator and
+the table of schedules is printed, then one JSON line (``--json``: the JSON line only), and written as
+``whatif.json`` into the analysis directory; the other files are not written.
 
 Metric definitions: docs/analysis.md.
 """
@@ -39,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="trace: one track per rank up to this many ranks, else one per group of identical ranks")
     p.add_argument("--max-steps-shown", type=int, default=20, help="terminal: steps shown (all are in steps.csv)")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the comparison and file paths")
+    p.add_argument("--whatif", action="store_true", help="replay each run's own work through the simulator: the best "
+                   "static split, resizing, each barrier-free mechanism, the oracle and the bound against the measured "
+                   "time (then one JSON line; docs/analysis.md)")
+    p.add_argument("--json", action="store_true", help="--whatif: print only the JSON line")
 
 
 def analyze_one(run: str | Path, out_dir: Path, plot: bool = True, trace: bool = True, max_lanes: int = 40,
@@ -87,6 +96,8 @@ def main(args: argparse.Namespace) -> int:
         for r in missing:
             print(f"dynaresize analyze: no event log at {r} (expected {r}/events.jsonl)", file=sys.stderr)
         return 2
+    if args.whatif:
+        return _whatif(runs, args)
     several = len(runs) > 1
     names: list[str] = []
     summaries: list[Summary] = []
@@ -111,4 +122,23 @@ def main(args: argparse.Namespace) -> int:
         print(render_compare(c))
         out = args.out if args.out is not None else _out_dir(runs[bi], None, names[bi], False)
         print(f"wrote: {', '.join(str(p) for p in write_compare(c, out))}")
+    return 0
+
+
+def _whatif(runs: list[Path], args: argparse.Namespace) -> int:
+    from dynaresize.analysis.whatif import render, to_json, whatif, write
+    from dynaresize.config.loader import ConfigError
+
+    several = len(runs) > 1
+    for r in runs:
+        try:
+            w = whatif(r)
+        except ConfigError as e:
+            print(f"dynaresize analyze --whatif: {e}", file=sys.stderr)
+            return 2
+        path = write(w, _out_dir(r, args.out, (r if r.is_dir() else r.parent).name or "run", several))
+        if not args.json:
+            print(render(w))
+            print(f"wrote: {path}")
+        print(to_json(w))
     return 0

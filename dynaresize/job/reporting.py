@@ -45,7 +45,11 @@ class Reporter:
                         **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items() if n != "reward_mean"})
         self._log_metrics(k, built, trained, stats)
         with open(job.run_dir / "batches.jsonl", "a") as f:
+            # per sample, in the order of ``keys``: its prompt's and its response's token counts (the what-if's trace:
+            # dynaresize.sim.trace replays these lengths through the simulator)
             f.write(json.dumps({"step": k, "keys": batch.keys, "versions": batch.versions, "rewards": batch.rewards,
+                                "prompt_tokens": [len(p) for p in batch.prompt_ids],
+                                "response_tokens": [len(r) for r in batch.response_ids],
                                 "loss": trained.loss, "n_train": st.n_train}, separators=(",", ":")) + "\n")
         if self.on_step:
             self.on_step({"step": k, "reward": reward, "roles": job.roles(), "switches": len(st.switches),

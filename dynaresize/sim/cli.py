@@ -60,16 +60,16 @@ def merge_costs(cfg, path: str):
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of switching.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
     if "switching" in data or "sim" in data:
-        return _merge_sections(cfg, path, data)
+        return merge_sections(cfg, path, data)
     try:
         costs = SwitchCostConfig.model_validate(_deep(cfg.switching.costs.model_dump(), data))
     except ValidationError as e:
-        msgs = "; ".join(f"switching.costs.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
+        msgs = "; ".join(f"switching.costs.{error_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
         raise ConfigError(f"{path}: {msgs}; allowed keys: {', '.join(SwitchCostConfig.model_fields)}") from None
     return cfg.model_copy(update={"switching": cfg.switching.model_copy(update={"costs": costs})})
 
 
-def _key(er: dict) -> str:
+def error_key(er: dict) -> str:
     """Dotted key of one validation error; a cross-field rule (RuleError) adds the key it blames."""
     from dynaresize.config.base import RuleError
 
@@ -80,7 +80,7 @@ def _key(er: dict) -> str:
     return ".".join(str(x) for x in loc)
 
 
-def _merge_sections(cfg, path: str, data: dict):
+def merge_sections(cfg, path: str, data: dict):
     other = sorted(k for k in data if k not in ("switching", "sim"))
     if other:
         raise ConfigError(f"{path}: unknown top-level key {other[0]!r} (a calibration file holds only 'switching' and 'sim')")
@@ -96,7 +96,7 @@ def _merge_sections(cfg, path: str, data: dict):
         try:
             update[name] = model.model_validate(_deep(getattr(cfg, name).model_dump(), data[name]))
         except ValidationError as e:
-            msgs = "; ".join(f"{name}.{_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
+            msgs = "; ".join(f"{name}.{error_key(er)}: {er['msg'].removeprefix('Value error, ')}" for er in e.errors())
             raise ConfigError(f"{path}: {msgs}") from None
     return cfg.model_copy(update=update)
 

@@ -101,6 +101,14 @@ class WorkloadConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
     )
+    trace: str | None = Field(
+        None, description="A run's batches.jsonl (or its run directory): step k's batch is that step's logged samples "
+        "(response lengths in prompt order, one prompt length per prompt, all kept) instead of a draw; replaces every "
+        "other driver (dynaresize.sim.trace)"
+    )
+    trace_token_scale: float = Field(
+        1.0, gt=0, description="trace: each logged length times this (an emulated run: emulation.tokens_per_token)"
+    )
 
 
 class RolloutPhysicsConfig(Section):
@@ -188,6 +196,8 @@ class SimConfig(Section):
     @model_validator(mode="after")
     def _check(self) -> "SimConfig":
         w = self.workload
+        if w.trace is not None:
+            self._check_trace()
         for key in ("response_tokens_start", "response_tokens_end"):
             if getattr(w, key) > w.max_response_tokens:
                 raise RuleError(("workload", key), getattr(w, key),
@@ -215,3 +225,21 @@ class SimConfig(Section):
                 raise RuleError(("workload", "response_tokens_by_step", i), x,
                                 f"{x} outside [1, max_response_tokens={w.max_response_tokens}]")
         return self
+
+    def _check_trace(self) -> None:
+        """A trace excludes the drawn drivers and must cover sim.steps; its file problems name file, line, key."""
+        from dynaresize.sim.trace import TraceError, load_trace
+
+        w = self.workload
+        drivers = [("tasks", bool(w.tasks)), ("response_tokens_by_step", bool(w.response_tokens_by_step)),
+                   ("dynamic_sampling", w.dynamic_sampling.enabled), ("cap_share", w.cap_share > 0)]
+        for key, on in drivers:
+            if on:
+                raise RuleError(("workload", key), getattr(w, key) if key != "dynamic_sampling" else True,
+                                f"trace ({w.trace}) and {key} exclude each other: a trace replays logged lengths as they are")
+        try:
+            tr = load_trace(w.trace)
+        except TraceError as e:
+            raise RuleError(("workload", "trace"), w.trace, str(e)) from None
+        if self.steps > len(tr.steps):
+            raise RuleError(("steps",), self.steps, f"beyond the trace {tr.path} ({len(tr.steps)} steps)")

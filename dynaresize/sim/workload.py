@@ -11,6 +11,8 @@ Drivers (``sim.workload``, each off by default; with all off the draws are exact
   constant, changing at the given steps); its G responses follow that task's lengths;
 - **max-length cap** (``cap_share``): that share of responses runs to ``max_response_tokens`` whatever its drawn
   length (draws above the cap are cut there in any case);
+- **trace** (``trace``): a run's logged lengths, step by step (:mod:`dynaresize.sim.trace`); no draw, every other
+  driver off;
 - **dynamic sampling** (``dynamic_sampling``, DAPO): per-prompt success probability ~ Beta around the step's accuracy,
   G Bernoulli rewards per prompt, groups with all-equal rewards dropped; prompts are generated in chunks of
   ``round_prompts_factor`` x B (chunk c from ``rng(seed, step, c)``; chunk 0 is the plain batch's generator) until
@@ -129,11 +131,24 @@ def _correct(w: WorkloadConfig, rng: np.random.Generator, lengths: np.ndarray, p
     return reward.sum(axis=1).astype(np.int64)
 
 
+def _trace_batch(w: WorkloadConfig, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Step ``step`` of the trace ``w.trace`` (dynaresize.sim.trace): every logged sample, kept, lengths scaled."""
+    from dynaresize.sim.trace import load_trace, scaled
+
+    ts = load_trace(w.trace).steps[step]
+    lengths, prompts = scaled(ts.response_tokens, w.trace_token_scale), scaled(ts.prompt_tokens, w.trace_token_scale)
+    return (lengths, prompts, np.zeros(len(prompts), dtype=np.int64), np.ones(len(lengths), dtype=bool),
+            np.full(len(prompts), -1, dtype=np.int64))
+
+
 def make_batch(w: WorkloadConfig, seed: int, step: int, steps: int) -> Batch:
     B, G = w.prompts_per_step, w.responses_per_prompt
     d = w.dynamic_sampling
     rng = np.random.default_rng([seed, step])
-    if not d.enabled:
+    if w.trace is not None:
+        lengths, prompts, task, kept, correct = _trace_batch(w, step)
+        G = len(lengths) // len(prompts)  # the trace's group size, not responses_per_prompt
+    elif not d.enabled:
         lengths, prompts, task = _draw(w, rng, B, step, steps)
         kept = np.ones(len(lengths), dtype=bool)
         correct = np.full(len(prompts), -1, dtype=np.int64)

@@ -43,6 +43,8 @@ def same_samples(got: list[dict], want: list[dict], loss_rel: float = 1e-3) -> N
         assert g["versions"] == w["versions"], f"step {k}: another sample-to-version map"
         assert set(g["versions"]) == {max(0, k - 1)}, f"step {k}: versions {set(g['versions'])}"
         assert g["rewards"] == w["rewards"]
+        assert len(g["response_tokens"]) == len(g["keys"]), f"step {k}: per-sample lengths (the what-if's trace)"
+        assert (g["response_tokens"], g["prompt_tokens"]) == (w["response_tokens"], w["prompt_tokens"]), f"step {k}"
         assert g["loss"] == pytest.approx(w["loss"], rel=loss_rel, abs=1e-5), f"step {k}"
 
 

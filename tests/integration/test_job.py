@@ -94,6 +94,11 @@ def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
         assert min(d["versions"]) >= k - 1  # staleness bound 1 enforced
         assert d["rewards"] == s["rewards"]
         assert d["loss"] == pytest.approx(s["loss"], rel=1e-3, abs=1e-5)
+        # per-sample lengths (the what-if's trace), in the order of keys: the same samples have the same lengths
+        assert len(d["response_tokens"]) == len(d["prompt_tokens"]) == B * G
+        assert d["response_tokens"] == s["response_tokens"] and d["prompt_tokens"] == s["prompt_tokens"]
+    ends = [json.loads(l) for l in (dyn_dir / "events.jsonl").read_text().splitlines() if '"step_end"' in l]
+    assert [sum(b["response_tokens"]) for b in dyn] == [e["tokens_trained"] for e in sorted(ends, key=lambda e: e["step"])]
     summary = json.loads((dyn_dir / "summary.json").read_text())
     assert summary["steps"] == steps and len(summary["switches"]) == 2
     assert {"steps", "samples_per_s", "reward_first", "reward_last", "switches", "switch_critical_path_s"} <= set(summary)
@@ -192,6 +197,9 @@ def test_dynamic_sampling_keeps_the_same_groups_when_resized(tmp_path, model_cac
         assert len(d["keys"]) == B * G and d["keys"] == s["keys"] and d["versions"] == s["versions"]
         assert d["rewards"] == s["rewards"]
         assert d["loss"] == pytest.approx(s["loss"], rel=1e-3, abs=1e-5)
+        # per-sample lengths (the what-if's trace), in the order of keys: the same samples have the same lengths
+        assert len(d["response_tokens"]) == len(d["prompt_tokens"]) == B * G
+        assert d["response_tokens"] == s["response_tokens"] and d["prompt_tokens"] == s["prompt_tokens"]
     ends = {e["step"]: e for e in map(json.loads, (dyn_dir / "events.jsonl").read_text().splitlines()) if e["type"] == "step_end"}
     st_ends = {e["step"]: e for e in map(json.loads, (st_dir / "events.jsonl").read_text().splitlines()) if e["type"] == "step_end"}
     counts = ("groups_generated", "groups_dropped", "groups_kept", "groups_filler", "rounds")

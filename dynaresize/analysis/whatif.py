@@ -1,0 +1,314 @@
+"""``dynaresize analyze RUN --whatif``: the run's own work replayed through the simulator, every schedule side by side.
+
+Which split should the run have used, and what did resizing (and each barrier-free mechanism) buy? The run's
+measured work goes through :func:`dynaresize.sim.compare.compare` (both pipeline models) and the rows are printed
+against the time the run took. How the work and the costs are taken, by the kind of run:
+
+- **simulated** (``source: sim`` in the event log): its own ``config.yaml`` again; the same seed draws the same
+  batches, so the replay is the run's own model;
+- **emulated** (``cluster.device: emulated``, :func:`emulated_sim_config`): the config's own GPU profile
+  (``sim.rollout``, ``sim.train``, ``switching.costs``), the workload the trace of its ``batches.jsonl`` with
+  ``trace_token_scale = emulation.tokens_per_token``; modelled seconds x ``emulation.time_scale`` = wall seconds;
+- **real CPU** (any other runtime log): the calibrated fit (:func:`dynaresize.analysis.calibrate.to_costs_section`:
+  train rate and step overhead, switch-op medians, empirical rollout rate and overhead, lockstep with the
+  coordinator's gap) and the trace of its ``batches.jsonl`` (when it holds per-sample lengths; else the log's
+  per-step mean lengths, with an assumed shape). The sample-level rows need decode physics, which a stage-time fit
+  does not give: :func:`cpu_decode_physics` maps the fitted rate onto it (fitted: one rank's tokens/s; assumed: a
+  CPU iteration costs per sequence in the batch, no fixed part, no KV or prefill term, no slot cap), and the
+  fitted per-stage rollout overhead has no place there, so those rows leave it out (the output says so).
+
+The measured time is the run's span as ``dynaresize analyze`` measures it (``totals.span_s``: the earliest step
+start or busy interval to the latest step end). The row ``own schedule (replay)`` is the run's own split schedule
+(its switches as ``policy.forced_splits``, step level, barrier) through the same model: how far the replay is from
+the measured time, before any what-if is read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from dynaresize.analysis.calibrate import to_costs_section
+from dynaresize.analysis.fit import fit_costs
+from dynaresize.analysis.metrics import analyze
+from dynaresize.analysis.reader import RunData, load_run
+from dynaresize.config.loader import ConfigError, load_config
+from dynaresize.config.schema import Config
+from dynaresize.sim.trace import TraceError, load_trace, trace_file
+
+MIN_GAIN = 0.01  # below a 1% gain from the best static split to all mechanisms, no share of it is given
+MEASURED_HOW = "span_s of dynaresize analyze: earliest step start or busy interval to the latest step end"
+
+# the sample-level chain, in the order the mechanisms are turned on: (summary key, compare row, label)
+CHAIN = (
+    ("resizing", "dyn barrier (samples)", "resizing (barrier)"),
+    ("continuous_rollout", "dyn +continuous", "+ continuous rollout"),
+    ("streaming_training", "dyn +cont+stream", "+ streaming training"),
+    ("gradient_helpers", "dyn +cont+stream+helpers", "+ gradient helpers"),
+)
+SAMPLE_ROW_NAMES = {"best static (samples)"} | {c for _, c, _ in CHAIN}
+
+
+@dataclass
+class Replay:
+    """What the simulator replays for one run: the config, the factor to the run's clock, and what was assumed."""
+
+    kind: str  # simulated | emulated | cpu
+    cfg: Config
+    time_scale: float = 1.0  # run seconds per simulated second
+    samples_cfg: Config | None = None  # the sample-level rows' config when it differs (the CPU decode mapping)
+    notes: list[str] = field(default_factory=list)
+    left_out: list[str] = field(default_factory=list)  # what is assumed rather than measured, or not modelled
+
+
+def _run_dir(path: str | Path) -> Path:
+    p = Path(path)
+    return p.parent if p.name == "events.jsonl" else p
+
+
+def _config(run_dir: Path) -> Config:
+    f = run_dir / "config.yaml"
+    if not f.is_file():
+        raise ConfigError(f"{f}: no config.yaml in the run directory (the what-if replays the run's own config)")
+    return load_config(f)
+
+
+def with_values(cfg: Config, values: dict[str, object], origin: str) -> Config:
+    """``cfg`` with dotted keys set (``{"sim.steps": 30}``), validated again; a ConfigError names the key."""
+    data = cfg.model_dump()
+    for dotted, v in values.items():
+        node, parts = data, dotted.split(".")
+        for part in parts[:-1]:
+            node = node[part]
+        node[parts[-1]] = v
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        from dynaresize.sim.cli import error_key
+
+        raise ConfigError("; ".join(f"{error_key(er)}: {er['msg'].removeprefix('Value error, ')} ({origin})"
+                                    for er in e.errors())) from None
+
+
+def _trace_steps(run_dir: Path) -> int:
+    return len(load_trace(run_dir).steps)
+
+
+def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
+    """The simulator config that models an emulated run, and the wall seconds per modelled second.
+
+    The run's own config (its GPU profile: ``sim.rollout``, ``sim.train``, ``switching.costs``; its cluster,
+    policy and staleness), the workload the trace of its ``batches.jsonl`` with every length times
+    ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (lockstep for
+    ``pipeline.schedule: lockstep``, with no coordinator gap: the modelled profile has none). Multiply the
+    simulator's seconds by the returned ``emulation.time_scale`` to compare with the run's wall time.
+    """
+    run_dir = _run_dir(run)
+    cfg = _config(run_dir)
+    if cfg.cluster.device != "emulated":
+        raise ConfigError(f"{run_dir / 'config.yaml'}: cluster.device is {cfg.cluster.device!r}, not an emulated run")
+    tf = trace_file(run_dir)
+    try:
+        steps = _trace_steps(run_dir)
+    except TraceError as e:
+        raise ConfigError(f"sim.workload.trace: {e}") from None
+    values: dict[str, object] = {
+        "sim.workload.trace": str(tf), "sim.workload.trace_token_scale": cfg.emulation.tokens_per_token,
+        "sim.workload.response_tokens_by_step": [], "sim.workload.tasks": [], "sim.workload.task_weights": {},
+        "sim.workload.cap_share": 0.0, "sim.workload.dynamic_sampling.enabled": False,
+        "sim.steps": steps,
+    }
+    if cfg.pipeline.schedule == "lockstep":
+        values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})
+    return with_values(cfg, values, f"emulated run {run_dir}"), cfg.emulation.time_scale
+
+
+def cpu_decode_physics(cfg: Config, tokens_per_s: float, overhead_s: float) -> Config:
+    """The fitted CPU rollout (overhead per stage + tokens / rate per rank) as the sample-level decode physics.
+
+    Fitted: ``compute_per_seq_s = 1 / tokens_per_s`` (one rank's generated tokens per second: a CPU is
+    compute-bound, an iteration costs in proportion to the sequences it decodes) and ``iteration_fixed_s`` = the
+    fitted per-stage overhead / the mean over steps of the longest response (ASSUMPTION: the part that does not
+    shrink with more ranks is a fixed cost per decode iteration, paid until a rank's longest response ends; the
+    tiny model's forward pass is dominated by per-call overhead). Assumed: no KV-read or prefill cost (both are in
+    the fitted rate) and no slot cap (``max_seqs_per_gpu`` = a whole step's samples).
+    """
+    from dynaresize.sim.workload import make_batch
+
+    w, steps = cfg.sim.workload, cfg.sim.steps
+    batches = [make_batch(w, cfg.run.seed, k, steps) for k in range(steps)]
+    longest = sum(float(b.lengths.max()) for b in batches) / steps
+    return with_values(cfg, {
+        "sim.rollout.model": "physics", "sim.rollout.iteration_fixed_s": max(overhead_s, 1e-9) / longest,
+        "sim.rollout.compute_per_seq_s": 1.0 / tokens_per_s, "sim.rollout.kv_bytes_per_token": 0.0,
+        "sim.rollout.prefill_tokens_per_s": 1e15,
+        "sim.rollout.max_seqs_per_gpu": max(len(b.lengths) for b in batches),
+    }, "CPU decode mapping")
+
+
+def _cpu_replay(run_dir: Path, rd: RunData) -> Replay:
+    from dynaresize.sim.cli import merge_sections
+
+    fit = fit_costs(rd)
+    if fit["rollout"]["tokens_per_s_per_gpu"] is None or fit["train"]["tokens_per_s_per_gpu"] is None:
+        raise ConfigError(f"{run_dir}: the run's stage throughputs cannot be fitted (fewer than 3 steps with token "
+                          "counts, or one rank count and one token count only): nothing to replay")
+    sections = to_costs_section(fit)
+    cfg = merge_sections(_config(run_dir), f"calibrated fit of {run_dir}", sections)
+    notes = [f"costs: dynaresize calibrate's fit of this run (train {fit['train']['tokens_per_s_per_gpu']:.0f} tokens/s "
+             f"per rank + {max(fit['train']['overhead_s'], 0):.3f} s/step; rollout {fit['rollout']['tokens_per_s_per_gpu']:.0f} "
+             f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; lockstep)"]
+    steps = len(rd.steps)
+    values: dict[str, object] = {}
+    try:
+        n_trace = _trace_steps(run_dir)
+    except TraceError as e:
+        n_trace = 0
+        notes.append(f"workload: per-step mean response lengths from the event log, length shape assumed (no trace: {e})")
+    if n_trace:
+        steps = min(steps, n_trace)
+        values.update({"sim.workload.trace": str(trace_file(run_dir)), "sim.workload.trace_token_scale": 1.0,
+                       "sim.workload.response_tokens_by_step": []})
+        notes.append(f"workload: the trace of {trace_file(run_dir)} (every sample's logged length)")
+    values["sim.steps"] = steps
+    cfg = with_values(cfg, values, f"CPU run {run_dir}")
+    r = fit["rollout"]
+    overhead = max(r["overhead_s"], 0.0)
+    sc = cpu_decode_physics(cfg, r["tokens_per_s_per_gpu"], overhead)
+    rep = Replay("cpu", cfg, samples_cfg=sc, notes=notes)
+    rep.left_out.append(
+        f"GPU-like decode physics: the sample-level rows map the fitted CPU rollout onto it (cpu_decode_physics: "
+        f"compute_per_seq_s = 1 / {r['tokens_per_s_per_gpu']:.0f} tokens/s fitted; iteration_fixed_s = "
+        f"{sc.sim.rollout.iteration_fixed_s:.4g} s = the fitted {overhead:.3f} s stage overhead spread over the mean "
+        "longest response, assumed; no KV, prefill or slot cap, assumed); step-level rows, oracle and bound use the "
+        "fitted empirical rollout as it is")
+    return rep
+
+
+def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
+    """How the simulator replays ``run`` (see the module docstring)."""
+    run_dir = _run_dir(run)
+    rd = rd or load_run(run)
+    cfg = _config(run_dir)
+    if rd.source == "sim":
+        return Replay("simulated", cfg, notes=["replay: the run's own config and seed (the same batches)"])
+    if cfg.cluster.device == "emulated":
+        c, scale = emulated_sim_config(run_dir)
+        return Replay("emulated", c, time_scale=scale, notes=[
+            f"profile: the run's own sim.rollout, sim.train and switching.costs; workload: the trace of {trace_file(run_dir)} "
+            f"x {c.sim.workload.trace_token_scale:g} tokens per token; modelled s x {scale:g} = wall s"])
+    return _cpu_replay(run_dir, rd)
+
+
+def _filtered_note(rep: Replay) -> Replay:
+    """A runtime run with dynamic sampling logged only its kept groups: the dropped groups' rollout is missing."""
+    if rep.kind != "simulated" and rep.cfg.algorithm.dynamic_sampling.enabled:
+        rep.left_out.append("dynamic sampling: batches.jsonl holds the trained (kept) groups only, so the rollout of "
+                            "the dropped groups is not replayed (every rollout row is short of that work)")
+    return rep
+
+
+def _forced(rd: RunData, cfg: Config, notes: list[str]) -> dict[int, int]:
+    fit_splits = fit_costs(rd)["forced_splits"]
+    ok = {k: n for k, n in fit_splits.items() if 1 <= k < cfg.sim.steps and 1 <= n <= cfg.cluster.gpus - 1}
+    if len(ok) < len(fit_splits):
+        notes.append(f"own schedule: {len(fit_splits) - len(ok)} logged switch(es) outside the replayed steps left out")
+    return ok
+
+
+def whatif(run: str | Path) -> dict:
+    """Replay ``run`` and return the what-if: measured time, one row per schedule, the mechanisms' shares."""
+    from dynaresize.sim.compare import compare, run_static, setup
+
+    rd = load_run(run)
+    rep = _filtered_note(replay_of(run, rd))
+    measured = analyze(rd).totals["span_s"]
+    s = setup(rep.cfg)
+    k = rep.time_scale
+    forced = _forced(rd, rep.cfg, rep.notes)
+    own = run_static(s, s.initial, forced=forced)
+    cmp = compare(s, samples=rep.samples_cfg is None)
+    by = {r["name"]: r for r in cmp["rows"]}
+    sm = cmp["summary"]
+    samples_split = sm["best_static_split"]
+    if rep.samples_cfg is not None:  # the sample-level rows from their own physics (and their own best split)
+        sc = compare(setup(rep.samples_cfg), samples=True)
+        samples_split = sc["summary"]["best_static_split"]
+        by.update({r["name"]: r for r in sc["rows"] if r["name"] in SAMPLE_ROW_NAMES})
+    best_name = f"static {sm['best_static_split']}"
+    rows = [dict(name="measured (the run)", model="event log", time_s=measured)]
+
+    def row(name: str, key: str, model: str) -> dict:
+        return dict(name=name, model=model, time_s=by[key]["total_s"] * k, switches=by[key]["switches"])
+
+    rows.append(dict(name="own schedule (replay)", model="step", time_s=own.total_s * k, switches=own.switches))
+    rows.append(row(f"best static {sm['best_static_split']} (barrier)", best_name, "step"))
+    rows.append(row("barrier + resizing", "dynaresize", "step"))
+    rows.append(row(f"best static {samples_split} (barrier)", "best static (samples)", "samples"))
+    for key, cname, label in CHAIN:
+        rows.append(row(label, cname, "samples"))
+    rows.append(row("oracle (barrier)", "oracle (barrier)", "step"))
+    rows.append(row("bound", "bound", "step"))
+    best_s = by[best_name]["total_s"] * k
+    best_samples_s = by["best static (samples)"]["total_s"] * k
+    for r in rows:  # sample-level rows against the best split at sample level: the two models' difference taken out
+        base = best_samples_s if r["model"] == "samples" else best_s
+        r["vs_measured"] = r["time_s"] / measured if measured > 0 else None
+        r["vs_best_static"] = base / r["time_s"] - 1 if r["time_s"] > 0 else None
+    # the share each mechanism adds, at sample level (one model): time before / time after - 1, in the order turned
+    # on, and its share of the whole gain from the best static split to all mechanisms (log-time shares)
+    chain_t = [by["best static (samples)"]["total_s"]] + [by[c]["total_s"] for _, c, _ in CHAIN]
+    whole = math.log(chain_t[0] / chain_t[-1]) if chain_t[-1] > 0 else 0.0
+    mech = {}
+    for i, (key, _, _) in enumerate(CHAIN):
+        step = math.log(chain_t[i] / chain_t[i + 1])
+        mech[key] = dict(time_s=chain_t[i + 1] * k, adds=chain_t[i] / chain_t[i + 1] - 1,
+                         share=step / whole if whole >= MIN_GAIN else None)
+    return dict(
+        run=rd.name, kind=rep.kind, path=str(_run_dir(run)), measured_s=measured, measured_how=MEASURED_HOW,
+        time_scale=k, steps=rep.cfg.sim.steps, gpus=rep.cfg.cluster.gpus, initial_split=str(s.initial),
+        own_schedule={str(a): b for a, b in sorted(forced.items())},
+        replay_s=own.total_s * k, replay_vs_measured=own.total_s * k / measured if measured > 0 else None,
+        best_static_split=sm["best_static_split"], best_static_s=best_s, resizing_s=by["dynaresize"]["total_s"] * k,
+        oracle_s=by["oracle (barrier)"]["total_s"] * k, bound_s=by["bound"]["total_s"] * k,
+        mechanisms=mech, rows=rows, notes=rep.notes, left_out=rep.left_out,
+    )
+
+
+def render(w: dict) -> str:
+    unit = "wall s" if w["kind"] != "simulated" else "simulated s"
+    out = [f"what-if {w['run']} ({w['kind']} run, {w['gpus']} GPUs, {w['steps']} steps, start {w['initial_split']} "
+           f"train:rollout; times in {unit}" + (f", modelled s x {w['time_scale']:g}" if w["time_scale"] != 1 else "") + ")",
+           f"measured: {w['measured_s']:.3f} s ({w['measured_how']})"]
+    out.append("vs_run: time / measured time; vs_best: throughput against the best static split of the same model")
+    head = f"{'schedule':<32} {'model':>9} {'time_s':>11} {'vs_run':>7} {'vs_best':>8} {'switches':>8}"
+    out += [head, "-" * len(head)]
+    for r in w["rows"]:
+        sw = "-" if r.get("switches") is None else str(r["switches"])
+        vm = f"{r['vs_measured']:.3f}" if r["vs_measured"] is not None else "-"
+        vb = f"{100 * r['vs_best_static']:+.1f}%" if r["vs_best_static"] is not None else "-"
+        out.append(f"{r['name']:<32} {r['model']:>9} {r['time_s']:>11.3f} {vm:>7} {vb:>8} {sw:>8}")
+    out.append("mechanisms (sample level, turned on in this order): " + "; ".join(
+        f"{key} {100 * m['adds']:+.1f}%" + (f" ({100 * m['share']:.0f}% of the gain)" if m["share"] is not None else "")
+        for key, m in w["mechanisms"].items()) + ("" if any(m["share"] is not None for m in w["mechanisms"].values())
+                                                  else " (all together under a 1% gain: no shares)"))
+    out.append(f"own schedule replayed: {w['own_schedule'] or 'no switch'} -> {w['replay_s']:.3f} s, "
+               f"{w['replay_vs_measured']:.3f} x the measured time")
+    out += [f"note: {n}" for n in w["notes"]] + [f"assumed or left out: {x}" for x in w["left_out"]]
+    return "\n".join(out)
+
+
+def to_json(w: dict) -> str:
+    return json.dumps(w, separators=(",", ":"))
+
+
+def write(w: dict, out_dir: Path) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    p = out_dir / "whatif.json"
+    p.write_text(json.dumps(w, indent=1) + "\n")
+    return p
+
