@@ -16,7 +16,9 @@ those modules. Ranks started by ``srun`` (Slurm) do not use this: each is its ow
 Protocol (JSON lines, nothing pickled), launcher -> stdin: ``{"rank": r, "argv": [...], "log": path}``;
 stdout -> launcher: ``{"ready": n_threads}`` after the imports, ``{"spawned": r, "pid": p}``,
 ``{"exited": r, "pid": p, "code": c}`` (negative: killed by that signal), ``{"error": text}``. At end of input it
-exits once every child it forked has exited and been reaped (so none is left a zombie).
+exits once every child it forked has exited and been reaped (so none is left a zombie). It ignores SIGINT and
+SIGTERM (a stop is the coordinator's to carry out); a rank's process name is ``dynaresize-r<rank>``, its command
+line the zygote's (which names the run).
 """
 
 from __future__ import annotations
@@ -46,6 +48,18 @@ def preload(module: str) -> None:
     importlib.import_module(module)
 
 
+def set_name(name: str) -> None:
+    """The process name ``ps``, ``top`` and ``pgrep`` show (Linux ``comm``, 15 characters): every rank shares the
+    zygote's command line, so the name tells them apart (``dynaresize-r3``)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _native_threads() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
@@ -53,7 +67,7 @@ def _native_threads() -> int:
         return 1
 
 
-def _child(module: str, argv: list[str], log_path: str) -> None:
+def _child(module: str, rank: int, argv: list[str], log_path: str) -> None:
     """In the forked child: a new session, the rank's log as stdout/stderr, then the module as ``__main__``."""
     import runpy
     import traceback
@@ -61,6 +75,7 @@ def _child(module: str, argv: list[str], log_path: str) -> None:
     code = 1
     try:
         os.setsid()
+        set_name(f"dynaresize-r{rank}")
         signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -130,7 +145,7 @@ def serve(module: str) -> int:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child(module, argv, log_path)
+                _child(module, rank, argv, log_path)
             children[pid] = rank
             _send({"spawned": rank, "pid": pid})
         while children:
@@ -153,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--module", default=DEFAULT_MODULE, help="the rank entry module, run as __main__ in each child")
     p.add_argument("--run-dir", required=True, help="the run (named on the command line, which every rank shares)")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the operator's Ctrl-C is the coordinator's to handle
+    # An operator's stop (Ctrl-C, or SIGTERM to every process of the job) is the coordinator's to carry out; this
+    # process only forks and reaps, and leaves once its input is closed and its children are gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    set_name("dynaresize-zyg")
     return serve(args.module)
 
 

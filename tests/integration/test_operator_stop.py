@@ -48,6 +48,13 @@ def job_processes(root: int) -> dict[int, str]:
     return out
 
 
+def _comm(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/comm").read().strip()
+    except OSError:
+        return ""
+
+
 def alive(pid: int) -> bool:
     try:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
@@ -89,7 +96,7 @@ def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_train
     rd = wait_for_batches(tmp_path, p, poll_s=0.1)
     procs = job_processes(p.pid)
     started.update(procs)
-    ranks = [pid for pid, cmd in procs.items() if "dynaresize.worker.main" in cmd]
+    ranks = [pid for pid in procs if _comm(pid).startswith("dynaresize-r")]  # forked by the launcher's zygote
     servers = [pid for pid, cmd in procs.items() if "redis-server" in cmd]
     assert len(ranks) == 4 and len(servers) == 1, procs
     for pid in procs:  # every process of the job, at once

@@ -55,6 +55,8 @@ def test_children_run_their_module_in_their_own_session_and_their_exits_are_repo
         out0 = json.loads((tmp_path / "r0.log").read_text().splitlines()[0])
         assert out0["pid"] == pids[0] and out0["sid"] == pids[0]  # a session leader: killpg(pid) reaches it
         assert out0["argv"] == ["--code", "3"] and out0["torch_loaded"]  # the imports came from the parent
+        assert open(f"/proc/{pids[1]}/comm").read().strip() == "dynaresize-r1"
+        assert open(f"/proc/{z.pid}/comm").read().strip() == "dynaresize-zyg"
         assert "RuntimeError: boom from the child" in (tmp_path / "r2.log").read_text()
         os.killpg(pids[1], signal.SIGKILL)
         m = _read(z)
