@@ -7,8 +7,9 @@ One real token stands for ``tokens_per_token`` (``k``) modelled tokens, prompts 
 - decode iteration of a rank holding ``a`` sequences at mean context ``c`` real tokens: one real iteration is ``k``
   modelled iterations at context ``c k``:
   ``s k (r.iteration_fixed_s + a (r.compute_per_seq_s + c k r.kv_bytes_per_token / (r.hbm_gbps 1e9)))``
-  (:class:`dynaresize.sim.stages.StepPhysics`; summed over a batch, the mean context of the active rows at each
-  iteration gives the simulator's token-weighted context ``prompt + E[L^2] / 2E[L]``);
+  (:class:`dynaresize.sim.stages.StepPhysics`; with ``c`` = the live rows' mean prompt + tokens so far + 0.5, as
+  the torch engine passes it, a batch sums exactly to the simulator's time at its token-weighted context
+  ``prompt + E[L^2] / 2E[L]``);
 - prefill of ``P`` real prompt tokens (once per distinct prompt: the G responses of a group share it, prefix
   caching, as the simulator counts it): ``s P k / r.prefill_tokens_per_s``;
 - training of a chunk of samples on one of ``n`` trainers: ``s W (1 + t.attention_per_context_token C) /
@@ -16,7 +17,9 @@ One real token stands for ``tokens_per_token`` (``k``) modelled tokens, prompts 
   only: ``sim.workload.trained_tokens``), ``C`` its token-weighted context ``E[S^2] / 2E[S]`` (``train_context``)
   and ``eff(n) = t.scaling_per_doubling ** log2 n``: each rank trains its own share, all in step;
 - optimizer step: ``s t.step_overhead_s``; a weight transfer: ``s SwitchCostModel.weight_sync_s()``;
-- a switch op: the cost ``SwitchCostModel.plan`` gives it for this rank's group (moving or staying trainer).
+- a switch op: ``s x`` the cost ``SwitchCostModel.plan`` gives it for this rank's group (moving or staying trainer),
+  critical ops only; the deferred optimizer state adds, at the first optimizer step, what the training before it
+  did not hide (as the sample-level simulator charges it).
 """
 
 from __future__ import annotations
