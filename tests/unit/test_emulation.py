@@ -161,3 +161,27 @@ def test_pacer_settle_counts_work_done_elsewhere():
     assert p.overruns == 1
     with pytest.raises(ValueError, match="negative"):
         p.settle("x", start, 0.0, -1.0)
+
+
+def test_the_runs_emulation_block_merges_each_ranks_last_record(tmp_path):
+    from dynaresize.emulation.engine import OVERRUNS_METRIC
+    from dynaresize.emulation.report import describe, emulation_summary
+    from dynaresize.events import EventLog, EventType
+
+    fast, slow = Pacer(0.05), Pacer(0.05)
+    with fast.span("decode", 0.001):
+        pass
+    with EventLog(tmp_path / "events.jsonl") as ev:
+        ev.emit(EventType.METRIC, name=OVERRUNS_METRIC, value=0, rank=1, by_kind=fast.to_json())
+        with slow.span("train", 0.0):
+            time.sleep(0.01)
+        ev.emit(EventType.METRIC, name=OVERRUNS_METRIC, value=1, rank=0, by_kind=slow.to_json())
+        with fast.span("decode", 0.001):
+            pass
+        ev.emit(EventType.METRIC, name=OVERRUNS_METRIC, value=0, rank=1, by_kind=fast.to_json())  # cumulative: the last counts
+        ev.emit(EventType.METRIC, name="val_reward", value=0.5)
+    block = emulation_summary(tmp_path)
+    assert block["ranks"] == 2 and block["faithful"] is False and block["overruns"] == 1
+    assert block["by_kind"]["decode"]["spans"] == 2 and block["by_kind"]["train"]["overruns"] == 1
+    assert "NOT faithful" in describe(block) and "train 1/1" in describe(block)
+    assert describe(merge([fast.to_json()])).startswith("emulation: faithful")
