@@ -27,9 +27,6 @@ class Emulator:
         self.trained_s = 0.0  # modelled training seconds since that switch
         self._reported = -1
 
-    def span(self, kind: str, modelled_s: float):
-        return self.pacer.span(kind, modelled_s)
-
     def report(self) -> dict[str, Any] | None:
         """The cumulative pacing record when spans were paced since the last report, else None."""
         n = sum(s.spans for s in self.pacer.kinds.values())
