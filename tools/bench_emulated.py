@@ -12,8 +12,10 @@ Static rows: the initial split and the simulator's best static barrier split. Pr
     .venv/bin/python tools/bench_emulated.py                                   # configs/emulated-8gpu.yaml, 20 steps
     .venv/bin/python tools/bench_emulated.py --config configs/emulated-16gpu.yaml --steps 15
 
-UNFINISHED (issue 17 part 3): measured once at most (docs/emulation.md); the response-length *shape* of the
-simulator is its lognormal (``sim.workload.response_sigma``), not the runtime's.
+UNFINISHED (issue 17 part 3): measured once (docs/emulation.md: runtime / sim 0.83-1.34, not yet within 10%); the
+simulator draws its lognormal length shape (``sim.workload.response_sigma``), not the runtime's (the log has no
+per-sample lengths yet), and the runtime's continuous schedule is not yet compared knob for knob (stream_min_groups
+against sim.pipeline.stream_chunks).
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def main() -> int:
     print("samples/s of wall time (sim: per modelled second / time_scale); critical_s: switches' critical path")
     print("  ".join(f"{h:>14}" for h in head))
     for r in rows:
-        print("  ".join(f"{r[h]:>14}" if not isinstance(r[h], float) else f"{r[h]:>14.3f}" for h in head))
+        print("  ".join(f"{r[h]:>14.3f}" if isinstance(r[h], float) else f"{str(r[h]):>14}" for h in head))
     barrier = [r for r in rows if r["schedule"] == "lockstep" and r["row"] != "dynamic"]
     best_rt = max(barrier, key=lambda r: r["runtime"])
     best_sim = max(barrier, key=lambda r: r["sim"])
