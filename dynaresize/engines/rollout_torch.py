@@ -15,6 +15,7 @@ blocking), so "same sample on any rank" holds exactly for the randomness and up 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -93,6 +94,14 @@ class TorchRollout:
     def wake_up(self) -> None:
         self.asleep = False
 
+    def _prefilled(self, start: float, prompts: Sequence[Sequence[int]]) -> None:
+        """Called after the prompts' prefill (``start``: ``time.perf_counter()`` before it). Nothing here; the emulated
+        engine (dynaresize.emulation.engine) waits out a modelled time."""
+
+    def _decoded(self, start: float, active: int, context: float) -> None:
+        """Called after each decode iteration of ``active`` sequences at mean context ``context`` tokens (``start``:
+        ``time.perf_counter()`` before it). Nothing here; see :meth:`_prefilled`."""
+
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams) -> list[Generation]:
         """Sample one response per prompt; ``seeds[i]`` seeds sample ``i``'s generator."""
@@ -113,13 +122,21 @@ class TorchRollout:
         gens = [torch.Generator(device="cpu").manual_seed(int(s) & ((1 << 63) - 1)) for s in seeds]
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        t0 = time.perf_counter()
         out = self.module(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
         past, logits = _cache_of(out), out.logits[:, -1, :]
+        self._prefilled(t0, prompts)
+        plens = [len(p) for p in prompts]
         tokens: list[list[int]] = [[] for _ in range(n)]
         lps: list[list[float]] = [[] for _ in range(n)]
         done = torch.zeros(n, dtype=torch.bool)
         next_pos = pos[:, -1:] + 1
-        for _ in range(params.max_tokens):
+        for it in range(params.max_tokens):
+            t0 = time.perf_counter()
+            live = [i for i in range(n) if not done[i]]
+            # mean context of the token each live row decodes now (it has `it` tokens; + 0.5: the mean over the
+            # modelled tokens it stands for, so a batch sums to the simulator's prompt + E[L^2] / 2E[L] per token)
+            context = sum(plens[i] for i in live) / len(live) + it + 0.5
             proc = top_p_filter(logits.float() / params.temperature, params.top_p)
             logp = torch.log_softmax(proc, dim=-1).cpu()
             probs = logp.exp()
@@ -134,10 +151,12 @@ class TorchRollout:
                 if bool((self.eos == tok).any()):
                     done[i] = True
             if bool(done.all()):
+                self._decoded(t0, len(live), context)
                 break
             mask = torch.cat([mask, torch.ones((n, 1), dtype=torch.long, device=self.device)], dim=1)
             out = self.module(input_ids=nxt.unsqueeze(1).to(self.device), attention_mask=mask,
                               position_ids=next_pos, use_cache=True, **{_CACHE_KW: past})
             past, logits = _cache_of(out), out.logits[:, -1, :]
             next_pos = next_pos + 1
+            self._decoded(t0, len(live), context)
         return [Generation(t, l) for t, l in zip(tokens, lps)]

@@ -136,6 +136,10 @@ def _print_summary(s: dict) -> None:
             print(f"  step {sw['step']:>3}: {sw['from']} -> {sw['to']}  critical {sw['critical_path_s']:.2f} s, hidden {sw['hidden_s']:.2f} s")
     else:
         print("switches: none")
+    if s.get("emulation") is not None:
+        from dynaresize.emulation.report import describe
+
+        print(describe(s["emulation"]))
     print(f"summary  {Path(s['run_dir']) / 'summary.json'}")
     keys = ('steps', 'samples_per_s', 'reward_first', 'reward_last', 'switch_critical_path_s', 'elapsed_s',
             'val_reward_first', 'val_reward_last', 'val_pass_at_k_first', 'val_pass_at_k_last')

@@ -28,7 +28,7 @@ def worker_env(device: str) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if device == "cpu":
+    if device in ("cpu", "emulated"):  # an emulated accelerator computes on the CPU
         env["DS_ACCELERATOR"] = "cpu"
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
     return env

@@ -35,12 +35,13 @@ class Planner:
 
     def rebuild(self) -> None:
         """The policy plans over the live ranks only: after a shrink its candidates are the splits still possible."""
-        from dynaresize.policy import ResizePolicy, SwitchCostModel, Topology
+        from dynaresize.emulation.model import switch_cost_model
+        from dynaresize.policy import ResizePolicy, Topology
 
         cfg = self.job.cfg
         n_alive = len(self.job.alive())
         cands = [Topology(t, n_alive - t) for t in self.valid_counts()]
-        self.policy = ResizePolicy(cfg.policy, SwitchCostModel(cfg.switching.costs, cfg.switching.optimizations), cands)
+        self.policy = ResizePolicy(cfg.policy, switch_cost_model(cfg), cands)  # emulated: in its wall seconds
 
     def observation(self, k: int):
         from dynaresize.policy import Observation, Topology

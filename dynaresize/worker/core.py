@@ -92,6 +92,7 @@ class WorkerSetup:
     score: Callable[[Any, list[int]], dict[str, Any]] | None = None  # (work item, response ids) -> {"reward", "reward_error"?}
     hooks: Hooks = field(default_factory=Hooks)  # fault points and extra commands: no-ops in production (worker.hooks)
     weights_dir: Path | None = None  # published weights, <weights_dir>/v<version> (optimizer_step publish, fetch_weights)
+    emulator: Any = None  # dynaresize.emulation.engine.Emulator when cluster.device is emulated: work lasts modelled time
 
 
 @dataclass
@@ -179,7 +180,13 @@ class Worker:
             self.vllm.wake_up(["kv_cache"])
             self.rollout = self.vllm
             return
-        self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device)
+        if self.setup.emulator is not None:
+            from dynaresize.emulation.engine import EmulatedRollout
+
+            self.rollout = EmulatedRollout(self.module, self.setup.eos_ids, self.setup.pad_id, "cpu",
+                                           emulator=self.setup.emulator)
+        else:
+            self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device)
         self.rollout.version = self.version
 
     @property
@@ -197,12 +204,46 @@ class Worker:
         payload = payload or {}
         self._log_reads()
         fn = getattr(self, f"_cmd_{kind}", None)
-        if fn is not None:
-            return fn(**payload)
-        extra = self.setup.hooks.commands().get(kind)
-        if extra is None:
-            raise WorkerError(f"rank {self.rank}: unknown command kind {kind!r}")
-        return extra(self, **payload)
+        if fn is None:
+            extra = self.setup.hooks.commands().get(kind)
+            if extra is None:
+                raise WorkerError(f"rank {self.rank}: unknown command kind {kind!r}")
+            fn = lambda **kw: extra(self, **kw)  # noqa: E731
+        out = fn(**payload)
+        self._report_pacing()
+        return out
+
+    # -- the emulated accelerator (cluster.device: emulated) ---------------------------------------------------
+
+    def _pace(self, kind: str, start: float, modelled: Callable[[Any], float]) -> float:
+        """End a span of real work begun at ``start``: with an emulator, it lasts ``modelled(timing model)`` wall
+        seconds (or is recorded as an overrun); returns the span's end."""
+        emu = self.setup.emulator
+        if emu is None:
+            return time.perf_counter()
+        return emu.pacer.finish(kind, start, modelled(emu.model))
+
+    def _report_pacing(self) -> None:
+        emu = self.setup.emulator
+        rec = emu.report() if emu is not None else None
+        if rec is not None and self.setup.events is not None:
+            from dynaresize.emulation.engine import OVERRUNS_METRIC
+
+            self.setup.events.emit(EventType.METRIC, name=OVERRUNS_METRIC, value=emu.pacer.overruns, rank=self.rank,
+                                   by_kind=rec)
+
+    def _stage_in_s(self, m: Any, pending: bool) -> float:
+        """Modelled seconds the deferred optimizer state adds to this optimizer step (none when none is pending)."""
+        emu = self.setup.emulator
+        if not pending or emu.switched is None:
+            return 0.0
+        extra = m.deferred_stage_in_s(*emu.switched, emu.world, emu.trained_s)
+        emu.switched = None
+        return extra
+
+    @staticmethod
+    def _lengths(tb: Any) -> tuple[list[int], list[int]]:
+        return [len(p) for p in tb.prompt_ids], [len(r) for r in tb.response_ids]
 
     def _cmd_ping(self, **_: Any) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role.value, "version": self.version, "n_train": self.n_train}
@@ -268,8 +309,16 @@ class Worker:
         # a mixed-step switch follows: keep the weights this step starts from (the rollout version of the next batch)
         self._snapshot = (self.version, [(n, t.detach().clone()) for n, t in self._weights()]) if snapshot else None
         t0 = time.perf_counter()
-        out = self.train_batch(self._tensors_of(self.setup.data.batch(batch_key)), n_train, version_after)
-        self._stage(Stage.TRAIN, step, t0, time.perf_counter(), tokens=out["tokens"], version=out["version"])
+        tb = self.setup.data.batch(batch_key)
+        pending = self.trainer is not None and self.trainer.has_pending_state()
+        out = self.train_batch(self._tensors_of(tb), n_train, version_after)
+
+        def modelled(m):
+            fwd_bwd = m.train_s(*self._lengths(tb), n_train)
+            self.setup.emulator.trained_s += fwd_bwd
+            return fwd_bwd + m.optimizer_step_s() + self._stage_in_s(m, pending)
+
+        self._stage(Stage.TRAIN, step, t0, self._pace("train", t0, modelled), tokens=out["tokens"], version=out["version"])
         return out
 
     def _trainer_for(self, n_train: int, version_after: int | None = None) -> ZeroTrainer:
@@ -313,10 +362,17 @@ class Worker:
             raise WorkerError(f"rank {self.rank} is at version {self.version}; the chunk trains from version {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: train_chunk needs the batch store")
-        batch = self._tensors_of(self.setup.data.batch(batch_key))
+        tb = self.setup.data.batch(batch_key)
+        batch = self._tensors_of(tb)
         t0 = time.perf_counter()
         stats = trainer.accumulate(batch, self._loss_fn(batch))
-        t1 = time.perf_counter()
+
+        def modelled(m):
+            s = m.train_s(*self._lengths(tb), n_train)
+            self.setup.emulator.trained_s += s
+            return s
+
+        t1 = self._pace("train_chunk", t0, modelled)
         self.setup.hooks.point(self.rank, "train_chunk.accumulated", f"step-{step}")
         tokens, samples = self._tokens(batch), int(batch["input_ids"].shape[0])
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
@@ -335,7 +391,9 @@ class Worker:
                 raise WorkerError(f"rank {self.rank}: optimizer_step publish=True needs the run's weights directory "
                                   "(WorkerSetup.weights_dir)")
             target = Path(self.setup.weights_dir).resolve() / f"v{version_after}"
+        pending = trainer.has_pending_state()
         stats, t0, t1 = self._stepped(trainer, lambda: trainer.step(denominator))
+        t1 = self._pace("optimizer_step", t0, lambda m: m.optimizer_step_s() + self._stage_in_s(m, pending))
         self.version = version_after
         self._stage(Stage.TRAIN, step, t0, t1, version=self.version, optimizer_step=True)
         published, end = 0, t1
@@ -413,7 +471,7 @@ class Worker:
             self._module_stale = True
         if self.rollout is not None:
             self.rollout.version = got
-        t1 = time.perf_counter()
+        t1 = self._pace("weight_sync", t0, lambda m: m.weight_sync_s())
         self._stage(Stage.WEIGHT_SYNC, max(0, got - 1), t0, t1, version=got, bytes=moved)
         return {"version": got, "bytes": moved, "seconds": t1 - t0}
 
@@ -465,6 +523,9 @@ class Worker:
             raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
                               f"{e}") from None
         self._log_read(inc)
+        emu = self.setup.emulator
+        if emu is not None:  # the transfer lasts the modelled weight sync from the fetch's start (the read is real work)
+            emu.pacer.settle("weight_fetch", inc.read.started, inc.read.finished - inc.read.started, emu.model.weight_sync_s())
         if meta.get("version") != version:
             raise WorkerError(f"rank {self.rank}: {inc.path} holds version {meta.get('version')!r}, not {version}")
         named = []
@@ -494,6 +555,9 @@ class Worker:
             ev.emit(EventType.STAGE, step=step, stage=stage, ranks=str(self.rank), start=start + off, end=end + off, **extra)
 
     def _op(self, switch_id: str | None, op: SwitchOp, start: float, end: float, critical: bool = True, bytes: int = 0) -> None:
+        emu = self.setup.emulator
+        if emu is not None and switch_id and op.value in emu.switch:
+            end = self._pace_switch_op(op, start)
         rec = {"switch_id": switch_id or "", "op": op.value, "rank": self.rank, "start": start, "end": end,
                "seconds": end - start, "critical": critical, "bytes": int(bytes)}
         self.ops.append(rec)
@@ -517,6 +581,11 @@ class Worker:
             self.n_train = to_train
             return {"role": self.role.value, "ops": []}
         old_role = self.role
+        emu = self.setup.emulator
+        if emu is not None:  # the modelled seconds of each op of this switch on this rank
+            emu.switch = {op.value: s for op, s in emu.model.switch_ops_s(from_train, to_train, self.setup.world, self.rank).items()}
+            if will:
+                emu.switched, emu.trained_s = (from_train, to_train), 0.0
         self.incoming.clear()  # fetched versions are for rollout engines: a rank that switches drops them
         pc = time.perf_counter
         # offload: old trainers' ZeRO partitions to host
@@ -573,8 +642,22 @@ class Worker:
         self._op(switch_id, SwitchOp.OPTIMIZER_RESHARD, t0, pc(), bytes=sent)
         if will:
             self._defer(new, switch_id)
+        if emu is not None:
+            emu.switch = {}
         result_ops = self.ops[first:]
         return {"role": self.role.value, "from_role": old_role.value, "ops": result_ops}
+
+    def _pace_switch_op(self, op: SwitchOp, start: float) -> float:
+        """Pace switch op ``op`` begun at ``start``: its modelled seconds plus those of the ops before it in the
+        switch's order that this rank did not run (an op the CPU worker skips still costs what the plan says)."""
+        from dynaresize.emulation.model import WORKER_SWITCH_OPS
+
+        emu, modelled = self.setup.emulator, 0.0
+        for o in WORKER_SWITCH_OPS:
+            modelled += emu.switch.pop(o.value, 0.0)
+            if o is op:
+                break
+        return emu.pacer.finish(f"switch.{op.value}", start, modelled)
 
     def _restore_snapshot(self, version: int, switch_id: str) -> None:
         snap = getattr(self, "_snapshot", None)

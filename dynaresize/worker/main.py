@@ -195,6 +195,8 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.models.hf import model_dtype, pad_token_id, stop_token_ids
     from dynaresize.staging import default_dir
     from dynaresize.worker.core import Worker, WorkerSetup
+    from dynaresize.emulation import torch_device
+    from dynaresize.emulation.engine import Emulator
     from dynaresize.worker.hooks import Hooks
 
     events = EventLog(run_dir / "events.jsonl")
@@ -235,7 +237,8 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         master_addr = _master_addr(client, job_id, rank, launch.get("incarnation", 0))
     if cfg.cluster.device == "cuda" and os.environ.get("DYNARESIZE_CUDA_DEVICE"):
         local_rank = int(os.environ["DYNARESIZE_CUDA_DEVICE"])
-    G.init_world(rank, world, master_addr, master_port, device=cfg.cluster.device, local_rank=local_rank)
+    device = torch_device(cfg.cluster.device)  # an emulated accelerator computes on the CPU
+    G.init_world(rank, world, master_addr, master_port, device=device, local_rank=local_rank)
 
     def model_factory():
         loader.join()
@@ -250,9 +253,10 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         train_cfg=cfg.train, rollout_cfg=cfg.rollout, staging_cfg=cfg.staging, staging_dir=staging_dir,
         deferred_optimizer=cfg.switching.optimizations.deferred_optimizer,
         model_factory=model_factory, eos_ids=eos, pad_id=pad_token_id(tok), score=_scorer(cfg, tok),
-        global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=cfg.cluster.device,
+        global_batch=cfg.rollout.prompts_per_step * cfg.rollout.group_size, device=device,
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
         model_dir=str(model_dir), hooks=hooks or Hooks(), weights_dir=run_dir / "weights",
+        emulator=Emulator(cfg, world) if cfg.cluster.device == "emulated" else None,
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))
