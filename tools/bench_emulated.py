@@ -2,20 +2,19 @@
 
 For each row (static splits and dynamic resizing, lockstep barrier and continuous schedule) it runs the real job with
 the emulated accelerator (``dynaresize run CONFIG``, ``cluster.device: emulated``), then the sample-level simulator
-(``sim.pipeline.model: samples``) on the same config with that run's own per-step mean response lengths
-(``sim.workload.response_tokens_by_step``, real tokens x ``emulation.tokens_per_token``), its mean prompt length and
-the length cap, and compares samples per wall second (the simulator's per modelled second / ``time_scale``).
-Static rows: the initial split and the simulator's best static barrier split. Prints the table, then one JSON line:
-``runtime_vs_sim`` (the worst runtime / sim ratio over rows), ``dynamic_vs_best_static_runtime`` and
-``dynamic_vs_best_static_sim`` (dynamic continuous over the best static barrier row).
+on the same profile and that run's own samples: the trace of its ``batches.jsonl`` (every sample's prompt and
+response length x ``emulation.tokens_per_token``), with work admitted the way the runtime admits it (one command's
+batch at a time, streamed chunks of ``stream_min_groups``): :func:`dynaresize.analysis.whatif.emulated_sim_config`.
+It compares samples per wall second: the runtime's over its span (``dynaresize analyze``'s ``span_s``), the
+simulator's per modelled second / ``time_scale``. Static rows: the initial split and the simulator's best static
+barrier split. Prints the table, then one JSON line: ``runtime_vs_sim`` (the row furthest from 1), ``worst_row``,
+``dynamic_vs_best_static_runtime`` and ``dynamic_vs_best_static_sim`` (dynamic continuous over the best static
+barrier row).
 
     .venv/bin/python tools/bench_emulated.py                                   # configs/emulated-8gpu.yaml, 20 steps
     .venv/bin/python tools/bench_emulated.py --config configs/emulated-16gpu.yaml --steps 15
 
-UNFINISHED (issue 17 part 3): measured once (docs/emulation.md: runtime / sim 0.83-1.34, not yet within 10%); the
-simulator draws its lognormal length shape (``sim.workload.response_sigma``), not the runtime's (the log has no
-per-sample lengths yet), and the runtime's continuous schedule is not yet compared knob for knob (stream_min_groups
-against sim.pipeline.stream_chunks).
+Figures and what they mean: docs/emulation.md.
 """
 
 from __future__ import annotations
@@ -43,51 +42,38 @@ def one_run(out: Path, config: str, overrides: list[str]) -> Path:
     return run_dir
 
 
-def observed(run_dir: Path, cfg) -> dict:
-    """The run's workload in modelled tokens: per-step mean response length, mean prompt length (from the modelled
-    prefill seconds: each distinct prompt is prefilled once), and what the runtime measured."""
-    events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
-    ends = sorted((e for e in events if e["type"] == "step_end"), key=lambda e: e["step"])
-    k, s = cfg.emulation.tokens_per_token, cfg.emulation.time_scale
+def observed(run_dir: Path) -> dict:
+    """What the runtime measured: samples per wall second over the run's span (as ``dynaresize analyze`` and the
+    what-if measure it: the earliest step start or busy interval to the latest step end), switches, emulation."""
+    from dynaresize.analysis.metrics import analyze
+    from dynaresize.analysis.reader import load_run
+
     summary = json.loads((run_dir / "summary.json").read_text())
-    prefill = summary["emulation"]["by_kind"].get("prefill", {}).get("modelled_s", 0.0)
-    prompts = len(ends) * cfg.rollout.prompts_per_step
-    prompt_real = prefill * cfg.sim.rollout.prefill_tokens_per_s / (s * k) / max(1, prompts)
-    return {
-        "response_tokens_by_step": [round(k * e["tokens_generated"] / max(1, e["samples"]), 3) for e in ends],
-        "prompt_tokens_mean": round(k * prompt_real, 3),
-        "samples_per_s": summary["samples_per_s"], "switches": len(summary["switches"]),
-        "critical_s": summary["switch_critical_path_s"], "faithful": summary["emulation"]["faithful"],
-        "overrun_s": summary["emulation"]["overrun_s"],
-    }
+    span = analyze(load_run(run_dir)).totals["span_s"]
+    samples = sum(len(json.loads(l)["keys"]) for l in (run_dir / "batches.jsonl").read_text().splitlines() if l.strip())
+    return {"samples_per_s": samples / span, "span_s": span, "switches": len(summary["switches"]),
+            "critical_s": summary["switch_critical_path_s"], "faithful": summary["emulation"]["faithful"],
+            "overrun_s": summary["emulation"]["overrun_s"]}
 
 
-def simulate(cfg, obs: dict, n_train: int, continuous: bool, resize: bool) -> dict:
-    """The sample-level simulator on the run's profile and workload; samples per wall second of the emulation."""
+def simulate(run_dir: Path, n_train: int, continuous: bool, streaming: bool, resize: bool) -> dict:
+    """The sample-level simulator on the run's own profile and its own samples (the trace of its batches.jsonl, each
+    length x tokens_per_token: :func:`dynaresize.analysis.whatif.emulated_sim_config`, which also admits work the
+    way the runtime does); samples per wall second of the emulation (modelled seconds x time_scale)."""
+    from dynaresize.analysis.whatif import emulated_sim_config
     from dynaresize.policy import Topology
     from dynaresize.schedule import Mechanisms
     from dynaresize.sim.compare import run_samples, setup
-    from dynaresize.sim.cli import apply_overrides
 
-    over = [f"sim.steps={len(obs['response_tokens_by_step'])}", "sim.pipeline.model=samples",
-            f"sim.workload.response_tokens_by_step={json.dumps(obs['response_tokens_by_step'])}",
-            f"sim.workload.prompt_tokens_mean={max(1.0, obs['prompt_tokens_mean'])}",
-            f"sim.workload.max_response_tokens={int(cfg.rollout.max_tokens * cfg.emulation.tokens_per_token)}",
-            f"sim.workload.prompts_per_step={cfg.rollout.prompts_per_step}",
-            f"sim.workload.responses_per_prompt={cfg.rollout.group_size}"]
-    c = apply_overrides(cfg, over)
+    c, scale = emulated_sim_config(run_dir)
     st = setup(c)
-    res = run_samples(st, Topology(n_train, c.cluster.gpus - n_train), Mechanisms(continuous, continuous, resize))
-    s = c.emulation.time_scale
-    return {"samples_per_s": res.samples / (res.total_s * s), "switches": res.switches, "critical_s": res.critical_s * s}
+    res = run_samples(st, Topology(n_train, c.cluster.gpus - n_train), Mechanisms(continuous, streaming, resize))
+    return {"samples_per_s": res.samples / (res.total_s * scale), "switches": res.switches, "critical_s": res.critical_s * scale}
 
 
-def best_static_sim(cfg, obs: dict) -> int:
-    """The simulator's best static barrier split (trainers) for the observed workload."""
-    from dynaresize.policy import from_cluster
-
-    cands = [t.n_train for t in from_cluster(cfg.cluster)]
-    return max(cands, key=lambda n: simulate(cfg, obs, n, False, False)["samples_per_s"])
+def best_static_sim(run_dir: Path, gpus: int) -> int:
+    """The simulator's best static barrier split (trainers) for the run's own samples."""
+    return max(range(1, gpus), key=lambda n: simulate(run_dir, n, False, False, False)["samples_per_s"])
 
 
 def main() -> int:
@@ -107,18 +93,20 @@ def main() -> int:
             over = [*base, *sched[schedule], f"cluster.initial_train={n_train}", f"policy.enabled={str(resize).lower()}"]
             rd = one_run(Path(tmp) / f"{len(rows)}", args.config, over)
             c = load_config(rd / "config.yaml")
-            obs = observed(rd, c)
-            sim = simulate(c, obs, n_train, schedule == "continuous", resize)
-            r = {"row": name, "schedule": schedule, "runtime": obs["samples_per_s"], "sim": round(sim["samples_per_s"], 4),
-                 "ratio": round(obs["samples_per_s"] / sim["samples_per_s"], 4), "switches": obs["switches"],
-                 "sim_switches": sim["switches"], "critical_s": obs["critical_s"], "sim_critical_s": round(sim["critical_s"], 4),
-                 "faithful": obs["faithful"], "overrun_s": obs["overrun_s"], "_obs": obs}
+            obs = observed(rd)
+            cont = schedule == "continuous"
+            sim = simulate(rd, n_train, cont, cont and c.pipeline.streaming_training, resize)
+            r = {"row": name, "schedule": schedule, "runtime": round(obs["samples_per_s"], 4),
+                 "sim": round(sim["samples_per_s"], 4), "ratio": round(obs["samples_per_s"] / sim["samples_per_s"], 4),
+                 "switches": obs["switches"], "sim_switches": sim["switches"], "critical_s": obs["critical_s"],
+                 "sim_critical_s": round(sim["critical_s"], 4), "faithful": obs["faithful"], "overrun_s": obs["overrun_s"],
+                 "_rd": rd}
             rows.append(r)
             return r
 
         init = cfg.cluster.initial_train
         first = row(f"static {init}:{cfg.cluster.gpus - init}", init, "lockstep", False)
-        best = best_static_sim(cfg, first["_obs"])
+        best = best_static_sim(first["_rd"], cfg.cluster.gpus)
         if best != init:
             row(f"static {best}:{cfg.cluster.gpus - best}", best, "lockstep", False)
         for n in sorted({init, best}):
@@ -136,6 +124,7 @@ def main() -> int:
     best_sim = max(barrier, key=lambda r: r["sim"])
     print(json.dumps({
         "runtime_vs_sim": max(rows, key=lambda r: abs(r["ratio"] - 1.0))["ratio"],  # the row furthest from 1
+        "worst_row": (lambda w: f"{w['row']} {w['schedule']}")(max(rows, key=lambda r: abs(r["ratio"] - 1.0))),
         "dynamic_vs_best_static_runtime": round(dyn["runtime"] / best_rt["runtime"], 4),
         "dynamic_vs_best_static_sim": round(dyn["sim"] / best_sim["sim"], 4),
     }))

@@ -124,7 +124,20 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     }
     if cfg.pipeline.schedule == "lockstep":
         values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})
+    values.update(runtime_admission(cfg))
     return with_values(cfg, values, f"emulated run {run_dir}"), cfg.emulation.time_scale
+
+
+def runtime_admission(cfg: Config) -> dict[str, object]:
+    """How the runtime hands out and trains work, as the sample-level simulator's settings: the torch engine
+    decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in
+    the lockstep schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it
+    has drained; a streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
+    p, r = cfg.pipeline, cfg.rollout
+    per_cmd = p.groups_per_command * r.group_size if p.schedule == "continuous" else r.pull_batch
+    return {"sim.rollout.max_seqs_per_gpu": max(1, per_cmd), "sim.pipeline.claim_groups": max(1, per_cmd // r.group_size),
+            "sim.pipeline.stream_chunks": max(1, r.prompts_per_step // p.stream_min_groups),
+            "sim.workload.prompts_per_step": r.prompts_per_step, "sim.workload.responses_per_prompt": r.group_size}
 
 
 def cpu_decode_physics(cfg: Config, tokens_per_s: float, overhead_s: float) -> Config:
