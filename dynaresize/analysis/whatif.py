@@ -225,6 +225,19 @@ def _filtered_note(rep: Replay) -> Replay:
     return rep
 
 
+def _policy_on(rep: Replay) -> Replay:
+    """The resizing rows answer "what would resizing have bought": a run with ``policy.enabled: false`` (a static
+    run) is replayed with its policy settings turned on."""
+    if rep.cfg.policy.enabled:
+        return rep
+    on = {"policy.enabled": True}
+    rep.cfg = with_values(rep.cfg, on, "what-if")
+    if rep.samples_cfg is not None:
+        rep.samples_cfg = with_values(rep.samples_cfg, on, "what-if")
+    rep.notes.append("resizing rows: the run's policy settings, turned on (the run itself had policy.enabled: false)")
+    return rep
+
+
 def _forced(rd: RunData, cfg: Config, notes: list[str]) -> dict[int, int]:
     fit_splits = fit_costs(rd)["forced_splits"]
     ok = {k: n for k, n in fit_splits.items() if 1 <= k < cfg.sim.steps and 1 <= n <= cfg.cluster.gpus - 1}
@@ -238,7 +251,7 @@ def whatif(run: str | Path) -> dict:
     from dynaresize.sim.compare import compare, run_static, setup
 
     rd = load_run(run)
-    rep = _filtered_note(replay_of(run, rd))
+    rep = _policy_on(_filtered_note(replay_of(run, rd)))
     measured = analyze(rd).totals["span_s"]
     s = setup(rep.cfg)
     k = rep.time_scale

@@ -95,7 +95,10 @@ def test_emulated_run_maps_to_its_profile_its_trace_and_its_time_scale(tmp_path)
     own = yaml.safe_load((rd / "config.yaml").read_text())
     assert scale == 0.01 and cfg.sim.steps == 30
     assert cfg.sim.workload.trace == str(rd / "batches.jsonl") and cfg.sim.workload.trace_token_scale == 150
-    assert cfg.sim.rollout.model_dump() == own["sim"]["rollout"]  # the run's own GPU profile, untouched
+    # the run's own GPU profile, untouched, but for how the runtime admits work: one command's batch at a time
+    assert cfg.sim.rollout.model_dump() == {**own["sim"]["rollout"], "max_seqs_per_gpu": own["rollout"]["pull_batch"]}
+    assert cfg.sim.pipeline.claim_groups == own["rollout"]["pull_batch"] // own["rollout"]["group_size"]
+    assert cfg.sim.pipeline.stream_chunks == own["rollout"]["prompts_per_step"] // own["pipeline"]["stream_min_groups"]
     assert cfg.sim.train.model_dump() == own["sim"]["train"]
     assert cfg.switching.costs.model_dump() == own["switching"]["costs"]
     assert cfg.sim.schedule == "lockstep" and cfg.sim.step_gap_s == 0.0  # the runtime's lockstep, no modelled gap
@@ -109,6 +112,10 @@ def test_emulated_run_maps_to_its_profile_its_trace_and_its_time_scale(tmp_path)
     assert w["replay_s"] == pytest.approx(run_static(s, s.initial, forced=forced).total_s * 0.01, rel=1e-9)
     _check_rows(w)
     assert not w["left_out"]
+    # a static run (policy off): its resizing rows turn its policy settings on, so they say what resizing buys
+    off = whatif(_emulated_run(tmp_path / "static", "policy.enabled=false"))
+    assert any("turned on" in n for n in off["notes"]) and not any("turned on" in n for n in w["notes"])
+    assert off["resizing_s"] == pytest.approx(w["resizing_s"], rel=1e-12)
     # a run with dynamic sampling logged its kept groups only: the what-if says what that leaves out
     ds = whatif(_emulated_run(tmp_path / "ds", "algorithm.dynamic_sampling.enabled=true"))
     assert any("dropped groups is not replayed" in x for x in ds["left_out"])
