@@ -70,10 +70,7 @@ class LocalLauncher:
     external = False  # the ranks are this host's processes: once stopped, nothing of theirs writes any more
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)  # zygote=False: the rank processes
     _parent: subprocess.Popen | None = None
-    _pids: dict[int, int] = field(default_factory=dict)  # rank -> pid (zygote)
-    _exits: dict[int, int] = field(default_factory=dict)  # rank -> exit status (zygote; negative: signal)
-    _failed: str | None = None  # the zygote could not start ranks: why
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _launch: "_Forked" = field(default_factory=lambda: _Forked())  # what this launch's zygote reported
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
@@ -89,7 +86,7 @@ class LocalLauncher:
                 )
                 out.close()
             return
-        self._pids, self._exits, self._failed = {}, {}, None
+        self._launch = launch = _Forked()  # a fresh record: a stopped launch's late reports cannot reach it
         with open(logs / "zygote.log", "ab") as err:
             self._parent = subprocess.Popen(
                 [sys.executable, "-m", "dynaresize.job.zygote", "--module", self.module, "--run-dir", str(self.run_dir)],
@@ -99,21 +96,7 @@ class LocalLauncher:
             argv = worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module)[3:]
             self._parent.stdin.write((json.dumps({"rank": r, "argv": argv, "log": str(logs / f"rank{r}.log")}) + "\n").encode())
         self._parent.stdin.flush()
-        threading.Thread(target=self._read, args=(self._parent,), name="zygote-reader", daemon=True).start()
-
-    def _read(self, parent: subprocess.Popen) -> None:
-        for raw in parent.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            with self._lock:
-                if "spawned" in msg:
-                    self._pids[int(msg["spawned"])] = int(msg["pid"])
-                elif "exited" in msg:
-                    self._exits[int(msg["exited"])] = int(msg["code"])
-                elif "error" in msg:
-                    self._failed = str(msg["error"])
+        threading.Thread(target=launch.read, args=(self._parent.stdout,), name="zygote-reader", daemon=True).start()
 
     def dead(self) -> dict[int, int]:
         """Ranks whose process has exited, with their exit codes (-1: gone, status unknown; a rank the zygote
@@ -122,16 +105,16 @@ class LocalLauncher:
             return {r: p.returncode for r, p in self.procs.items() if p.poll() is not None}
         from dynaresize.control.server import pid_alive
 
-        parent = self._parent
+        parent, launch = self._parent, self._launch
         parent_rc = parent.poll() if parent is not None else 1
-        with self._lock:
-            out = dict(self._exits)
+        with launch.lock:
+            out = dict(launch.exits)
             for r in range(self.world):
                 if r in out:
                     continue
-                pid = self._pids.get(r)
+                pid = launch.pids.get(r)
                 if pid is None:
-                    if self._failed is not None or parent_rc is not None:
+                    if launch.failed is not None or parent_rc is not None:
                         out[r] = parent_rc if parent_rc else 1  # never started
                 elif parent_rc is not None and not pid_alive(pid):
                     out[r] = -1  # its parent is gone, so is it: no status to read
@@ -139,8 +122,8 @@ class LocalLauncher:
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         tail = log_tail(self.run_dir, rank, lines)
-        if self.zygote and rank not in self._pids:
-            why = self._failed or ""
+        if self.zygote and rank not in self._launch.pids:
+            why = self._launch.failed or ""
             z = self.run_dir / "logs" / "zygote.log"
             try:
                 zt = "\n".join(z.read_text(errors="replace").splitlines()[-lines:])
@@ -154,9 +137,9 @@ class LocalLauncher:
             return [p.pid for p in self.procs.values() if p.poll() is None]
         from dynaresize.control.server import pid_alive
 
-        dead = self.dead()
-        with self._lock:
-            return [pid for r, pid in self._pids.items() if r not in dead and pid_alive(pid)]
+        dead, launch = self.dead(), self._launch
+        with launch.lock:
+            return [pid for r, pid in launch.pids.items() if r not in dead and pid_alive(pid)]
 
     def stop(self, grace_s: float = 20.0) -> None:
         """Wait for the ranks to exit (they were told to shut down), then terminate, then kill what is left; then
@@ -192,6 +175,30 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 parent.kill()
                 parent.wait()
+
+
+@dataclass
+class _Forked:
+    """What one launch's zygote reported (read on its own thread): rank -> pid, rank -> exit status, a failure."""
+
+    pids: dict[int, int] = field(default_factory=dict)
+    exits: dict[int, int] = field(default_factory=dict)  # negative: killed by that signal
+    failed: str | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def read(self, stream) -> None:
+        for raw in stream:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            with self.lock:
+                if "spawned" in msg:
+                    self.pids[int(msg["spawned"])] = int(msg["pid"])
+                elif "exited" in msg:
+                    self.exits[int(msg["exited"])] = int(msg["code"])
+                elif "error" in msg:
+                    self.failed = str(msg["error"])
 
 
 class AttachedRanks:
