@@ -83,3 +83,27 @@ def test_end_of_input_waits_for_the_children_and_reaps_them(tmp_path):
     finally:
         if z.poll() is None:
             z.kill()
+
+
+def test_a_relaunch_never_sees_the_previous_launchs_exits_and_stop_ends_its_ranks(tmp_path, monkeypatch):
+    from dynaresize.job.launcher import LocalLauncher
+
+    monkeypatch.chdir(Path(__file__).parents[2])
+    launcher = LocalLauncher(tmp_path, 2, "job", module="tests.support.zygote_child")
+    monkeypatch.setenv("ZYGOTE_CHILD_SLEEP", "0")
+    launcher.start()
+    deadline = time.monotonic() + 60
+    while launcher.dead() != {0: 0, 1: 0} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert launcher.dead() == {0: 0, 1: 0}
+    launcher.stop()
+    monkeypatch.setenv("ZYGOTE_CHILD_SLEEP", "60")
+    launcher.start()  # the restart: a new zygote, a new record
+    deadline = time.monotonic() + 60
+    while len(launcher._launch.pids) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    pids = dict(launcher._launch.pids)
+    assert len(pids) == 2 and launcher.dead() == {}  # the first launch's exits are not this one's
+    launcher.stop(grace_s=0.5)  # still running: terminated
+    assert not any(pid_alive(p) for p in pids.values())
+    assert set(launcher.dead()) == {0, 1}
