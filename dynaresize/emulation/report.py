@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dynaresize import atomic
 from dynaresize.emulation.engine import OVERRUNS_METRIC
 from dynaresize.emulation.pacer import merge
 from dynaresize.events import EventType, read_events
@@ -20,13 +19,6 @@ def emulation_summary(run_dir: str | Path) -> dict[str, Any]:
         if ev.data.get("name") == OVERRUNS_METRIC:
             last[int(ev.data["rank"])] = ev.data["by_kind"]
     return merge([last[r] for r in sorted(last)])
-
-
-def add_to_summary(run_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """``summary`` with its ``emulation`` block, written back to ``<run_dir>/summary.json``."""
-    out = {**summary, "emulation": emulation_summary(run_dir)}
-    atomic.write_json(Path(run_dir) / "summary.json", out, indent=1)
-    return out
 
 
 def describe(block: dict[str, Any]) -> str:

@@ -173,12 +173,7 @@ class Coordinator:
             if not fenced:
                 job.events.emit("run_end", status=status, steps=job.state.step)
             job.events.close()
-        out = summary(job, status, self.operator_stop)
-        if job.cfg.cluster.device == "emulated":  # the emulation's faithfulness, from the ranks' pacing records
-            from dynaresize.emulation.report import add_to_summary
-
-            out = add_to_summary(job.run_dir, out)
-        return out
+        return summary(job, status, self.operator_stop)
 
     def _announce(self) -> None:
         job, st = self.job, self.job.state

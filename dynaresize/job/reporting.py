@@ -107,6 +107,10 @@ def summary(job: Job, status: str, stop: OperatorStop | None) -> dict[str, Any]:
     }
     if stop is not None:
         out["operator_stop"] = {**asdict(stop), "text": stop.describe(st.step, st.checkpoint)}
+    if job.cfg.cluster.device == "emulated":  # the emulation's faithfulness, from the ranks' pacing records
+        from dynaresize.emulation.report import emulation_summary
+
+        out["emulation"] = emulation_summary(run_dir)
     atomic.write_json(run_dir / "summary.json", out, indent=1)
     return out
 
