@@ -10,22 +10,71 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dynaresize.emulation.model import TimingModel, distinct_prompt_tokens
+from dynaresize.emulation.model import WORKER_SWITCH_OPS, TimingModel, distinct_prompt_tokens
 from dynaresize.emulation.pacer import Pacer
 from dynaresize.engines.rollout_torch import TorchRollout
+from dynaresize.events import SwitchOp
 
 OVERRUNS_METRIC = "emulation.pacing"  # the metric event a rank writes with its cumulative pacing record
 
 
 class Emulator:
+    """A rank's timing model and pacer, and the bookkeeping that spans commands: the switch in progress (its ops'
+    modelled seconds on this rank) and, after a switch into training, the training that may hide the deferred
+    optimizer state until the first optimizer step."""
+
     def __init__(self, cfg, world: int):
         self.model = TimingModel(cfg)
         self.pacer = Pacer(cfg.emulation.overrun_tolerance)
         self.world = world
-        self.switch: dict[str, float] = {}  # op -> modelled seconds, of the switch this rank is in
-        self.switched: tuple[int, int] | None = None  # (from, to) trainers of the last switch, until its stage-in
-        self.trained_s = 0.0  # modelled training seconds since that switch
+        self._switch: dict[SwitchOp, float] = {}  # op -> modelled seconds, of the switch this rank is in
+        self._switched: tuple[int, int] | None = None  # (from, to) trainers of the last switch, until its stage-in
+        self._trained_s = 0.0  # modelled training seconds since that switch
         self._reported = -1
+
+    # -- training -----------------------------------------------------------------------------------------------
+    def fwd_bwd_s(self, prompt_lens: Sequence[int], response_lens: Sequence[int], n_train: int) -> float:
+        """Modelled forward/backward of these samples on one of ``n_train`` trainers (counted as training that
+        hides a deferred optimizer stage-in)."""
+        s = self.model.train_s(prompt_lens, response_lens, n_train)
+        self._trained_s += s
+        return s
+
+    def step_s(self, pending: bool) -> float:
+        """Modelled optimizer step, plus what the deferred optimizer state of the last switch adds to it when it is
+        installed now (``pending``: the trainer still holds it) and the training before did not hide it."""
+        extra = 0.0
+        if pending and self._switched is not None:
+            extra = self.model.deferred_stage_in_s(*self._switched, self.world, self._trained_s)
+            self._switched = None
+        return self.model.optimizer_step_s() + extra
+
+    # -- switches -----------------------------------------------------------------------------------------------
+    def begin_switch(self, from_train: int, to_train: int, rank: int) -> None:
+        self._switch = self.model.switch_ops_s(from_train, to_train, self.world, rank)
+        if rank < to_train:  # a trainer after the switch: its deferred optimizer state is charged at its first step
+            self._switched, self._trained_s = (from_train, to_train), 0.0
+
+    def pace_switch_op(self, op: SwitchOp, start: float, end: float) -> float:
+        """The end of switch op ``op`` begun at ``start`` (real end ``end``): its modelled seconds plus those of the
+        ops before it in the switch's order that this rank did not run (an op the CPU worker skips still costs what
+        the plan says); ``end`` for an op outside the switch in progress."""
+        if op not in self._switch:
+            return end
+        modelled = 0.0
+        for o in WORKER_SWITCH_OPS:
+            modelled += self._switch.pop(o, 0.0)
+            if o is op:
+                break
+        return self.pacer.finish(f"switch.{op.value}", start, modelled)
+
+    def end_switch(self) -> None:
+        self._switch = {}
+
+    # -- weights and reports --------------------------------------------------------------------------------------
+    def fetched(self, started: float, real_s: float) -> None:
+        """A fetched version installs no earlier than the modelled weight transfer after its fetch started."""
+        self.pacer.settle("weight_fetch", started, real_s, self.model.weight_sync_s())
 
     def report(self) -> dict[str, Any] | None:
         """The cumulative pacing record when spans were paced since the last report, else None."""

@@ -24,11 +24,11 @@ One real token stands for ``tokens_per_token`` (``k``) modelled tokens, prompts 
 
 from __future__ import annotations
 
-import math
 from typing import Iterable, Sequence
 
 from dynaresize.events import SwitchOp
 from dynaresize.policy import OpGroup, SwitchCostModel, Topology
+from dynaresize.policy.predictor import efficiency
 
 # Which op of the worker's switch (dynaresize/worker/core.py ``_cmd_switch_role``) carries the planned ops that the
 # CPU worker has no separate step for: a rank paces, over its switch, exactly its group's critical planned cost.
@@ -102,7 +102,7 @@ class TimingModel:
         m1 = sum(seq) / len(seq)
         ctx = sum(x * x for x in seq) / len(seq) / (2 * m1) if m1 > 0 else 0.0
         tokens = sum(seq) if self.trained == "sequence" else k * sum(response_lens)
-        eff = t.scaling_per_doubling ** math.log2(n_train) if n_train > 1 else 1.0
+        eff = efficiency(n_train, t.scaling_per_doubling)
         return self.s * tokens * (1.0 + t.attention_per_context_token * ctx) / (t.tokens_per_gpu_s * n_train * eff)
 
     def optimizer_step_s(self) -> float:

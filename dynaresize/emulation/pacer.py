@@ -31,6 +31,24 @@ class KindStats:
                 "worst_real_s": round(self.worst_real_s, 6),
                 "worst_modelled_s": round(self.worst_modelled_s, 6), "overrun_s": round(self.overrun_s, 6)}
 
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "KindStats":
+        return cls(int(d["spans"]), float(d["modelled_s"]), int(d["overruns"]), float(d["worst_real_s"]),
+                   float(d["worst_modelled_s"]), float(d["overrun_s"]))
+
+    def worse(self, real_s: float, modelled_s: float) -> None:
+        """Keep (real_s, modelled_s) as the worst overrun when it exceeded its model by more than the worst so far."""
+        if real_s - modelled_s > self.worst_real_s - self.worst_modelled_s:
+            self.worst_real_s, self.worst_modelled_s = real_s, modelled_s
+
+    def add(self, other: "KindStats") -> None:
+        """Another record of the same kind (another rank's) merged into this one."""
+        self.spans += other.spans
+        self.modelled_s += other.modelled_s
+        self.overruns += other.overruns
+        self.overrun_s += other.overrun_s
+        self.worse(other.worst_real_s, other.worst_modelled_s)
+
 
 class Pacer:
     def __init__(self, tolerance: float, clock: Callable[[], float] = time.perf_counter,
@@ -60,8 +78,7 @@ class Pacer:
         st.modelled_s += modelled_s
         if real_s > modelled_s * (1.0 + self.tolerance) + GRACE_S:
             st.overruns += 1
-            if real_s - modelled_s > st.worst_real_s - st.worst_modelled_s:
-                st.worst_real_s, st.worst_modelled_s = real_s, modelled_s
+            st.worse(real_s, modelled_s)
             st.overrun_s += real_s - modelled_s
         now = self.clock()
         if now < start + modelled_s:
@@ -79,17 +96,11 @@ class Pacer:
 
 def merge(per_rank: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """The run's ``emulation`` summary from each rank's :meth:`Pacer.to_json`: faithful when no span overran."""
-    kinds: dict[str, dict[str, Any]] = {}
+    kinds: dict[str, KindStats] = {}
     for rec in per_rank:
         for kind, s in rec.items():
-            m = kinds.setdefault(kind, {"spans": 0, "modelled_s": 0.0, "overruns": 0, "worst_real_s": 0.0,
-                                        "worst_modelled_s": 0.0, "overrun_s": 0.0})
-            m["spans"] += int(s["spans"])
-            m["modelled_s"] = round(m["modelled_s"] + float(s["modelled_s"]), 6)
-            m["overruns"] += int(s["overruns"])
-            if s["worst_real_s"] - s["worst_modelled_s"] > m["worst_real_s"] - m["worst_modelled_s"]:
-                m["worst_real_s"], m["worst_modelled_s"] = s["worst_real_s"], s["worst_modelled_s"]
-            m["overrun_s"] = round(m["overrun_s"] + float(s["overrun_s"]), 6)
-    total = sum(m["overruns"] for m in kinds.values())
-    return {"faithful": total == 0, "overruns": total, "overrun_s": round(sum(m["overrun_s"] for m in kinds.values()), 6),
-            "ranks": len(per_rank), "by_kind": kinds}
+            kinds.setdefault(kind, KindStats()).add(KindStats.from_json(s))
+    by_kind = {k: st.to_json() for k, st in kinds.items()}
+    total = sum(st.overruns for st in kinds.values())
+    return {"faithful": total == 0, "overruns": total, "overrun_s": round(sum(st.overrun_s for st in kinds.values()), 6),
+            "ranks": len(per_rank), "by_kind": by_kind}

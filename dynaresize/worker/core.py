@@ -216,12 +216,12 @@ class Worker:
     # -- the emulated accelerator (cluster.device: emulated) ---------------------------------------------------
 
     def _pace(self, kind: str, start: float, modelled: Callable[[Any], float]) -> float:
-        """End a span of real work begun at ``start``: with an emulator, it lasts ``modelled(timing model)`` wall
+        """End a span of real work begun at ``start``: with an emulator, it lasts ``modelled(emulator)`` wall
         seconds (or is recorded as an overrun); returns the span's end."""
         emu = self.setup.emulator
         if emu is None:
             return time.perf_counter()
-        return emu.pacer.finish(kind, start, modelled(emu.model))
+        return emu.pacer.finish(kind, start, modelled(emu))
 
     def _report_pacing(self) -> None:
         emu = self.setup.emulator
@@ -231,15 +231,6 @@ class Worker:
 
             self.setup.events.emit(EventType.METRIC, name=OVERRUNS_METRIC, value=emu.pacer.overruns, rank=self.rank,
                                    by_kind=rec)
-
-    def _stage_in_s(self, m: Any, pending: bool) -> float:
-        """Modelled seconds the deferred optimizer state adds to this optimizer step (none when none is pending)."""
-        emu = self.setup.emulator
-        if not pending or emu.switched is None:
-            return 0.0
-        extra = m.deferred_stage_in_s(*emu.switched, emu.world, emu.trained_s)
-        emu.switched = None
-        return extra
 
     @staticmethod
     def _lengths(tb: Any) -> tuple[list[int], list[int]]:
@@ -313,12 +304,8 @@ class Worker:
         pending = self.trainer is not None and self.trainer.has_pending_state()
         out = self.train_batch(self._tensors_of(tb), n_train, version_after)
 
-        def modelled(m):
-            fwd_bwd = m.train_s(*self._lengths(tb), n_train)
-            self.setup.emulator.trained_s += fwd_bwd
-            return fwd_bwd + m.optimizer_step_s() + self._stage_in_s(m, pending)
-
-        self._stage(Stage.TRAIN, step, t0, self._pace("train", t0, modelled), tokens=out["tokens"], version=out["version"])
+        t1 = self._pace("train", t0, lambda e: e.fwd_bwd_s(*self._lengths(tb), n_train) + e.step_s(pending))
+        self._stage(Stage.TRAIN, step, t0, t1, tokens=out["tokens"], version=out["version"])
         return out
 
     def _trainer_for(self, n_train: int, version_after: int | None = None) -> ZeroTrainer:
@@ -366,13 +353,7 @@ class Worker:
         batch = self._tensors_of(tb)
         t0 = time.perf_counter()
         stats = trainer.accumulate(batch, self._loss_fn(batch))
-
-        def modelled(m):
-            s = m.train_s(*self._lengths(tb), n_train)
-            self.setup.emulator.trained_s += s
-            return s
-
-        t1 = self._pace("train_chunk", t0, modelled)
+        t1 = self._pace("train_chunk", t0, lambda e: e.fwd_bwd_s(*self._lengths(tb), n_train))
         self.setup.hooks.point(self.rank, "train_chunk.accumulated", f"step-{step}")
         tokens, samples = self._tokens(batch), int(batch["input_ids"].shape[0])
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
@@ -393,7 +374,7 @@ class Worker:
             target = Path(self.setup.weights_dir).resolve() / f"v{version_after}"
         pending = trainer.has_pending_state()
         stats, t0, t1 = self._stepped(trainer, lambda: trainer.step(denominator))
-        t1 = self._pace("optimizer_step", t0, lambda m: m.optimizer_step_s() + self._stage_in_s(m, pending))
+        t1 = self._pace("optimizer_step", t0, lambda e: e.step_s(pending))
         self.version = version_after
         self._stage(Stage.TRAIN, step, t0, t1, version=self.version, optimizer_step=True)
         published, end = 0, t1
@@ -471,7 +452,7 @@ class Worker:
             self._module_stale = True
         if self.rollout is not None:
             self.rollout.version = got
-        t1 = self._pace("weight_sync", t0, lambda m: m.weight_sync_s())
+        t1 = self._pace("weight_sync", t0, lambda e: e.model.weight_sync_s())
         self._stage(Stage.WEIGHT_SYNC, max(0, got - 1), t0, t1, version=got, bytes=moved)
         return {"version": got, "bytes": moved, "seconds": t1 - t0}
 
@@ -523,9 +504,8 @@ class Worker:
             raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
                               f"{e}") from None
         self._log_read(inc)
-        emu = self.setup.emulator
-        if emu is not None:  # the transfer lasts the modelled weight sync from the fetch's start (the read is real work)
-            emu.pacer.settle("weight_fetch", inc.read.started, inc.read.finished - inc.read.started, emu.model.weight_sync_s())
+        if self.setup.emulator is not None:  # the transfer lasts the modelled weight sync from the fetch's start
+            self.setup.emulator.fetched(inc.read.started, inc.read.finished - inc.read.started)
         if meta.get("version") != version:
             raise WorkerError(f"rank {self.rank}: {inc.path} holds version {meta.get('version')!r}, not {version}")
         named = []
@@ -555,9 +535,8 @@ class Worker:
             ev.emit(EventType.STAGE, step=step, stage=stage, ranks=str(self.rank), start=start + off, end=end + off, **extra)
 
     def _op(self, switch_id: str | None, op: SwitchOp, start: float, end: float, critical: bool = True, bytes: int = 0) -> None:
-        emu = self.setup.emulator
-        if emu is not None and switch_id and op.value in emu.switch:
-            end = self._pace_switch_op(op, start)
+        if self.setup.emulator is not None and switch_id:
+            end = self.setup.emulator.pace_switch_op(op, start, end)
         rec = {"switch_id": switch_id or "", "op": op.value, "rank": self.rank, "start": start, "end": end,
                "seconds": end - start, "critical": critical, "bytes": int(bytes)}
         self.ops.append(rec)
@@ -583,9 +562,7 @@ class Worker:
         old_role = self.role
         emu = self.setup.emulator
         if emu is not None:  # the modelled seconds of each op of this switch on this rank
-            emu.switch = {op.value: s for op, s in emu.model.switch_ops_s(from_train, to_train, self.setup.world, self.rank).items()}
-            if will:
-                emu.switched, emu.trained_s = (from_train, to_train), 0.0
+            emu.begin_switch(from_train, to_train, self.rank)
         self.incoming.clear()  # fetched versions are for rollout engines: a rank that switches drops them
         pc = time.perf_counter
         # offload: old trainers' ZeRO partitions to host
@@ -643,21 +620,9 @@ class Worker:
         if will:
             self._defer(new, switch_id)
         if emu is not None:
-            emu.switch = {}
+            emu.end_switch()
         result_ops = self.ops[first:]
         return {"role": self.role.value, "from_role": old_role.value, "ops": result_ops}
-
-    def _pace_switch_op(self, op: SwitchOp, start: float) -> float:
-        """Pace switch op ``op`` begun at ``start``: its modelled seconds plus those of the ops before it in the
-        switch's order that this rank did not run (an op the CPU worker skips still costs what the plan says)."""
-        from dynaresize.emulation.model import WORKER_SWITCH_OPS
-
-        emu, modelled = self.setup.emulator, 0.0
-        for o in WORKER_SWITCH_OPS:
-            modelled += emu.switch.pop(o.value, 0.0)
-            if o is op:
-                break
-        return emu.pacer.finish(f"switch.{op.value}", start, modelled)
 
     def _restore_snapshot(self, version: int, switch_id: str) -> None:
         snap = getattr(self, "_snapshot", None)
