@@ -32,6 +32,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from dynaresize import atomic
 from dynaresize.analysis.calibrate import to_costs_section
 from dynaresize.analysis.fit import fit_costs
 from dynaresize.analysis.metrics import analyze
@@ -61,6 +62,7 @@ class Replay:
     cfg: Config
     time_scale: float = 1.0  # run seconds per simulated second
     samples_cfg: Config | None = None  # the sample-level rows' config when it differs (the CPU decode mapping)
+    fit: dict | None = None  # dynaresize calibrate's fit of the run, when the replay was built from it
     notes: list[str] = field(default_factory=list)
     left_out: list[str] = field(default_factory=list)  # what is assumed rather than measured, or not modelled
 
@@ -192,7 +194,7 @@ def _cpu_replay(run_dir: Path, rd: RunData) -> Replay:
     r = fit["rollout"]
     overhead = max(r["overhead_s"], 0.0)
     sc = cpu_decode_physics(cfg, r["tokens_per_s_per_gpu"], overhead)
-    rep = Replay("cpu", cfg, samples_cfg=sc, notes=notes)
+    rep = Replay("cpu", cfg, samples_cfg=sc, notes=notes, fit=fit)
     rep.left_out.append(
         f"GPU-like decode physics: the sample-level rows map the fitted CPU rollout onto it (cpu_decode_physics: "
         f"compute_per_seq_s = 1 / {r['tokens_per_s_per_gpu']:.0f} tokens/s fitted; iteration_fixed_s = "
@@ -238,8 +240,9 @@ def _policy_on(rep: Replay) -> Replay:
     return rep
 
 
-def _forced(rd: RunData, cfg: Config, notes: list[str]) -> dict[int, int]:
-    fit_splits = fit_costs(rd)["forced_splits"]
+def _forced(rd: RunData, rep: Replay) -> dict[int, int]:
+    cfg, notes = rep.cfg, rep.notes
+    fit_splits = (rep.fit or fit_costs(rd))["forced_splits"]
     ok = {k: n for k, n in fit_splits.items() if 1 <= k < cfg.sim.steps and 1 <= n <= cfg.cluster.gpus - 1}
     if len(ok) < len(fit_splits):
         notes.append(f"own schedule: {len(fit_splits) - len(ok)} logged switch(es) outside the replayed steps left out")
@@ -255,7 +258,7 @@ def whatif(run: str | Path) -> dict:
     measured = analyze(rd).totals["span_s"]
     s = setup(rep.cfg)
     k = rep.time_scale
-    forced = _forced(rd, rep.cfg, rep.notes)
+    forced = _forced(rd, rep)
     own = run_static(s, s.initial, forced=forced)
     cmp = compare(s, samples=rep.samples_cfg is None)
     by = {r["name"]: r for r in cmp["rows"]}
@@ -334,7 +337,5 @@ def to_json(w: dict) -> str:
 
 def write(w: dict, out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    p = out_dir / "whatif.json"
-    p.write_text(json.dumps(w, indent=1) + "\n")
-    return p
+    return atomic.write_json(out_dir / "whatif.json", w, indent=1)
 

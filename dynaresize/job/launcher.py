@@ -45,7 +45,10 @@ def worker_argv(run_dir: Path, rank: int, world: int, master_port: int, job_id: 
 
 def log_tail(run_dir: Path, rank: int, lines: int = 20) -> str:
     """The last lines of a rank's log (``<run_dir>/logs/rank<r>.log``), for the error that names a dead rank."""
-    path = Path(run_dir) / "logs" / f"rank{rank}.log"
+    return _tail(Path(run_dir) / "logs" / f"rank{rank}.log", lines)
+
+
+def _tail(path: Path, lines: int) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -123,12 +126,7 @@ class LocalLauncher:
     def log_tail(self, rank: int, lines: int = 20) -> str:
         tail = log_tail(self.run_dir, rank, lines)
         if self.zygote and rank not in self._launch.pids:
-            why = self._launch.failed or ""
-            z = self.run_dir / "logs" / "zygote.log"
-            try:
-                zt = "\n".join(z.read_text(errors="replace").splitlines()[-lines:])
-            except OSError:
-                zt = ""
+            why, zt = self._launch.failed or "", _tail(self.run_dir / "logs" / "zygote.log", lines)
             tail = "\n".join(x for x in (tail, why, zt) if x)
         return tail
 
