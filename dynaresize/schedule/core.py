@@ -117,6 +117,7 @@ class PipelineScheduler:
         self.policy = policy
         self.policy_state: PolicyState | None = policy.initial_state() if policy is not None else None
         self.batches = [_Batch(j, g, version_of(j, cfg.staleness)) for j, g in enumerate(cfg.groups)]
+        self.n_steps = cfg.steps
         self.ranks = [_Rank(Role.TRAIN if r < cfg.n_train else Role.ROLLOUT) for r in range(cfg.n_ranks)]
         k = cfg.resume_step
         for r in self.ranks:
@@ -150,8 +151,12 @@ class PipelineScheduler:
 
     def topology(self) -> Topology:
         """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
-        nt = sum(1 for r in self.ranks if not r.lost and ((r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN))
-        live = sum(1 for r in self.ranks if not r.lost)
+        nt = live = 0
+        for r in self.ranks:
+            if not r.lost:
+                live += 1
+                if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
+                    nt += 1
         return Topology(max(1, nt), max(1, live - nt))
 
     def complete(self, batch: int) -> bool:
@@ -183,14 +188,17 @@ class PipelineScheduler:
         out: list[Action] = []
         if self.restarting:
             return out
+        tp = type(ev)
+        if tp is RankReady:  # the two most frequent events first, without the match's pattern tests
+            r = self._rank(ev.rank, Role.ROLLOUT)
+            if r is not None:
+                r.capacity = max(0, ev.capacity)
+                self._assign(ev.rank, out)
+            return out
+        if tp is GroupsDone:
+            self._groups_done(ev.rank, ev.batch, ev.groups, out)
+            return out
         match ev:
-            case RankReady(rank, capacity):
-                r = self._rank(rank, Role.ROLLOUT)
-                if r is not None:
-                    r.capacity = max(0, capacity)
-                    self._assign(rank, out)
-            case GroupsDone(rank, batch, groups):
-                self._groups_done(rank, batch, groups, out)
             case TrainChunkDone(batch):
                 self._chunk_done(batch, out)
             case OptimizerStepDone(batch):
@@ -229,11 +237,12 @@ class PipelineScheduler:
         if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
             self.waiting.discard(rank)
             return
-        while self.first_open < self.cfg.steps and not self.batches[self.first_open].unclaimed:
+        while self.first_open < self.n_steps and not self.batches[self.first_open].unclaimed:
             self.first_open += 1
         j = self.first_open
-        last = min(self.cfg.steps - 1, self.produced + self.s)  # no later batch has its version yet
-        while r.capacity > 0 and j <= last and self._open(j):
+        last = min(self.n_steps - 1, self.produced + self.s)  # no later batch has its version yet
+        continuous = self.mech.continuous_rollout
+        while r.capacity > 0 and j <= last and (continuous or j < self.released):  # _open(j)
             b = self.batches[j]
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
             room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
@@ -317,12 +326,18 @@ class PipelineScheduler:
         """Continuous rollout: drop versions no batch needs any more, then send deferred ones into the free buffers."""
         if not self.mech.continuous_rollout:
             return
+        needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
+        cap = self.cfg.max_versions_per_rank
         for rank in self.rollout_ranks():
             r = self.ranks[rank]
-            for v in sorted(r.versions):
-                if len(r.versions) > 1 and v != r.inflight_version and not self._needed(v) and v < self.produced:
-                    r.versions.discard(v)
-            while r.deferred and len(r.versions) + len(r.sending) < self.cfg.max_versions_per_rank:
+            if len(r.versions) > 1:
+                for v in sorted(r.versions):
+                    if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
+                        if v not in needed:
+                            needed[v] = self._needed(v)
+                        if not needed[v]:
+                            r.versions.discard(v)
+            while r.deferred and len(r.versions) + len(r.sending) < cap:
                 v = r.deferred.pop(0)
                 r.sending.add(v)
                 out.append(SendWeights(rank, v))
@@ -374,9 +389,27 @@ class PipelineScheduler:
     def _offer_help_all(self, out: list[Action]) -> None:
         """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
         help in ``_assign``)."""
-        if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.cfg.steps - 1)].ready:
+        if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
             for rank in sorted(self.waiting):
+                if self._help_share() < 1:
+                    return  # not worth a helper now, for any rank (each help only shrinks what is left)
                 self._offer_help(rank, out)
+
+    def _help_share(self) -> int:
+        """Groups of the batch in training that one more helper should take now (0: a helper would not pay): the
+        share balances the trainers' rest against the helper's groups plus its cost, and the batch's training must
+        end sooner by more than ``(helper_margin - 1) x helper_cost_s``."""
+        c, g = self.cfg, self.gpu_s_per_group
+        nt = len(self.t_ranks)
+        if not self.t_started or nt == 0 or g <= 0 or self.produced >= self.n_steps:
+            return 0
+        trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
+        n = len(self.batches[self.produced].ready)
+        m = min(n, int((n * g / trate - c.helper_cost_s) / (g / trate + g / c.helper_rate)))
+        if m < 1:
+            return 0
+        saving = n * g / trate - max((n - m) * g / trate, m * g / c.helper_rate + c.helper_cost_s)
+        return m if saving > (c.helper_margin - 1.0) * c.helper_cost_s else 0
 
     def _offer_help(self, rank: int, out: list[Action]) -> None:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
@@ -385,22 +418,16 @@ class PipelineScheduler:
         the trainers' rest against the helper's groups plus its cost."""
         c, k = self.cfg, self.produced
         g = self.gpu_s_per_group
-        if not self.mech.gradient_helpers or k >= c.steps or g <= 0 or not self.t_started:
+        if not self.mech.gradient_helpers or k >= self.n_steps or g <= 0 or not self.t_started:
             return
         r, b = self.ranks[rank], self.batches[k]
         if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
             return
-        last = min(c.steps - 1, self.produced + self.s)
+        last = min(self.n_steps - 1, self.produced + self.s)
         if any(self.batches[j].unclaimed and self.batches[j].version in r.versions for j in range(self.first_open, last + 1)):
             return  # generation comes first: it waits for its even share of a batch, not for a version
-        nt = len(self.t_ranks)
-        trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
-        n = len(b.ready)
-        m = min(n, int((n * g / trate - c.helper_cost_s) / (g / trate + g / c.helper_rate)))
+        m = self._help_share()
         if m < 1:
-            return
-        saving = n * g / trate - max((n - m) * g / trate, m * g / c.helper_rate + c.helper_cost_s)
-        if saving <= (c.helper_margin - 1.0) * c.helper_cost_s:
             return
         groups = tuple(b.ready[-m:])
         del b.ready[-m:]
