@@ -492,9 +492,9 @@ class PipelineScheduler:
     def _measured(self, obs, steps_left: int, out: list[Action]) -> None:
         if self.policy is None or not self.mech.resize or self.switching:
             return
-        obs = replace(obs, topology=self.topology(), steps_left=steps_left)  # the payback horizon ends with the run
-        self.policy_state, dec = self.policy.step(self.policy_state, obs)
         cur = self.topology()
+        obs = replace(obs, topology=cur, steps_left=steps_left)  # the payback horizon ends with the run
+        self.policy_state, dec = self.policy.step(self.policy_state, obs)
         if not dec.resize or dec.target == cur or dec.target.total != cur.total:
             out.append(Decided(obs.step, dec))
             return

@@ -130,14 +130,12 @@ class DecodeRank:
             return
         seqs.sort()  # by tokens left, then admission number (unique): a stable sort by tokens left
         t0 = t + pause
-        n = len(seqs)
-        su = [0.0] * n  # per-iteration cost of the sequences still active in each segment, summed from the end
-        acc = 0.0
+        n, w = len(seqs), self.w
+        cost = [0.0] * n  # w + the per-iteration cost of the sequences still active in each segment
+        acc = 0.0  # that cost, summed from the end
         for i in range(n - 1, -1, -1):
             acc += seqs[i][2]
-            su[i] = acc
-        w = self.w
-        cost = [w + x for x in su]
+            cost[i] = w + acc
         marks = [0.0] * n
         gend: dict[int, float] = {}
         acc, prev = 0.0, 0.0
@@ -462,7 +460,8 @@ class SamplePipeline:
                 self.emit(a, EventType.STAGE, step=batch, stage="rollout", ranks=str(rank), start=round(a, 6),
                           end=round(e, 6), version=max(0, batch - self.s))
         spans = [e - a for a, e in by_rank.values()]
-        topo = self.topology_at_step.get(batch, self.core.topology())
+        now = self.core.topology()
+        topo = self.topology_at_step.get(batch, now)
         self.res.topologies.append(str(topo))
         if batch < self.K - 1:
             # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
@@ -475,10 +474,10 @@ class SamplePipeline:
             eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
             train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
-                step=batch, topology=self.core.topology(), rollout_s=roll, train_s=train, rollout_tail_s=bi.tail_s,
+                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
-                mixed=batch in self.step_mixed or bool(self.core.switching) or topo != self.core.topology(),
+                mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
             )
             per_group = float(bi.train_per_group.sum()) / bi.groups  # the step's training per group on one GPU
             self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group)))
