@@ -24,7 +24,8 @@ turns its actions into simulated durations and its events into the core's inputs
   the first forward/backward cannot hide) on the first training chunk of the new trainer set.
 
 The resize policy observes capacities, not overlapping stage times: per finished step, the GPU-seconds its rollout
-kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation``.
+kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation`` (with continuous
+rollout and streaming training, without a tail term: see ``_step_done``).
 
 Assumptions beyond the step-level model's (also in docs/simulator.md): claims in chunks of ``claim`` sequences (a
 GPU admits new sequences a few groups at a time, not one by one); a GPU holds one weight version at a time; per
@@ -238,7 +239,7 @@ class SamplePipeline:
         self.step_mixed: set[int] = set()
         self.open_switches: dict[int, int] = {}  # sid -> ranks still switching
         self.topology_at_step: dict[int, Topology] = {}
-        self.busy_start: dict[int, float] = {}
+        self.busy_start: dict[int, float] = {}  # rollout rank -> when it last went from no sequence to some
         self.topo = initial  # the split the last decision aimed at
 
     # --- workload -----------------------------------------------------------------------------------------------
@@ -412,7 +413,7 @@ class SamplePipeline:
         lengths = [x for g in groups for x in bi.lengths[g]]
         if dr.active == 0:
             dr.slots = bi.cap
-            self.busy_start[rank] = t
+            self.busy_start.setdefault(rank, t)  # a rank given work the moment it drained stays busy
         else:
             dr.slots = min(dr.slots, bi.cap)
         dr.admit(t, lengths, bi.u, [(batch, g) for g in groups], G, float(bi.prefill_s[list(groups)].sum()))
@@ -466,7 +467,10 @@ class SamplePipeline:
         if batch < self.K - 1:
             # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
             # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
-            # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean.
+            # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean,
+            # and no part of it is a tail that more GPUs cannot shorten (the next batch's head fills the tail: the
+            # runtime's continuous pipeline reports no tail either). Reporting the longest response as such a tail made
+            # the policy predict a smaller rollout pool far faster than it measures, and swing on a stationary workload.
             # Training: the trainers' compute for the whole batch (helpers' groups included) on their set.
             n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
             overlap = self.mech.continuous_rollout and self.mech.streaming_training
@@ -474,7 +478,7 @@ class SamplePipeline:
             eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
             train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
-                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=bi.tail_s,
+                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=0.0 if overlap else bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,

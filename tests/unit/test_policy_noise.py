@@ -19,7 +19,8 @@ from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topolo
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.types import LeftSplit
 from dynaresize.policy.predictor import StageModel, expected_max
-from dynaresize.sim.compare import run_dynamic, run_static, setup
+from dynaresize.schedule import Mechanisms
+from dynaresize.sim.compare import run_dynamic, run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,3 +163,47 @@ def test_stationary_workload_started_on_the_best_split_stays_near_it(gpus, mean,
     dyn = run_dynamic(s, False)
     assert dyn.switches <= 2, f"{dyn.switches} switches from {best}: {dyn.topologies}"
     assert dyn.total_s <= 1.05 * totals[best]
+
+
+# --- the same at sample level, barrier-free (continuous rollout + streaming training + helpers) -----------------------
+BARRIER_FREE = Mechanisms(True, True, True, True)
+
+
+def best_static_samples(s) -> float:
+    """The best static split with the same barrier-free mechanisms: a local search over splits from the step-level
+    best (the sample level's best split is often one or two GPUs away from it)."""
+    s.table.sweep([c.n_rollout for c in s.candidates])
+    cands = sorted(s.candidates, key=lambda c: c.n_train)
+    i = min(range(len(cands)), key=lambda j: run_static(s, cands[j]).total_s)
+    total = {}
+
+    def at(j: int) -> float:
+        if j not in total:
+            total[j] = run_samples(s, cands[j], replace(BARRIER_FREE, resize=False)).total_s
+        return total[j]
+
+    while True:
+        j = min((j for j in (i - 1, i + 1) if 0 <= j < len(cands)), key=at)
+        if at(j) >= at(i):
+            return at(i)
+        i = j
+
+
+@pytest.mark.parametrize("gpus, mean, seed", [(8, 3000, 0), (16, 1000, 1), (16, 6000, 0), (32, 6000, 1)])
+def test_barrier_free_resizing_settles_on_a_stationary_workload(gpus, mean, seed):
+    """200 steps from 3/4 of the GPUs training: at most 2 switches and within 1% of the best static split with the
+    same mechanisms. With the longest response reported as a rollout tail that more GPUs cannot shorten (it is
+    filled by the next batch's head), these cases switched 3-7 times and lost 2-4%."""
+    s = setup(stationary(gpus, mean, seed, 200))
+    dyn = run_samples(s, s.initial, BARRIER_FREE)
+    best = best_static_samples(s)
+    assert dyn.switches <= 2, f"{dyn.switches} switches: {dyn.topologies}"
+    assert dyn.total_s <= 1.01 * best, f"{100 * (dyn.total_s / best - 1):.2f}% behind the best static split"
+
+
+@pytest.mark.xfail(strict=True, reason="known miss at sample level (+2.7%): 16 GPUs, 3000-token responses; the policy "
+                   "settles on 9:7 (the step-level best), the barrier-free best is 10:6; its busy-span capacity counts "
+                   "low-concurrency decode, so a smaller rollout pool is predicted slower than it is")
+def test_known_miss_of_the_one_percent_target_at_sample_level():
+    s = setup(stationary(16, 3000, 0, 200))
+    assert run_samples(s, s.initial, BARRIER_FREE).total_s <= 1.01 * best_static_samples(s)
