@@ -149,8 +149,9 @@ class PipelineScheduler:
         self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
         self.generating: dict[int, int] = {}  # trainer-gen: trainer rank -> the batch it generates groups of
         self.decode_s_per_group = 0.0  # the newest measured rollout GPU-seconds per group
-        self.group_latency_s = 0.0  # the newest measured mean assignment-to-end time of a group
+        self.group_latency_s = 0.0  # the newest measured longest assignment-to-end time of a group
         self.trainer_gens = 0  # trainer-gen excursions (one Assign to one trainer each)
+        self.gen_budget: dict[int, float] = {}  # generating trainer -> its priced time away (seconds)
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -451,12 +452,16 @@ class PipelineScheduler:
         returning unfinished groups (an abort throws away decoded tokens and still costs the engine's sleep). It is not
         needed while the rollout pool has batch ``k + s`` work left: the rollout ranks wait for version ``k + 1``
         only once batch ``k + s`` is claimed. So, with ``d`` the measured rollout GPU-seconds per group, the pool's
-        ``n`` ranks and ``U`` unclaimed groups, the trainers go only when
+        ``n`` ranks, ``U`` unclaimed groups of batch ``k + s`` and ``F`` groups in flight on the pool (of batches
+        ``k .. k + s``, each counted as ``trainer_gen_inflight_credit`` of a group's work), the trainers go only when
 
-            trainer_gen_cost_s + max(m d / trainer_gen_rate, group_latency_s) + rest of T_k  <=  (U - trainers x m) d / n
+            away = trainer_gen_cost_s + max(m d / trainer_gen_rate, group_latency_s)
+            away + rest of T_k  <=  (U - trainers x m + credit x F) d / n
 
-        (they come back, train the rest of batch ``k`` and step before the pool runs out of batch ``k + s``), which
-        bounds how long a chunk of ``T_k`` waits on a generating trainer by the left-hand side's first two terms.
+        (they come back, train the rest of batch ``k`` and step before the pool runs out of batch ``k + s``).
+        ``away`` is what the pricing allows a chunk of ``T_k`` to wait on a generating trainer (``gen_budget``);
+        ``group_latency_s`` is the slowest group's measured assignment-to-end time, so a trainer taking a few groups
+        is back within it (the simulator checks: ``SampleRunResult.trainer_gen_over_s``).
         The saving is the pool time they spare, ``trainers x m x d / n``; it must exceed ``trainer_gen_margin x
         trainer_gen_cost_s``. One excursion at a time (no trainer leaves while another is away), none during a resize.
         """
@@ -480,11 +485,12 @@ class PipelineScheduler:
         trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
         rest = left * g / trate
         unclaimed = len(nb.returned) + nb.groups - nb.cursor
+        inflight = sum(len(self.batches[i].owner) for i in range(k, j + 1))  # on the rollout ranks: none is away
         pool = d / self.n_rollout  # pool seconds per group
         m = min(c.trainer_gen_groups, unclaimed // nt)
         while m >= 1:
             away = c.trainer_gen_cost_s + max(m * d / c.trainer_gen_rate, self.group_latency_s)
-            if away + rest <= (unclaimed - nt * m) * pool:
+            if away + rest <= (unclaimed - nt * m + c.trainer_gen_inflight_credit * inflight) * pool:
                 break
             m -= 1
         if m < 1 or nt * m * pool <= c.trainer_gen_margin * c.trainer_gen_cost_s:
@@ -498,6 +504,7 @@ class PipelineScheduler:
             r.inflight += len(got)
             r.inflight_version = nb.version
             self.generating[rank] = j
+            self.gen_budget[rank] = away
             self.trainer_gens += 1
             out.append(Assign(rank, j, got, nb.version))
 
@@ -510,6 +517,7 @@ class PipelineScheduler:
         if r.inflight:
             raise ScheduleError(f"trainer {rank} came back with {r.inflight} groups still generating")
         del self.generating[rank]
+        self.gen_budget.pop(rank, None)
         if r.leaving and not (self.t_started and rank in self.t_ranks):
             self._start_switch(rank, out)
         self._try_train(out)

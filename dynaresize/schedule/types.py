@@ -69,6 +69,7 @@ class SchedulerConfig:
     trainer_gen_rate: float = 0.7  # a generating trainer's decode rate relative to a rollout GPU (less KV: ASSUMPTION)
     trainer_gen_groups: int = 4  # the most groups a trainer takes per excursion (its KV room; the driver sizes it)
     trainer_gen_margin: float = 1.5  # a trainer generates only when the saving exceeds its switch cost times this
+    trainer_gen_inflight_credit: float = 0.5  # a group in flight on the pool counts as this much work left (ASSUMPTION: half decoded)
     # The runtime's role switch is ONE collective over the old and new trainers (it reshards the optimizer state
     # across them): the movers of a resize switch together, at a training-batch boundary, and the trainers wait for
     # the switch to end before the next batch's first chunk (the simulator's per-rank switches: False).
@@ -153,8 +154,8 @@ class StepMeasured:
     ``train_gpu_s_per_group``: the step's training compute per group on one GPU (trainers' compute time x trainers x
     their efficiency / groups); the gradient helpers' cost check prices the next batch with it (0: unknown).
     ``decode_s_per_group``: the step's rollout GPU-seconds per group (busy rollout time / groups) and
-    ``group_latency_s``: the mean time from a group's assignment to its end; trainer-gen prices with both (0: unknown,
-    no trainer generates)."""
+    ``group_latency_s``: the longest time from a group's assignment to its end; trainer-gen prices with both (0:
+    unknown, no trainer generates)."""
 
     observation: Observation
     steps_left: int = 0

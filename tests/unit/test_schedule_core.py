@@ -467,16 +467,18 @@ def test_an_idle_trainer_generates_the_batch_its_version_makes_and_is_back_befor
     # trainer 0 idles (nothing of batch 0 is complete) and holds version 0, the version of batches 0 and 1. Measured:
     # 2 s of rollout GPU per group, 3 rollout ranks, so 0.67 s of the pool's time per group; 6 x 0.05 s of training.
     acts = core.handle(StepMeasured(Observation(0, core.topology(), 1.0, 1.0), 3, 0.05, 2.0, 0.0))
-    # batch 0's 2 unclaimed groups would keep the pool busy 1.3 s at most, less than the trainer's time away
-    # (0.05 s + 2 s per group + 0.3 s of training): it stays
+    # batch 0's 2 unclaimed groups and 4 in flight (half a group's work each) keep the pool busy (2 - 1 + 2) x 0.67 =
+    # 2 s at most with one taken, less than the trainer's time away (0.05 s + 2 s per group) + 0.3 s of training
     assert acts == []
-    # batch 1 (6 unclaimed): one group, 0.05 + 2 + 0.3 = 2.35 s <= 5 x 0.67 s; two would be 4.35 s > 4 x 0.67 s
-    assert core.handle(RankReady(3, 2)) == [Assign(3, 0, (4, 5), 0), Assign(0, 1, (0,), 0)]
+    # batch 1: 6 unclaimed, 6 in flight: two groups, 0.05 + 4 + 0.3 = 4.35 s <= (6 - 2 + 3) x 0.67 s
+    assert core.handle(RankReady(3, 2)) == [Assign(3, 0, (4, 5), 0), Assign(0, 1, (0, 1), 0)]
     assert core.generating == {0: 1} and core.role(0) is Role.TRAIN and core.topology() == Topology(1, 3)
+    assert core.gen_budget == {0: pytest.approx(4.05)}
     # batch 0's groups arrive: no chunk starts while the trainer generates
     assert core.handle(GroupsDone(1, 0, (0, 1))) == []
-    assert core.handle(GroupsDone(0, 1, (0,))) == []  # its group is done; it is not back yet (engine asleep?)
+    assert core.handle(GroupsDone(0, 1, (0, 1))) == []  # its groups are done; its engine is not asleep yet
     assert core.handle(TrainerBack(0)) == [Train(0, (0, 1), (0,), True)]
+    assert core.complete(0) is False and core.batches[1].done == {0, 1}
     with pytest.raises(ScheduleError):
         core.handle(TrainerBack(0))  # it is not generating any more
 
