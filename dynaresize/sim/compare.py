@@ -189,7 +189,8 @@ def compare(s: Setup, samples: bool = True) -> dict:
             all_mechanisms_fraction_of_bound=bound.total_s / allm.total_s,
             all_mechanisms_switches=allm.switches,
             mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
-                                  switches=r.switches, wall_s=r.wall_s) for key, r in mech_runs.items()},
+                                  switches=r.switches, wall_s=r.wall_s, helps=r.helps, trainer_gens=r.trainer_gens)
+                        for key, r in mech_runs.items()},
         )
         prev = best.total_s
         for key, r in mech_runs.items():  # the share each mechanism adds, in the order they are turned on
