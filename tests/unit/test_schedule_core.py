@@ -544,3 +544,15 @@ def test_the_random_worlds_do_exercise_trainer_gen():
         check_finished(world)
         gens += world.trainer_gens
     assert gens > 10
+
+
+def test_trainer_gen_events_survive_the_schedule_log_codec():
+    from dynaresize.schedule.codec import decode, encode
+
+    obs = Observation(3, Topology(2, 2), 1.0, 2.0)
+    for ev in (TrainerBack(1), StepMeasured(obs, 4, 0.5, 2.5, 30.0)):
+        assert decode(encode(ev)) == ev
+    cfg = SchedulerConfig(4, 2, (3, 3), mechanisms=Mechanisms(True, True, True, False, True), trainer_gen_cost_s=3.0)
+    assert decode(encode(cfg)) == cfg
+    with pytest.raises(ValueError):
+        SchedulerConfig(4, 2, (3,), trainer_gen_groups=0)
