@@ -42,7 +42,7 @@ def timed_4096(samples: bool, steps: int) -> float:
     s = setup(cfg)
     t0 = time.perf_counter()
     if samples:
-        run_samples(s, s.initial, Mechanisms(True, True, True, True))
+        run_samples(s, s.initial, Mechanisms(True, True, True, True, True))
     else:
         run_dynamic(s, False)
     return time.perf_counter() - t0
@@ -85,16 +85,17 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{name:<18} {sm['best_static_split']:>10} {fmt(sm['gain_vs_best_static']):>9} "
                      f"{100 * sm['fraction_of_bound']:>7.1f}% {fmt(allg):>9} "
                      f"{'-' if allb is None else f'{100 * allb:.1f}%':>8} "
-                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers"))
+                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers",
+                                                                         "trainer_rollout"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
     wall_step = timed_4096(False, 1000)
     wall_samples = timed_4096(True, args.timing_steps)
     projected = wall_samples * 1000 / args.timing_steps
     print(f"{'scenario':<18} {'best':>10} {'dyn_step':>9} {'%bound':>8} {'dyn_all':>9} {'%bound':>8} "
-          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
+          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'+tgen':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
     print("\n".join(lines))
     print("dyn_step: today's DynaResize (barrier, step level) vs the best static split; dyn_all: every mechanism (sample "
-          "level); +barrier/+contin./+stream/+helpers: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
+          "level); +barrier/+contin./+stream/+helpers/+tgen: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
     print(f"4096 GPUs x 1000 steps: step-level {wall_step:.2f} s; sample-level (all mechanisms) {wall_samples:.2f} s for "
           f"{args.timing_steps} steps, projected {projected:.0f} s for 1000 (target 60 s: {'met' if projected <= 60 else 'MISSED'})")
     out["sim_4096x1000_wall_s"] = round(wall_step, 3)

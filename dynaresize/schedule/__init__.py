@@ -7,11 +7,11 @@ from dynaresize.schedule.core import PipelineScheduler, replay
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
-    WeightsArrived, version_of,
+    TrainerBack, WeightsArrived, version_of,
 )
 
 __all__ = [
     "Action", "Assign", "Decided", "Event", "GroupsDone", "Help", "HelpDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
     "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerConfig", "SendWeights", "Step",
-    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "WeightsArrived", "replay", "version_of",
+    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "TrainerBack", "WeightsArrived", "replay", "version_of",
 ]

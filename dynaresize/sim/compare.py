@@ -13,8 +13,10 @@ Rows of ``compare`` (all measured side by side in one call):
 - sample-level (``samples=True``; per-GPU continuous batching driven by the scheduler core):
   ``best static (samples)``, the baseline split again at sample level (how far the two models agree);
   ``best static +cont+stream``, the baseline split with continuous rollout and streaming training, no resizing;
-  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``, ``dyn +cont+stream+helpers``: resizing
-  with each mechanism added in turn (helpers: idle rollout ranks compute gradients of the batch in training);
+  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``, ``dyn +cont+stream+helpers``,
+  ``dyn +helpers+trainer-gen``: resizing with each mechanism added in turn (helpers: idle rollout ranks compute
+  gradients of the batch in training; trainer-gen: idle trainers generate groups of the next batch); the last one is
+  "all mechanisms";
 - ``oracle (barrier)`` and ``bound``.
 """
 
@@ -81,7 +83,8 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
                           s.cfg.switching.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
-                          p.helper_rate, p.helper_cost_s).run()
+                          p.helper_rate, p.helper_cost_s, p.trainer_gen_cost_s, p.trainer_gen_kv_fraction,
+                          p.trainer_gen_rate).run()
 
 
 def oracle_total(s: Setup) -> float:
@@ -126,6 +129,7 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
     ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
     ("dyn +cont+stream+helpers", "gradient_helpers", Mechanisms(True, True, True, True)),
+    ("dyn +helpers+trainer-gen", "trainer_rollout", Mechanisms(True, True, True, True, True)),
 )
 
 
@@ -174,7 +178,7 @@ def compare(s: Setup, samples: bool = True) -> dict:
         bound_work_s=bound.work_s, bound_chain_s=bound.chain_s,
     )
     if samples:
-        allm = mech_runs["gradient_helpers"]
+        allm = mech_runs["trainer_rollout"]
         sb, sc = extra[0], extra[1]
         summary.update(
             samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower
@@ -185,7 +189,8 @@ def compare(s: Setup, samples: bool = True) -> dict:
             all_mechanisms_fraction_of_bound=bound.total_s / allm.total_s,
             all_mechanisms_switches=allm.switches,
             mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
-                                  switches=r.switches, wall_s=r.wall_s) for key, r in mech_runs.items()},
+                                  switches=r.switches, wall_s=r.wall_s, helps=r.helps, trainer_gens=r.trainer_gens)
+                        for key, r in mech_runs.items()},
         )
         prev = best.total_s
         for key, r in mech_runs.items():  # the share each mechanism adds, in the order they are turned on

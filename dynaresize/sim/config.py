@@ -172,6 +172,22 @@ class PipelineModelConfig(Section):
         1.2, ge=0, description="model=samples: a helper's overhead per help: engine sleep and wake (DESIGN: level 1 0.1-6 s) plus one "
         "gradient send (as a weight sync) (ASSUMPTION)"
     )
+    trainer_rollout: bool = Field(
+        False, description="model=samples: trainer-gen: idle trainers generate groups of the batch their version makes, "
+        "when priced to be back before they are needed (simulated only)"
+    )
+    trainer_gen_cost_s: float = Field(
+        2.0, ge=0, description="model=samples: a trainer's switch into generation and back: wake its inference engine "
+        "with its own weights, sleep it again (DESIGN: wake level 1 0.1-6 s, twice; ASSUMPTION)"
+    )
+    trainer_gen_kv_fraction: float = Field(
+        0.5, gt=0, le=1, description="model=samples: share of a rollout GPU's KV cap a generating trainer has (training "
+        "keeps weights, gradients and optimizer shard resident; ASSUMPTION)"
+    )
+    trainer_gen_rate: float = Field(
+        0.7, gt=0, le=1, description="model=samples: the scheduler's predicted decode rate of a generating trainer "
+        "relative to a rollout GPU (its pricing; ASSUMPTION)"
+    )
 
 
 class SimConfig(Section):
