@@ -53,6 +53,15 @@ from dynaresize.sim.stages import StageTable
 
 _EPS = 1e-9
 
+# With continuous rollout and streaming training, the share of a batch's longest response decoded alone that the
+# policy's observation reports as a rollout tail (the part of the rollout that more GPUs do not shorten); the rest
+# of that time the rank also decodes the next batch's head. An empirical value (docs/simulator.md, "Robustness at
+# sample level"): the whole tail made the policy predict a smaller rollout pool far faster than it measured, so it
+# swung between two splits on stationary workloads (17 of 24 grid cases missed <= 2 switches and 1%, worst 9.6%);
+# no tail made it settle on too large a pool and creep one GPU at a time where gradient helpers run (8 of 24, worst
+# 2.7%, taskmix_64gpu +7% slower); half: 9 of 24, worst 2.9%, the drifting scenarios within about 1% of the whole tail.
+TAIL_SHARE_BARRIER_FREE = 0.5
+
 
 class DecodeRank:
     """One rollout GPU under continuous batching.
@@ -489,9 +498,8 @@ class SamplePipeline:
             # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
             # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
             # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean,
-            # and no part of it is a tail that more GPUs cannot shorten (the next batch's head fills the tail: the
-            # runtime's continuous pipeline reports no tail either). Reporting the longest response as such a tail made
-            # the policy predict a smaller rollout pool far faster than it measures, and swing on a stationary workload.
+            # and only a share of the longest response's solo time is a tail that more GPUs cannot shorten (the next
+            # batch's head fills part of it): TAIL_SHARE_BARRIER_FREE.
             # Training: the trainers' compute for the whole batch (helpers' groups included) on their set.
             n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
             overlap = self.mech.continuous_rollout and self.mech.streaming_training
@@ -499,7 +507,7 @@ class SamplePipeline:
             eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
             train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
-                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=0.0 if overlap else bi.tail_s,
+                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(TAIL_SHARE_BARRIER_FREE if overlap else 1.0) * bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
