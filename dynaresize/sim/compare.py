@@ -23,7 +23,7 @@ Rows of ``compare`` (all measured side by side in one call):
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dynaresize.config.schema import Config
 from dynaresize.policy import ResizePolicy, SwitchCostModel, Topology, from_cluster, greedy_config
@@ -31,7 +31,7 @@ from dynaresize.policy.config import OptimizationsConfig
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.bound import bound_total
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
-from dynaresize.sim.samples import SamplePipeline, SampleRunResult
+from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult
 from dynaresize.sim.stages import StageTable
 
 
@@ -76,15 +76,37 @@ def run_static(s: Setup, topo: Topology, log: bool = False, forced: dict[int, in
 
 
 def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, name: str | None = None,
-                record_versions: bool = False) -> SampleRunResult:
-    """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy."""
+                record_versions: bool = False, tail_share: float = TAIL_SHARE_BARRIER_FREE) -> SampleRunResult:
+    """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy
+    (``tail_share``: see :data:`~dynaresize.sim.samples.TAIL_SHARE_BARRIER_FREE`)."""
     p = s.cfg.sim.pipeline
     policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates) if mech.resize else None
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
                           s.cfg.switching.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
                           p.helper_rate, p.helper_cost_s, p.trainer_gen_cost_s, p.trainer_gen_kv_fraction,
-                          p.trainer_gen_rate).run()
+                          p.trainer_gen_rate, tail_share).run()
+
+
+def best_static_samples(s: Setup, mech: Mechanisms) -> tuple[Topology, float]:
+    """The best static split at sample level with ``mech`` (resizing off) and its total: a local search over the
+    splits from the step-level best (the sample level's best split is often one or two GPUs away from it)."""
+    mech = replace(mech, resize=False)
+    s.table.sweep([c.n_rollout for c in s.candidates])
+    cands = sorted(s.candidates, key=lambda c: c.n_train)
+    i = min(range(len(cands)), key=lambda j: run_static(s, cands[j]).total_s)
+    total: dict[int, float] = {}
+
+    def at(j: int) -> float:
+        if j not in total:
+            total[j] = run_samples(s, cands[j], mech).total_s
+        return total[j]
+
+    while True:
+        j = min((j for j in (i - 1, i + 1) if 0 <= j < len(cands)), key=at)
+        if at(j) >= at(i):
+            return cands[i], at(i)
+        i = j
 
 
 def oracle_total(s: Setup) -> float:

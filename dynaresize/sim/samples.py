@@ -218,8 +218,10 @@ class SamplePipeline:
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
                  overlap_fraction: float = 0.9, claim_groups: int = 4, stream_chunks: int = 8,
                  record_versions: bool = False, helper_rate: float = 0.9, helper_cost_s: float = 1.2,
-                 trainer_gen_cost_s: float = 2.0, trainer_gen_kv_fraction: float = 0.5, trainer_gen_rate: float = 0.7):
+                 trainer_gen_cost_s: float = 2.0, trainer_gen_kv_fraction: float = 0.5, trainer_gen_rate: float = 0.7,
+                 tail_share: float = TAIL_SHARE_BARRIER_FREE):
         self.name, self.tab, self.costs, self.log = name, table, costs, log
+        self.tail_share = tail_share  # barrier-free observations: the share of the longest response reported as tail
         self.N, self.K, self.s = initial.total, table.steps, staleness
         self.initial, self.mech, self.policy = initial, mechanisms, policy
         self.overlap, self.claim_groups, self.record = overlap_fraction, claim_groups, record_versions
@@ -507,7 +509,7 @@ class SamplePipeline:
             eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
             train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
-                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(TAIL_SHARE_BARRIER_FREE if overlap else 1.0) * bi.tail_s,
+                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(self.tail_share if overlap else 1.0) * bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,

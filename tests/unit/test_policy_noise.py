@@ -20,7 +20,7 @@ from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCo
 from dynaresize.policy.types import LeftSplit
 from dynaresize.policy.predictor import StageModel, expected_max
 from dynaresize.schedule import Mechanisms
-from dynaresize.sim.compare import run_dynamic, run_samples, run_static, setup
+from dynaresize.sim.compare import best_static_samples, run_dynamic, run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,26 +169,6 @@ def test_stationary_workload_started_on_the_best_split_stays_near_it(gpus, mean,
 BARRIER_FREE = Mechanisms(True, True, True, True)
 
 
-def best_static_samples(s) -> float:
-    """The best static split with the same barrier-free mechanisms: a local search over splits from the step-level
-    best (the sample level's best split is often one or two GPUs away from it)."""
-    s.table.sweep([c.n_rollout for c in s.candidates])
-    cands = sorted(s.candidates, key=lambda c: c.n_train)
-    i = min(range(len(cands)), key=lambda j: run_static(s, cands[j]).total_s)
-    total = {}
-
-    def at(j: int) -> float:
-        if j not in total:
-            total[j] = run_samples(s, cands[j], replace(BARRIER_FREE, resize=False)).total_s
-        return total[j]
-
-    while True:
-        j = min((j for j in (i - 1, i + 1) if 0 <= j < len(cands)), key=at)
-        if at(j) >= at(i):
-            return at(i)
-        i = j
-
-
 @pytest.mark.parametrize("gpus, mean, seed", [(8, 3000, 0), (16, 1000, 1), (16, 6000, 0), (32, 6000, 1)])
 def test_barrier_free_resizing_settles_on_a_stationary_workload(gpus, mean, seed):
     """200 steps from 3/4 of the GPUs training: at most 2 switches and within 1% of the best static split with the
@@ -196,7 +176,7 @@ def test_barrier_free_resizing_settles_on_a_stationary_workload(gpus, mean, seed
     next batch's head fills part of it: ``TAIL_SHARE_BARRIER_FREE``), these cases switched 3-7 times and lost 2-4%."""
     s = setup(stationary(gpus, mean, seed, 200))
     dyn = run_samples(s, s.initial, BARRIER_FREE)
-    best = best_static_samples(s)
+    _, best = best_static_samples(s, BARRIER_FREE)
     assert dyn.switches <= 2, f"{dyn.switches} switches: {dyn.topologies}"
     assert dyn.total_s <= 1.01 * best, f"{100 * (dyn.total_s / best - 1):.2f}% behind the best static split"
 
@@ -206,4 +186,4 @@ def test_barrier_free_resizing_settles_on_a_stationary_workload(gpus, mean, seed
                    "low-concurrency decode, so the predicted rollout of another pool size is off by several %")
 def test_known_miss_of_the_one_percent_target_at_sample_level():
     s = setup(stationary(16, 3000, 0, 200))
-    assert run_samples(s, s.initial, BARRIER_FREE).total_s <= 1.01 * best_static_samples(s)
+    assert run_samples(s, s.initial, BARRIER_FREE).total_s <= 1.01 * best_static_samples(s, BARRIER_FREE)[1]
