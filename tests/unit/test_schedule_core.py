@@ -15,6 +15,7 @@ claims interleave in any order). After every action the world checks the contrac
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -427,22 +428,26 @@ def test_gradient_helpers_keep_the_contract(data, stream, n, steps, groups, slot
     check_finished(w)
 
 
+def run_at_random(cfg: SchedulerConfig, seed: int, **world_kw) -> "World":
+    """A fresh core driven to the end by events picked at random among the enabled ones; its invariants checked."""
+    core = PipelineScheduler(cfg)
+    world = World(core, cfg, 2, losses_left=0, **world_kw)
+    world.apply(core.start())
+    rnd = random.Random(seed)
+    while not core.finished:
+        ev = world.enabled()
+        world.fire(ev[rnd.randrange(len(ev))])
+    check_finished(world)
+    return world
+
+
 def test_the_random_worlds_do_exercise_the_helpers():
     """Guard for the property test above: its random event orders reach helpers (else it checks nothing)."""
-    import random
-
     helps = 0
     for seed in range(60):
         cfg = SchedulerConfig(4, 1, (5,) * 4, staleness=1, mechanisms=Mechanisms(True, seed % 2 == 0, False, True),
                               helper_cost_s=0.05, helper_rate=1.0, train_chunks=5)
-        core = PipelineScheduler(cfg)
-        world = World(core, cfg, 2, losses_left=0)
-        world.apply(core.start())
-        rnd = random.Random(seed)
-        while not core.finished:
-            ev = world.enabled()
-            world.fire(ev[rnd.randrange(len(ev))])
-        check_finished(world)
+        world = run_at_random(cfg, seed)
         helps += world.helps
     assert helps > 0
 
@@ -528,20 +533,11 @@ def test_trainer_gen_keeps_the_contract(data, stream, helpers, n, steps, groups,
 
 def test_the_random_worlds_do_exercise_trainer_gen():
     """Guard for the property test above: its random event orders send trainers generating (else it checks nothing)."""
-    import random
-
     gens = 0
     for seed in range(40):
         cfg = SchedulerConfig(4, 1, (6,) * 4, staleness=1, mechanisms=Mechanisms(True, seed % 2 == 0, False, False, True),
                               **TGEN)
-        core = PipelineScheduler(cfg)
-        world = World(core, cfg, 2, losses_left=0, **CHEAP_TRAINING)
-        world.apply(core.start())
-        rnd = random.Random(seed)
-        while not core.finished:
-            ev = world.enabled()
-            world.fire(ev[rnd.randrange(len(ev))])
-        check_finished(world)
+        world = run_at_random(cfg, seed, **CHEAP_TRAINING)
         gens += world.trainer_gens
     assert gens > 10
 
