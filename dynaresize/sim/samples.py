@@ -25,7 +25,7 @@ turns its actions into simulated durations and its events into the core's inputs
 
 The resize policy observes capacities, not overlapping stage times: per finished step, the GPU-seconds its rollout
 kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation`` (with continuous
-rollout and streaming training, without a tail term: see ``_step_done``).
+rollout and streaming training, only part of the longest response counts as a tail: ``TAIL_SHARE_BARRIER_FREE``).
 
 Assumptions beyond the step-level model's (also in docs/simulator.md): claims in chunks of ``claim`` sequences (a
 GPU admits new sequences a few groups at a time, not one by one); a GPU holds one weight version at a time; per
@@ -83,7 +83,7 @@ class DecodeRank:
         self.slots = 1
         self.token = 0
         self.t_valid = 0.0
-        self.planned = False  # a plan exists (some sequence was admitted since the rank last drained)
+        self.planned = False  # a plan exists (set by the first admission)
         self.t0 = 0.0  # the plan's start (after the prefill pause)
         self.seqs: list[tuple[float, int, float, int]] = []  # plan order: (tokens left at t0, admission no, u, gid)
         self.t_marks: list[float] = []  # completion time of each planned sequence (non-decreasing)
@@ -175,7 +175,7 @@ class DecodeRank:
         free = self.slots - self.active
         if free >= claim or not self.planned:
             return self.t_valid
-        k = min(claim - free, len(self.t_marks)) - 1
+        k = min(claim - free, self.active) - 1  # (with fewer sequences than that left: when it drains)
         return self.t_marks[self.head + k] if k >= 0 else self.t_valid
 
     def drain_time(self) -> float:
