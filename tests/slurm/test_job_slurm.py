@@ -57,6 +57,9 @@ def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cac
         assert reg["slurm_job_id"] == job and reg["het_group"] == 1 and reg["node"] in ("gpu1", "gpu2")
     assert {reg["node"] for reg in ranks.values()} == {"gpu1", "gpu2"}
     assert not in_squeue(job)
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines() if l.strip()]
+    left = {e["rank"] for e in events if e["type"] == "rank" and e.get("state") == "left"}
+    assert left == {0, 1, 2, 3}  # every rank deregistered at the shutdown, before the coordinator stopped Redis
 
 
 def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path, model_cache, jobs):
