@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from test_hetjob import in_squeue, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
+from dynaresize.slurm.state import JobState
+from test_hetjob import in_squeue, wait_ended, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     subprocess.run(["scancel", job], check=True)
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.CANCELLED}  # every component ended (processes gone), not requeued
     step = json.loads(state.read_text())["step"]
     assert step >= 2
     # resumable: continue it here (same run directory, same step counter) for two more steps
@@ -94,7 +95,7 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 600,
                "the requeued job to complete")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
     s = json.loads(summary.read_text())
     assert s["steps"] == steps
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
@@ -118,7 +119,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_
     wait_until(lambda: summary.exists() and '"what":"resume"' in (rd / "events.jsonl").read_text()
                and json.loads(summary.read_text()).get("status") == "interrupted", 420,
                "the requeued job to stop at its second warning")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    wait_ended(job, 120)  # not left in squeue: every component ended for good
     state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
     assert state["incarnation"] == 2
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
