@@ -29,7 +29,11 @@ def submit(tmp_path: Path, *overrides: str, wait: bool, models: Path | None = No
             f"run.output_dir={tmp_path / 'runs'}", f"model.cache_dir={models or tmp_path / 'models'}", *SMALL, *overrides]
     if wait:
         argv.append("--wait")
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # the job inherits this environment (sbatch --export=ALL). One torch thread, as the local tests run: here the
+    # coordinator's model warm-start shares 2 cores with the 4 ranks' start-up, and two threads each took 20-30 s
+    # instead of 2-3 s when the model was built
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     dirs = [d for d in (tmp_path / "runs").iterdir() if d.is_dir()]
     assert len(dirs) == 1, (dirs, p.stdout[-3000:], p.stderr[-3000:])
     return p, dirs[0]
