@@ -191,6 +191,7 @@ class Registry:
         self._begin_launch = client.register_script(_BEGIN_LAUNCH)
         self._refused_count: int | None = None  # Redis's count of refused writes at the last look (INFO errorstats)
         self._refused_at: float | None = None  # monotonic time at which that count was last seen to grow
+        self._server_major: int | None = None  # Redis's major version (which errors count as refused writes)
 
     def register(self, reg: Registration) -> Registration:
         """Store ``reg`` and return it with its new incarnation. Raises :class:`RegistrationRefused` (one line
@@ -310,15 +311,28 @@ class Registry:
         return {r: age for r, age in dead.items() if min(age, since) > self.cfg.dead_after_s}
 
     def _refusals(self) -> int | None:
-        """How many writes Redis refused so far (``INFO errorstats``: OOM, MISCONF, READONLY, and ERR, which is how
-        Redis 6.2 counts a refusal inside a script, e.g. a heartbeat; the control plane sends nothing else that
-        fails with ERR); None if unknown."""
+        """How many writes Redis refused so far; None if unknown. ``INFO errorstats`` counts OOM, MISCONF and
+        READONLY; before Redis 7 a refusal inside a script (e.g. a heartbeat) is an ERR there, so from 6.2 those are
+        counted as the scripts' failed calls (``INFO commandstats``, less NOSCRIPT) instead of every ERR: redis-py's
+        ``CLIENT SETINFO`` on connect fails with ERR before Redis 7.2, and counting it would take every new
+        connection for a refused write and push the detection of a dead rank back by the heartbeat deadline."""
         try:
             stats = self.r.info("errorstats")
+            if self._server_major is None:
+                self._server_major = int(str(self.r.info("server")["redis_version"]).split(".")[0])
+            calls = self.r.info("commandstats") if self._server_major < 7 else {}
         except (redis.ResponseError, KeyError, TypeError, ValueError):
             return None
-        return sum(int(v.get("count", 0)) for k, v in stats.items() if isinstance(v, dict)
-                   and k.removeprefix("errorstat_") in ("OOM", "MISCONF", "READONLY", "ERR"))
+
+        def count(section: dict, key: str, field: str) -> int:
+            v = section.get(key)
+            return int(v.get(field, 0)) if isinstance(v, dict) else 0
+
+        refused = sum(count(stats, f"errorstat_{k}", "count") for k in ("OOM", "MISCONF", "READONLY"))
+        if self._server_major < 7:
+            failed = count(calls, "cmdstat_eval", "failed_calls") + count(calls, "cmdstat_evalsha", "failed_calls")
+            refused += max(0, failed - count(stats, "errorstat_NOSCRIPT", "count"))
+        return refused
 
     def check_writable(self) -> None:
         """One probe write: returns once Redis accepts writes; raises :class:`~.server.RedisRefusesWrites` naming

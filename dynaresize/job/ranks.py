@@ -85,6 +85,7 @@ class Ranks:
         if launcher is None:
             return
         self.stopping = True
+        told: list[int] = []  # the ranks sent the shutdown
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):
                 try:
@@ -94,14 +95,18 @@ class Ranks:
                 except KeyboardInterrupt:
                     pass
                 self.svc.bus.send("shutdown", job.alive(), {})
+                told = job.alive()
             elif not self.tx.writes_refused:  # else it would wait for Redis once more: just stop them
                 self.svc.bus.send("shutdown", job.alive(), {})
+                told = job.alive()
         except Exception as e:  # the ranks are stopped below either way
             why = self.svc.srv.failure if isinstance(e, redis.ConnectionError) else None
             log.warning("could not shut the ranks down cleanly: %s", why or e)
             if stop is not None and not stop.checkpoint:
                 stop.abandoned = f"the stop's checkpoint could not be taken ({why or e})"
         launcher.stop()
+        if told and launcher.external:
+            self._await_departures(told)
         abandoned = checkpointer.abandon_in_progress()
         if stop is not None and abandoned is not None:
             stop.abandoned = abandoned
@@ -109,6 +114,18 @@ class Ranks:
             text = stop.describe(job.state.step, job.state.checkpoint)
             log.warning("%s", text)
             job.events.emit("control", what="operator_stop", reason=text)
+
+    def _await_departures(self, ranks: list[int]) -> None:
+        """Ranks started by someone else (``srun``): nobody here waits for their processes, and the coordinator
+        stops Redis next. Their last act in Redis is to deregister: wait for that, at most the heartbeat deadline,
+        so that they leave cleanly instead of retrying against a server that is gone (redis-py's backoff, ~5 s,
+        then a warning in each rank's log) while the Slurm job waits for them."""
+        deadline = time.monotonic() + self.job.cfg.redis.dead_after_s
+        try:
+            while set(ranks) & set(self.svc.registry.live()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        except redis.RedisError as e:
+            log.warning("could not see the ranks deregister: %s", e)
 
 
 def write_launch_file(job: Job, model_dir: Path) -> None:

@@ -44,7 +44,7 @@ EXAMPLES = int(os.environ.get("DR_FAULT_EXAMPLES", "25"))
 
 
 def _cfg(redis_binary: str) -> RedisConfig:
-    return RedisConfig(server_binary=redis_binary, heartbeat_s=0.2, dead_after_heartbeats=2, socket_timeout_s=1.0,
+    return RedisConfig(server_binary=redis_binary, heartbeat_s=0.2, dead_after_heartbeats=2, socket_timeout_s=0.5,
                        connect_timeout_s=0.5, block_ms=50, retries=2, health_check_s=0,
                        write_wait_s=0)  # refusals reach our code at once (the harder case)
 

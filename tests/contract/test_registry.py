@@ -94,6 +94,32 @@ def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, re
             hb.stop()
 
 
+def test_clients_connecting_meanwhile_do_not_delay_the_detection_of_a_dead_rank(client, cfg, job_id, registration):
+    """A new connection (a rank's, the coordinator's pool growing, an operator's tool) is not a refused write: before
+    Redis 7.2 redis-py's CLIENT SETINFO on connect fails with ERR in INFO errorstats, which must not count as one."""
+    cfg = cfg.model_copy(update={"heartbeat_s": 0.25})
+    period = cfg.heartbeat_s
+    hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(2)]
+    for hb in hbs:
+        hb.start()
+    coord = Registry(client("coord"), job_id, cfg)
+    past_restart_allowance(coord.r, cfg)
+    try:
+        time.sleep(3 * period)
+        assert coord.dead() == {}
+        hbs[1].stop(deregister=False)  # the rank dies silently; clients keep connecting meanwhile
+        killed = time.monotonic()
+        while 1 not in coord.dead():
+            assert time.monotonic() - killed < 10 * period, "dead rank never detected"
+            client("newcomer").ping()
+            time.sleep(period / 10)
+        took = time.monotonic() - killed
+        assert took <= 2 * period + 0.2, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
+    finally:
+        for hb in hbs:
+            hb.stop()
+
+
 def test_heartbeat_many_answers_each_rank_in_one_round_trip(client, cfg, job_id, registration):
     c = client()
     reg = Registry(c, job_id, cfg)

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from test_hetjob import in_squeue, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
+from dynaresize.slurm.state import JobState
+from test_hetjob import wait_ended, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
 from test_job_slurm import job_id_of, submit
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(420)]
@@ -70,8 +71,8 @@ def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_clus
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
                and '"what":"resume"' in (rd / "events.jsonl").read_text(), 300, "the preempted job to resume and complete")
-    wait_until(lambda: not in_squeue(job, all_states=True) and not in_squeue(urgent, all_states=True), 120,
-               "both jobs to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # neither job left in squeue: both ended, and completed
+    assert wait_ended(urgent, 120) <= {JobState.COMPLETED}
 
     s = json.loads(summary.read_text())
     assert s["steps"] == steps
@@ -149,7 +150,7 @@ def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") in ("completed", "failed"), 300,
                "the job to finish")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
 
     s = json.loads(summary.read_text())
     assert s["status"] == "completed" and s["steps"] == steps
@@ -182,7 +183,7 @@ def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 420,
                "the requeued job to complete")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
 
     assert json.loads(summary.read_text())["steps"] == steps
     assert _steps(rd) == list(range(steps))  # steps after the checkpoint were rewound and trained once more

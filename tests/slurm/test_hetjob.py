@@ -44,6 +44,27 @@ def in_squeue(job_id: str, all_states: bool = False) -> bool:
     return p.returncode == 0 and bool(p.stdout.strip())
 
 
+def wait_ended(job_id: str, timeout_s: float) -> set[JobState]:
+    """Wait until every component of the job has ended for good and return their final states (empty: the
+    controller purged the record already). A job pending, running, completing (processes still being killed),
+    requeued or held has not ended; its record stays listed in its final state for MinJobAge, which this does not
+    wait for (test_both_components_run_and_ranks_register_with_slurm_identity checks that purge)."""
+    got: set[JobState] = set()
+
+    def ended() -> bool:
+        p = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        if p.returncode != 0:
+            return "Invalid job id" in p.stderr  # purged (MinJobAge); another error: look again
+        states = {JobState.parse(s) for s in p.stdout.split()}
+        if all(s.finished for s in states):
+            got.update(states)
+            return True
+        return False
+
+    wait_until(ended, timeout_s, f"job {job_id} to end for good")
+    return got
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from test_hetjob import in_squeue, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
+from dynaresize.slurm.state import JobState
+from test_hetjob import in_squeue, wait_ended, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
 
 pytestmark = pytest.mark.slurm
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,11 @@ def submit(tmp_path: Path, *overrides: str, wait: bool, models: Path | None = No
             f"run.output_dir={tmp_path / 'runs'}", f"model.cache_dir={models or tmp_path / 'models'}", *SMALL, *overrides]
     if wait:
         argv.append("--wait")
-    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # the job inherits this environment (sbatch --export=ALL). One torch thread, as the local tests run: here the
+    # coordinator's model warm-start shares 2 cores with the 4 ranks' start-up, and two threads each took 20-30 s
+    # instead of 2-3 s when the model was built
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    p = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     dirs = [d for d in (tmp_path / "runs").iterdir() if d.is_dir()]
     assert len(dirs) == 1, (dirs, p.stdout[-3000:], p.stderr[-3000:])
     return p, dirs[0]
@@ -57,6 +62,9 @@ def test_grpo_job_runs_across_both_components(slurm_cluster, tmp_path, model_cac
         assert reg["slurm_job_id"] == job and reg["het_group"] == 1 and reg["node"] in ("gpu1", "gpu2")
     assert {reg["node"] for reg in ranks.values()} == {"gpu1", "gpu2"}
     assert not in_squeue(job)
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines() if l.strip()]
+    left = {e["rank"] for e in events if e["type"] == "rank" and e.get("state") == "left"}
+    assert left == {0, 1, 2, 3}  # every rank deregistered at the shutdown, before the coordinator stopped Redis
 
 
 def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_path, model_cache, jobs):
@@ -67,7 +75,7 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     subprocess.run(["scancel", job], check=True)
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.CANCELLED}  # every component ended (processes gone), not requeued
     step = json.loads(state.read_text())["step"]
     assert step >= 2
     # resumable: continue it here (same run directory, same step counter) for two more steps
@@ -91,7 +99,7 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 600,
                "the requeued job to complete")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
     s = json.loads(summary.read_text())
     assert s["steps"] == steps
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
@@ -115,7 +123,7 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes_the_grpo_job(slurm_
     wait_until(lambda: summary.exists() and '"what":"resume"' in (rd / "events.jsonl").read_text()
                and json.loads(summary.read_text()).get("status") == "interrupted", 420,
                "the requeued job to stop at its second warning")
-    wait_until(lambda: not in_squeue(job, all_states=True), 120, f"job {job} to leave squeue")
+    wait_ended(job, 120)  # not left in squeue: every component ended for good
     state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
     assert state["incarnation"] == 2
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]
