@@ -433,9 +433,8 @@ class PipelineScheduler:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
         waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
         batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s``. The share balances
-        the trainers' rest against the helper's groups plus its cost."""
-        c, k = self.cfg, self.produced
-        g = self.gpu_s_per_group
+        the trainers' rest against the helper's groups plus its cost (``_help_share``)."""
+        k, g = self.produced, self.gpu_s_per_group
         if not self.mech.gradient_helpers or k >= self.n_steps or g <= 0 or not self.t_started:
             return
         r, b = self.ranks[rank], self.batches[k]
