@@ -54,11 +54,11 @@ See docs/schedule.md for the state diagram.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
+from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PolicyState
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
@@ -265,14 +265,8 @@ class PipelineScheduler:
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
             room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
             if b.unclaimed and usable and room > 0:
-                got = b.claim(min(r.capacity, room))
-                for g in got:
-                    b.owner[g] = rank
-                b.held[rank] = b.held.get(rank, 0) + len(got)
+                got = self._hand_out(rank, b, min(r.capacity, room), out)
                 r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
-                r.inflight += len(got)
-                r.inflight_version = b.version
-                out.append(Assign(rank, j, got, b.version))
             j += 1
         if r.capacity > 0:
             self.waiting.add(rank)
@@ -280,6 +274,19 @@ class PipelineScheduler:
                 self._offer_help(rank, out)
         else:
             self.waiting.discard(rank)
+
+    def _hand_out(self, rank: int, b: _Batch, n: int, out: list[Action]) -> tuple[int, ...]:
+        """Up to ``n`` groups of batch ``b`` to ``rank`` (a rollout rank, or a trainer generating): their owner, the
+        rank's groups in flight and its version recorded, the ``Assign`` emitted."""
+        r = self.ranks[rank]
+        got = b.claim(n)
+        for g in got:
+            b.owner[g] = rank
+        b.held[rank] = b.held.get(rank, 0) + len(got)
+        r.inflight += len(got)
+        r.inflight_version = b.version
+        out.append(Assign(rank, b.index, got, b.version))
+        return got
 
     def _assign_waiting(self, out: list[Action]) -> None:
         for rank in sorted(self.waiting):
@@ -421,7 +428,7 @@ class PipelineScheduler:
         nt = len(self.t_ranks)
         if not self.t_started or nt == 0 or g <= 0 or self.produced >= self.n_steps:
             return 0
-        trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
+        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
         n = len(self.batches[self.produced].ready)
         m = min(n, int((n * g / trate - c.helper_cost_s) / (g / trate + g / c.helper_rate)))
         if m < 1:
@@ -510,7 +517,7 @@ class PipelineScheduler:
         if not ranks or any(self.ranks[i].leaving or self.ranks[i].lost for i in ranks):
             return
         nt = len(ranks)
-        trate = nt * (c.train_scaling_per_doubling ** math.log2(nt) if nt > 1 else 1.0)
+        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
         rest = left * g / trate
         unclaimed = len(nb.returned) + nb.groups - nb.cursor
         inflight = sum(len(self.batches[i].owner) for i in range(k, j + 1))  # on the rollout ranks: none is away
@@ -524,17 +531,10 @@ class PipelineScheduler:
         if m < 1 or nt * m * pool <= c.trainer_gen_margin * c.trainer_gen_cost_s:
             return
         for rank in ranks:
-            r = self.ranks[rank]
-            got = nb.claim(m)
-            for grp in got:
-                nb.owner[grp] = rank
-            nb.held[rank] = nb.held.get(rank, 0) + len(got)
-            r.inflight += len(got)
-            r.inflight_version = nb.version
+            self._hand_out(rank, nb, m, out)
             self.generating[rank] = j
             self.gen_budget[rank] = away
             self.trainer_gens += 1
-            out.append(Assign(rank, j, got, nb.version))
 
     def _trainer_back(self, rank: int, out: list[Action]) -> None:
         r = self.ranks[rank]

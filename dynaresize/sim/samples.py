@@ -44,6 +44,7 @@ import numpy as np
 
 from dynaresize.events import Event, EventType, format_ranks, make_event
 from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostModel, Topology
+from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, WeightsArrived,
@@ -441,24 +442,29 @@ class SamplePipeline:
     def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
         bi = self._batch(batch)
         dr = self.ranks[rank]
-        G = bi.group_size
-        lengths = [x for g in groups for x in bi.lengths[g]]
         if dr.active == 0:
             dr.slots = bi.cap
             self.busy_start.setdefault(rank, t)  # a rank given work the moment it drained stays busy
         else:
             dr.slots = min(dr.slots, bi.cap)
-        dr.admit(t, lengths, bi.u, [(batch, g) for g in groups], G, float(bi.prefill_s[list(groups)].sum()))
+        self._admit(t, rank, batch, groups, version)
         self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
+        self._schedule_rank(rank, t)
+
+    def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
+        """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
+        that makes them is recorded."""
+        bi = self._batch(batch)
+        self.ranks[rank].admit(t, [x for g in groups for x in bi.lengths[g]], bi.u, [(batch, g) for g in groups],
+                               bi.group_size, pause + float(bi.prefill_s[list(groups)].sum()))
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
-        self._schedule_rank(rank, t)
 
     def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
         bi = self._batch(batch)
         n = len(ranks)
-        eff = self.train_cfg.scaling_per_doubling ** math.log2(n) if n > 1 else 1.0
+        eff = efficiency(n, self.train_cfg.scaling_per_doubling)
         dur = float(bi.train_per_group[list(groups)].sum()) / (n * eff)
         extra = 0.0
         if first:
@@ -506,7 +512,7 @@ class SamplePipeline:
             n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
             overlap = self.mech.continuous_rollout and self.mech.streaming_training
             roll = sum(spans) / n_r if overlap else max(spans, default=0.0)
-            eff = self.train_cfg.scaling_per_doubling ** math.log2(n_t) if n_t > 1 else 1.0
+            eff = efficiency(n_t, self.train_cfg.scaling_per_doubling)
             train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
                 step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(self.tail_share if overlap else 1.0) * bi.tail_s,
@@ -604,19 +610,12 @@ class SamplePipeline:
     def _gen_assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
         """A trainer decodes like a rollout GPU on its own ``DecodeRank``: half of ``trainer_gen_cost_s`` wakes its
         engine (before the prefill), the other half puts it to sleep after its last group."""
-        bi = self._batch(batch)
-        dr = self.ranks[rank]
-        G = bi.group_size
-        dr.slots = self._gen_slots(batch)
-        dr.admit(t, [x for g in groups for x in bi.lengths[g]], bi.u, [(batch, g) for g in groups], G,
-                 self.gen_cost_s / 2 + float(bi.prefill_s[list(groups)].sum()))
+        self.ranks[rank].slots = self._gen_slots(batch)
+        self._admit(t, rank, batch, groups, version, self.gen_cost_s / 2)
         self.gen_start[rank] = t
         self.gen_groups[batch] = self.gen_groups.get(batch, 0) + len(groups)
         self.res.trainer_gens += 1
         self.res.trainer_gen_groups += len(groups)
-        if self.record:
-            for g in groups:
-                self.res.versions[(batch, g)] = version
         self._schedule_gen(rank, t)
 
     def _schedule_gen(self, rank: int, t: float) -> None:
