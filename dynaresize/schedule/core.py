@@ -259,8 +259,7 @@ class PipelineScheduler:
             self.first_open += 1
         j = self.first_open
         last = min(self.n_steps - 1, self.produced + self.s)  # no later batch has its version yet
-        continuous = self.mech.continuous_rollout
-        while r.capacity > 0 and j <= last and (continuous or j < self.released):  # _open(j)
+        while r.capacity > 0 and j <= last and self._open(j):
             b = self.batches[j]
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
             room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most

@@ -387,9 +387,8 @@ class SamplePipeline:
         if active == 0:
             self._idle(rank, t)
         if core.ranks[rank].role is Role.ROLLOUT:
-            free = dr.slots - active
-            cap = max(1 if active == 0 else 0, free // self.group_size)  # _capacity
-            if cap > 0 and (active == 0 or free >= self._claim_seqs(dr)):
+            cap = self._capacity(dr)
+            if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
                 self.do(t, core.handle(RankReady(rank, cap)))
         self._schedule_rank(rank, t)
 

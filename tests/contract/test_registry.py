@@ -66,24 +66,37 @@ def test_lost_registration_is_re_registered_by_the_heartbeater(client, cfg, job_
     assert states == ["registered", "rejoined", "left"]
 
 
-def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, registration):
-    cfg = cfg.model_copy(update={"heartbeat_s": 0.25})  # long enough that a busy 2-core CI box keeps the beat
-    assert cfg.dead_after_heartbeats == 2
-    period = cfg.heartbeat_s
-    hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(3)]
+def beating_ranks(client, cfg, job_id, registration, n: int) -> tuple[list[Heartbeater], Registry]:
+    """``n`` ranks heartbeating, and the coordinator's registry past the restart allowance."""
+    hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(n)]
     for hb in hbs:
         hb.start()
     coord = Registry(client("coord"), job_id, cfg)
     past_restart_allowance(coord.r, cfg)
+    return hbs, coord
+
+
+def seconds_to_detect(coord: Registry, hb: Heartbeater, rank: int, period: float, meanwhile=lambda: None) -> float:
+    """Rank ``rank`` dies silently (its heartbeater stops without deregistering); how long until ``coord`` reports it
+    dead (``meanwhile`` runs between two looks); fails after 10 heartbeat periods."""
+    hb.stop(deregister=False)
+    killed = time.monotonic()
+    while rank not in coord.dead():
+        assert time.monotonic() - killed < 10 * period, "dead rank never detected"
+        meanwhile()
+        time.sleep(period / 10)
+    return time.monotonic() - killed
+
+
+def test_dead_rank_detected_within_two_heartbeat_periods(client, cfg, job_id, registration):
+    cfg = cfg.model_copy(update={"heartbeat_s": 0.25})  # long enough that a busy 2-core CI box keeps the beat
+    assert cfg.dead_after_heartbeats == 2
+    period = cfg.heartbeat_s
+    hbs, coord = beating_ranks(client, cfg, job_id, registration, 3)
     try:
         time.sleep(3 * period)
         assert sorted(coord.live()) == [0, 1, 2] and coord.dead() == {}, "live ranks must not be reported dead"
-        hbs[1].stop(deregister=False)  # the rank dies silently
-        killed = time.monotonic()
-        while 1 not in coord.dead():
-            assert time.monotonic() - killed < 10 * period, "dead rank never detected"
-            time.sleep(period / 10)
-        took = time.monotonic() - killed
+        took = seconds_to_detect(coord, hbs[1], 1, period)
         # worst case: it died right after a beat, so its last beat is 2 periods old when detected (+ polling)
         assert took <= 2 * period + 0.2, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
         assert sorted(coord.live()) == [0, 2]
@@ -99,21 +112,11 @@ def test_clients_connecting_meanwhile_do_not_delay_the_detection_of_a_dead_rank(
     Redis 7.2 redis-py's CLIENT SETINFO on connect fails with ERR in INFO errorstats, which must not count as one."""
     cfg = cfg.model_copy(update={"heartbeat_s": 0.25})
     period = cfg.heartbeat_s
-    hbs = [Heartbeater(Registry(client(f"rank{r}"), job_id, cfg), registration(job_id, r)) for r in range(2)]
-    for hb in hbs:
-        hb.start()
-    coord = Registry(client("coord"), job_id, cfg)
-    past_restart_allowance(coord.r, cfg)
+    hbs, coord = beating_ranks(client, cfg, job_id, registration, 2)
     try:
         time.sleep(3 * period)
         assert coord.dead() == {}
-        hbs[1].stop(deregister=False)  # the rank dies silently; clients keep connecting meanwhile
-        killed = time.monotonic()
-        while 1 not in coord.dead():
-            assert time.monotonic() - killed < 10 * period, "dead rank never detected"
-            client("newcomer").ping()
-            time.sleep(period / 10)
-        took = time.monotonic() - killed
+        took = seconds_to_detect(coord, hbs[1], 1, period, meanwhile=lambda: client("newcomer").ping())  # clients keep connecting
         assert took <= 2 * period + 0.2, f"detected after {took:.3f}s, want <= 2 heartbeat periods"
     finally:
         for hb in hbs:
