@@ -79,6 +79,32 @@ class _Batch:
     done: set[int] = field(default_factory=set)
     ready: list[int] = field(default_factory=list)  # complete groups not yet given to the trainers
     trained: int = 0  # groups given to the trainers
+    tokens: dict[int, int] = field(default_factory=dict)  # group -> its trained tokens, where the driver reported them
+    ready_tokens: int = 0  # the reported tokens of the ready groups
+    ready_untokened: int = 0  # ready groups with no reported tokens
+
+    def add_ready(self, groups) -> None:
+        for g in groups:
+            self.ready.append(g)
+            t = self.tokens.get(g)
+            if t is None:
+                self.ready_untokened += 1
+            else:
+                self.ready_tokens += t
+
+    def take_ready(self, groups: tuple[int, ...]) -> None:
+        """Remove ``groups`` (ready ones) from the ready list."""
+        if tuple(self.ready[:len(groups)]) == groups:
+            del self.ready[:len(groups)]
+        else:
+            gone = set(groups)
+            self.ready = [g for g in self.ready if g not in gone]
+        for g in groups:
+            t = self.tokens.get(g)
+            if t is None:
+                self.ready_untokened -= 1
+            else:
+                self.ready_tokens -= t
 
     @property
     def unclaimed(self) -> bool:
@@ -134,7 +160,7 @@ class PipelineScheduler:
             if b.index < k:
                 b.trained = b.groups
             else:
-                b.ready = list(range(b.groups))
+                b.add_ready(range(b.groups))
         self.first_open = min(k + self.s, cfg.steps) if k > 0 else 0  # oldest batch that may still have unclaimed groups
         self.released = self.first_open  # barrier: batches < released are open to the rollout pool
         self.t_busy = False  # a chunk or an optimizer step is running
@@ -147,6 +173,7 @@ class PipelineScheduler:
         self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
         self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # gradient helper rank -> (batch, groups)
         self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
+        self.gpu_s_per_token = 0.0  # the same per trained token (0: not measured)
         self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
         self.generating: dict[int, int] = {}  # trainer-gen: trainer rank -> the batch it generates groups of
         self.decode_s_per_group = 0.0  # the newest measured rollout GPU-seconds per group
@@ -205,7 +232,7 @@ class PipelineScheduler:
                 r.capacity = max(0, ev.capacity)
                 self._assign(ev.rank, out)
         elif tp is GroupsDone:
-            self._groups_done(ev.rank, ev.batch, ev.groups, out)
+            self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out)
         else:
             self._handle_rest(ev, out)
         if self.mech.trainer_rollout and not self.restarting:
@@ -228,9 +255,11 @@ class PipelineScheduler:
                 self._switch_done(rank, out)
             case RankLost(rank):
                 self._lost(rank, out)
-            case StepMeasured(obs, steps_left, per_group, decode_per_group, latency):
+            case StepMeasured(obs, steps_left, per_group, decode_per_group, latency, per_token):
                 if per_group > 0:
                     self.gpu_s_per_group = per_group
+                if per_token > 0:
+                    self.gpu_s_per_token = per_token
                 if decode_per_group > 0:
                     self.decode_s_per_group, self.group_latency_s = decode_per_group, max(0.0, latency)
                 self._measured(obs, steps_left, out)
@@ -291,7 +320,8 @@ class PipelineScheduler:
         for rank in sorted(self.waiting):
             self._assign(rank, out)
 
-    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], out: list[Action]) -> None:
+    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
+                     out: list[Action]) -> None:
         b = self.batches[batch]
         r = self.ranks[rank]
         mine = [g for g in groups if b.owner.get(g) == rank]
@@ -300,11 +330,16 @@ class PipelineScheduler:
                 return  # a late report of a rank already fenced off: its groups were handed out again
             stray = sorted(set(groups) - set(mine))
             raise ScheduleError(f"rank {rank} reported groups {stray} of batch {batch} it was not given")
+        if tokens:
+            if len(tokens) != len(groups) or any(t < 0 for t in tokens):
+                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
+                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
+            b.tokens.update(zip(groups, tokens))
         b.held[rank] -= len(mine)
         for g in mine:
             del b.owner[g]
             b.done.add(g)
-            b.ready.append(g)
+        b.add_ready(mine)
         r.inflight -= len(mine)
         if r.inflight == 0:
             r.inflight_version = None
@@ -404,7 +439,7 @@ class PipelineScheduler:
         if self.mech.gradient_helpers:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
             take = min(take, max(1, -(-b.groups // self.cfg.train_chunks)))
         chunk = tuple(b.ready[:take])
-        del b.ready[:take]
+        b.take_ready(chunk)
         b.trained += len(chunk)
         self.t_busy = True
         out.append(Train(k, chunk, self.t_ranks, first))
@@ -415,50 +450,76 @@ class PipelineScheduler:
         help in ``_assign``)."""
         if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
             for rank in sorted(self.waiting):
-                if self._help_share() < 1:
+                if not self._offer_help(rank, out):
                     return  # not worth a helper now, for any rank (each help only shrinks what is left)
-                self._offer_help(rank, out)
 
-    def _help_share(self) -> int:
-        """Groups of the batch in training that one more helper should take now (0: a helper would not pay): the
-        share balances the trainers' rest against the helper's groups plus its cost, and the batch's training must
-        end sooner by more than ``(helper_margin - 1) x helper_cost_s``."""
-        c, g = self.cfg, self.gpu_s_per_group
+    def _group_cost(self, b: _Batch, g: int) -> float:
+        """Training compute of group ``g`` of ``b`` on one GPU: by its reported tokens where known, else the mean."""
+        t = b.tokens.get(g) if self.gpu_s_per_token > 0 else None
+        return self.gpu_s_per_group if t is None else t * self.gpu_s_per_token
+
+    def _help_groups(self) -> tuple[int, ...]:
+        """Ready groups of the batch in training that one more helper should take now (none: a helper would not pay).
+
+        The share balances the trainers' rest against the helper's groups plus its cost: with ``C`` the ready groups'
+        training compute on one GPU, ``r`` the trainers' rate (GPUs x efficiency) and ``h`` the helper's, the helper
+        takes up to ``(C / r - helper_cost_s) / (1 / r + 1 / h)`` of it, and the batch's training must end sooner by
+        more than ``(helper_margin - 1) x helper_cost_s``. Each group is priced by its reported tokens where the driver
+        reports them (``GroupsDone.tokens``), else at the measured mean per group. The helper takes from the newest
+        ready groups (the trainers take the oldest), skipping one that would overshoot its share."""
+        c = self.cfg
         nt = len(self.t_ranks)
-        if not self.t_started or nt == 0 or g <= 0 or self.produced >= self.n_steps:
-            return 0
+        if not self.t_started or nt == 0 or self.gpu_s_per_group <= 0 or self.produced >= self.n_steps:
+            return ()
+        b = self.batches[self.produced]
+        if not b.ready:
+            return ()
         trate = nt * efficiency(nt, c.train_scaling_per_doubling)
-        n = len(self.batches[self.produced].ready)
-        m = min(n, int((n * g / trate - c.helper_cost_s) / (g / trate + g / c.helper_rate)))
-        if m < 1:
-            return 0
-        saving = n * g / trate - max((n - m) * g / trate, m * g / c.helper_rate + c.helper_cost_s)
-        return m if saving > (c.helper_margin - 1.0) * c.helper_cost_s else 0
+        if self.gpu_s_per_token > 0:
+            total = b.ready_tokens * self.gpu_s_per_token + b.ready_untokened * self.gpu_s_per_group
+        else:
+            total = len(b.ready) * self.gpu_s_per_group
+        share = (total / trate - c.helper_cost_s) / (1.0 / trate + 1.0 / c.helper_rate)
+        if share <= 0:
+            return ()
+        mean = total / len(b.ready)
+        scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
+        chosen: list[int] = []
+        acc = 0.0
+        for g in reversed(b.ready[-scan:]):
+            cost = self._group_cost(b, g)
+            if acc + cost <= share:
+                chosen.append(g)
+                acc += cost
+        if not chosen:
+            return ()
+        saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
+        return tuple(reversed(chosen)) if saving > (c.helper_margin - 1.0) * c.helper_cost_s else ()
 
-    def _offer_help(self, rank: int, out: list[Action]) -> None:
+    def _offer_help(self, rank: int, out: list[Action]) -> bool:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
         waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
-        batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s``. The share balances
-        the trainers' rest against the helper's groups plus its cost (``_help_share``)."""
-        k, g = self.produced, self.gpu_s_per_group
-        if not self.mech.gradient_helpers or k >= self.n_steps or g <= 0 or not self.t_started:
-            return
+        batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s`` (``_help_groups``).
+        False when a helper would not pay now, whichever rank it were."""
+        k = self.produced
+        if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
+            return False
         r, b = self.ranks[rank], self.batches[k]
         if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
-            return
+            return True
         last = min(self.n_steps - 1, self.produced + self.s)
         if any(self.batches[j].unclaimed and self.batches[j].version in r.versions for j in range(self.first_open, last + 1)):
-            return  # generation comes first: it waits for its even share of a batch, not for a version
-        m = self._help_share()
-        if m < 1:
-            return
-        groups = tuple(b.ready[-m:])
-        del b.ready[-m:]
-        b.trained += m
+            return True  # generation comes first: it waits for its even share of a batch, not for a version
+        groups = self._help_groups()
+        if not groups:
+            return False
+        b.take_ready(groups)
+        b.trained += len(groups)
         self.helping[rank] = (k, groups)
         self.waiting.discard(rank)
         r.capacity = 0
         out.append(Help(rank, k, groups))
+        return True
 
     def _help_done(self, rank: int, batch: int, out: list[Action]) -> None:
         got = self.helping.pop(rank, None)
@@ -701,7 +762,7 @@ class PipelineScheduler:
         helped = self.helping.pop(rank, None)
         if helped is not None:  # its gradient is lost: the trainers compute those groups again
             hb = self.batches[helped[0]]
-            hb.ready.extend(helped[1])
+            hb.add_ready(helped[1])
             hb.trained -= len(helped[1])
             self._try_train(out)
             self._maybe_step(out)

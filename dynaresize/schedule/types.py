@@ -108,11 +108,17 @@ class RankReady:
 
 @dataclass(frozen=True, slots=True)
 class GroupsDone:
-    """Rank ``rank`` finished generating ``groups`` of ``batch`` (every response of each group ended)."""
+    """Rank ``rank`` finished generating ``groups`` of ``batch`` (every response of each group ended).
+
+    ``tokens``: each group's trained tokens, in the order of ``groups`` (empty: unknown). A driver that knows them
+    lets the gradient helpers' pricing weigh each group by its own training work instead of the batch's mean: the
+    groups that complete last are the longest, and priced at the mean a helper taking them finished long after the
+    trainers (``_help_groups``)."""
 
     rank: int
     batch: int
     groups: tuple[int, ...]
+    tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +159,8 @@ class StepMeasured:
 
     ``train_gpu_s_per_group``: the step's training compute per group on one GPU (trainers' compute time x trainers x
     their efficiency / groups); the gradient helpers' cost check prices the next batch with it (0: unknown).
+    ``train_gpu_s_per_token``: the same per trained token; where ``GroupsDone`` reports tokens, the helpers' check
+    prices each group with it instead (0: unknown).
     ``decode_s_per_group``: the step's rollout GPU-seconds per group (busy rollout time / groups) and
     ``group_latency_s``: the longest time from a group's assignment to its end; trainer-gen prices with both (0:
     unknown, no trainer generates)."""
@@ -162,6 +170,7 @@ class StepMeasured:
     train_gpu_s_per_group: float = 0.0
     decode_s_per_group: float = 0.0
     group_latency_s: float = 0.0
+    train_gpu_s_per_token: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

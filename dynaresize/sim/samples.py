@@ -192,6 +192,7 @@ class _BatchInfo:
     cap: int
     prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
     train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
+    tokens_per_group: list[int]  # trained tokens per group (0: dropped), reported with GroupsDone
     samples: int
     tokens_generated: int
     tokens_trained: int
@@ -280,8 +281,9 @@ class SamplePipeline:
             share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
             train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
             prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
-            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, train_gpu_s, b.samples,
-                            b.tokens_generated, b.tokens_trained, ph.tail_s)
+            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, train_gpu_s,
+                            np.rint(per_group_tokens).astype(int).tolist(), b.samples, b.tokens_generated, b.tokens_trained,
+                            ph.tail_s)
             self.info[j] = bi
         return bi
 
@@ -382,7 +384,7 @@ class SamplePipeline:
             for b, gs in by_batch.items():
                 if self.mech.trainer_rollout:
                     self._lat_done(t, b, gs)
-                self.do(t, core.handle(GroupsDone(rank, b, tuple(gs))))
+                self.do(t, core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs))))
         active = dr.active
         if active == 0:
             self._idle(rank, t)
@@ -391,6 +393,13 @@ class SamplePipeline:
             if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
                 self.do(t, core.handle(RankReady(rank, cap)))
         self._schedule_rank(rank, t)
+
+    def _tokens(self, batch: int, groups) -> tuple[int, ...]:
+        """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
+        if not self.mech.gradient_helpers:
+            return ()
+        tokens = self._batch(batch).tokens_per_group
+        return tuple(tokens[g] for g in groups)
 
     def _idle(self, rank: int, t: float) -> None:
         s = self.busy_start.pop(rank, None)
@@ -520,11 +529,12 @@ class SamplePipeline:
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
             )
             per_group = float(bi.train_per_group.sum()) / bi.groups  # the step's training per group on one GPU
+            per_token = float(bi.train_per_group.sum()) / max(1, sum(bi.tokens_per_group))
             decode = latency = 0.0
             if self.mech.trainer_rollout:  # rollout GPU-s per group the rollout ranks made; the slowest group
                 decode = sum(spans) / max(1, bi.groups - self.gen_groups.pop(batch, 0))
                 latency = self.lat.pop(batch, 0.0)
-            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group, decode, latency)))
+            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group, decode, latency, per_token)))
         self.info.pop(batch - 2, None)
 
     # --- switches -------------------------------------------------------------------------------------------------
@@ -632,7 +642,7 @@ class SamplePipeline:
             b = done[0][0]
             gs = tuple(g for _, g in done)
             self._lat_done(t, b, gs)
-            self.do(t, self.core.handle(GroupsDone(rank, b, gs)))
+            self.do(t, self.core.handle(GroupsDone(rank, b, gs, self._tokens(b, gs))))
         if dr.active == 0:
             self.push(t + self.gen_cost_s / 2, self.BACK, rank)
         else:

@@ -78,6 +78,10 @@ class World:
     gpu_s: float = 1.0
     decode_s: float = 1.0
     latency_s: float = 0.0
+    tokens: bool = False  # GroupsDone reports each group's trained tokens (world_tokens), StepMeasured the compute per token
+
+    def done(self, rank: int, batch: int, g: int) -> GroupsDone:
+        return GroupsDone(rank, batch, (g,), (world_tokens(batch, g),) if self.tokens else ())
 
     def __post_init__(self) -> None:
         k, s = self.cfg.resume_step, self.cfg.staleness
@@ -178,14 +182,14 @@ class World:
         ev = list(self.pending)
         for r in range(self.cfg.n_ranks):
             if r in self.gen:
-                ev.extend(GroupsDone(r, batch, (g,)) for batch, g, _ in self.inflight[r])
+                ev.extend(self.done(r, batch, g) for batch, g, _ in self.inflight[r])
             if r in self.lost or self.core.role(r) is not Role.ROLLOUT:
                 continue
             free = self.slots - len(self.inflight[r])
             if free > 0:
                 ev.append(RankReady(r, free))
             for batch, g, _ in self.inflight[r]:
-                ev.append(GroupsDone(r, batch, (g,)))
+                ev.append(self.done(r, batch, g))
             busy = self.inflight[r] or r in self.helping
             if self.losses_left > 0 and busy and len(self.core.rollout_ranks()) > 1:  # loses work
                 ev.append(RankLost(r))
@@ -232,11 +236,16 @@ class World:
         if isinstance(ev, OptimizerStepDone):
             obs = Observation(step=ev.batch, topology=self.core.topology(), rollout_s=1.0, train_s=1.0)
             self.apply(self.core.handle(StepMeasured(obs, self.cfg.steps - self.steps_done, self.gpu_s, self.decode_s,
-                                                     self.latency_s)))
+                                                     self.latency_s, self.gpu_s / 4.0 if self.tokens else 0.0)))
+
+
+def world_tokens(batch: int, g: int) -> int:
+    """A group's trained tokens in the random worlds: 1 .. 7 (mean 4), uneven across groups and batches."""
+    return 1 + (3 * batch + 5 * g) % 7
 
 
 def run_world(cfg: SchedulerConfig, choices, slots: int, script: list[int] | None = None, losses: int = 0,
-              **measured: float) -> World:
+              **measured) -> World:
     core = PipelineScheduler(cfg, ScriptedPolicy(script) if script is not None else None)
     w = World(core, cfg, slots, losses_left=losses, **measured)
     w.apply(core.start())
@@ -418,13 +427,45 @@ def test_an_idle_rollout_rank_holding_the_training_version_helps_the_training():
         core.handle(HelpDone(2, 0))  # it is not helping any more
 
 
+def test_a_helper_takes_the_groups_its_share_fits_by_their_reported_tokens():
+    """The groups that complete last are the longest: priced at the batch's mean, a helper taking them would end long
+    after the trainers. With tokens reported it takes the groups whose own cost fits its share."""
+    mech = Mechanisms(continuous_rollout=True, gradient_helpers=True)
+    cfg = SchedulerConfig(3, 1, (4, 4, 4), mechanisms=mech, helper_cost_s=0.1, helper_rate=1.0, train_chunks=4)
+    core = PipelineScheduler(cfg)
+    core.start()
+    core.handle(StepMeasured(Observation(0, core.topology(), 1.0, 4.0), 3, train_gpu_s_per_group=1.0,
+                             train_gpu_s_per_token=0.25))
+    core.handle(RankReady(1, 4))
+    core.handle(RankReady(2, 4))
+    core.handle(GroupsDone(1, 0, (0, 1), (4, 4)))
+    core.handle(RankReady(1, 4))
+    assert core.handle(GroupsDone(2, 0, (2, 3), (4, 12))) == [Train(0, (0,), (0,), True)]
+    core.handle(RankReady(2, 4))
+    core.handle(GroupsDone(2, 1, (2, 3), (4, 4)))
+    # ready 1, 2, 3 cost 1, 1 and 3 s: the trainer alone 5 s; the helper's share (5 - 0.1) / 2 = 2.45 s skips group 3
+    # (3 s) and takes 2 and 1: max(3 s, 2 s + 0.1 s) = 3 s. At the mean (1 s each) it would take group 3 and end last.
+    assert core.handle(RankReady(2, 4)) == [Help(2, 0, (1, 2))]
+    assert core.handle(TrainChunkDone(0)) == [Train(0, (3,), (0,), False)]
+
+
+def test_tokens_that_do_not_match_the_groups_are_refused_clearly():
+    core = PipelineScheduler(SchedulerConfig(3, 1, (4, 4), mechanisms=Mechanisms(continuous_rollout=True)))
+    core.start()
+    core.handle(RankReady(1, 4))
+    with pytest.raises(ScheduleError, match=r"tokens \[4\] for the 2 groups \[0, 1\] of batch 0"):
+        core.handle(GroupsDone(1, 0, (0, 1), (4,)))
+    with pytest.raises(ScheduleError, match="one count >= 0 per group"):
+        core.handle(GroupsDone(1, 0, (0, 1), (4, -1)))
+
+
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), stream=st.booleans(), n=st.integers(3, 5), steps=st.integers(2, 5), groups=st.integers(4, 6),
-       slots=st.integers(1, 3), losses=st.integers(0, 1))
-def test_gradient_helpers_keep_the_contract(data, stream, n, steps, groups, slots, losses):
+       slots=st.integers(1, 3), losses=st.integers(0, 1), tokens=st.booleans())
+def test_gradient_helpers_keep_the_contract(data, stream, n, steps, groups, slots, losses, tokens):
     cfg = SchedulerConfig(n, 1, (groups,) * steps, staleness=1, mechanisms=Mechanisms(True, stream, False, True),
                           helper_cost_s=0.05, helper_rate=1.0, train_chunks=groups)
-    w = run_world(cfg, data, slots, losses=losses)
+    w = run_world(cfg, data, slots, losses=losses, tokens=tokens)
     check_finished(w)
 
 
@@ -443,13 +484,14 @@ def run_at_random(cfg: SchedulerConfig, seed: int, **world_kw) -> "World":
 
 def test_the_random_worlds_do_exercise_the_helpers():
     """Guard for the property test above: its random event orders reach helpers (else it checks nothing)."""
-    helps = 0
+    helps = {False: 0, True: 0}
     for seed in range(60):
         cfg = SchedulerConfig(4, 1, (5,) * 4, staleness=1, mechanisms=Mechanisms(True, seed % 2 == 0, False, True),
                               helper_cost_s=0.05, helper_rate=1.0, train_chunks=5)
-        world = run_at_random(cfg, seed)
-        helps += world.helps
-    assert helps > 0
+        tokens = seed % 4 < 2
+        world = run_at_random(cfg, seed, tokens=tokens)
+        helps[tokens] += world.helps
+    assert helps[False] > 0 and helps[True] > 0  # priced at the mean and by tokens
 
 
 # --- trainer-gen: idle trainers generate groups of the batch their version makes ---------------------------------
