@@ -480,8 +480,9 @@ class PipelineScheduler:
         else:
             total = len(b.ready) * self.gpu_s_per_group
         share = (total / trate - c.helper_cost_s) / (1.0 / trate + 1.0 / c.helper_rate)
-        if share <= 0:
-            return ()
+        need = (c.helper_margin - 1.0) * c.helper_cost_s
+        if share <= 0 or total / trate - max((total - share) / trate, share / c.helper_rate + c.helper_cost_s) <= need:
+            return ()  # not even a helper filling its whole share would pay
         mean = total / len(b.ready)
         scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
         chosen: list[int] = []
@@ -494,7 +495,7 @@ class PipelineScheduler:
         if not chosen:
             return ()
         saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
-        return tuple(reversed(chosen)) if saving > (c.helper_margin - 1.0) * c.helper_cost_s else ()
+        return tuple(reversed(chosen)) if saving > need else ()
 
     def _offer_help(self, rank: int, out: list[Action]) -> bool:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
