@@ -8,7 +8,7 @@ the same mechanisms (a local search over splits from the step-level best, shared
 (13, item 6): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
 table, then ONE JSON line.
 
-    .venv/bin/python tools/bench_robustness.py                       # 24 cases x shares 1, 0, 0.5 (~5 min)
+    .venv/bin/python tools/bench_robustness.py                       # 24 cases x shares 1, 0.5, 0.25, 0 (~6 min)
     .venv/bin/python tools/bench_robustness.py --gpus 8 --shares 0.5 --steps 100
 """
 
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--means", type=int, nargs="*", default=[300, 1000, 3000, 6000], help="mean response tokens")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--shares", type=float, nargs="*", default=[1.0, 0.0, TAIL_SHARE_BARRIER_FREE],
-                    help="tail shares to compare (default: the whole tail, none, the default)")
+    ap.add_argument("--shares", type=float, nargs="*", default=[1.0, 0.5, 0.25, 0.0, TAIL_SHARE_BARRIER_FREE],
+                    help="tail shares to compare (default: the whole tail, half, a quarter, none, and the default)")
     args = ap.parse_args(argv)
     shares = list(dict.fromkeys(args.shares))
     res: dict[float, list[tuple[float, int]]] = {sh: [] for sh in shares}

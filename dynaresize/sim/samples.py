@@ -25,7 +25,7 @@ turns its actions into simulated durations and its events into the core's inputs
 
 The resize policy observes capacities, not overlapping stage times: per finished step, the GPU-seconds its rollout
 kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation`` (with continuous
-rollout and streaming training, only part of the longest response counts as a tail: ``TAIL_SHARE_BARRIER_FREE``).
+rollout and streaming training the longest response counts as no tail: ``TAIL_SHARE_BARRIER_FREE``).
 
 Assumptions beyond the step-level model's (also in docs/simulator.md): claims in chunks of ``claim`` sequences (a
 GPU admits new sequences a few groups at a time, not one by one); a GPU holds one weight version at a time; per
@@ -55,13 +55,13 @@ from dynaresize.sim.stages import StageTable
 _EPS = 1e-9
 
 # With continuous rollout and streaming training, the share of a batch's longest response decoded alone that the
-# policy's observation reports as a rollout tail (the part of the rollout that more GPUs do not shorten); the rest
-# of that time the rank also decodes the next batch's head. An empirical value (docs/simulator.md, "Robustness at
-# sample level"): the whole tail made the policy predict a smaller rollout pool far faster than it measured, so it
-# swung between two splits on stationary workloads (17 of 24 grid cases missed <= 2 switches and 1%, worst 9.6%);
-# no tail made it settle on too large a pool and creep one GPU at a time where gradient helpers run (8 of 24, worst
-# 2.7%, taskmix_64gpu +7% slower); half: 9 of 24, worst 2.9%, the drifting scenarios within about 1% of the whole tail.
-TAIL_SHARE_BARRIER_FREE = 0.5
+# policy's observation reports as a rollout tail (the part of the rollout that more GPUs do not shorten): none. The
+# next batch's head fills that time, so the rollout is observed as pure capacity (the ranks' mean busy span), as the
+# runtime observes it. Measured side by side (docs/simulator.md, "Robustness at sample level"; 24 stationary cases):
+# the whole tail made the policy predict a smaller rollout pool far faster than it measured, so it swung between two
+# splits (7 of 24 within <= 2 switches and 1%, worst 10.3%); half: 15 of 24, worst 4.2%; none: 16 of 24, worst 2.7%,
+# all within 3%. (Before the gradient helpers were priced by their groups' tokens, none lost 7% in taskmix_64gpu.)
+TAIL_SHARE_BARRIER_FREE = 0.0
 
 
 class DecodeRank:
@@ -514,8 +514,8 @@ class SamplePipeline:
             # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
             # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
             # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean,
-            # and only a share of the longest response's solo time is a tail that more GPUs cannot shorten (the next
-            # batch's head fills part of it): TAIL_SHARE_BARRIER_FREE.
+            # and the longest response's solo time is no tail that more GPUs cannot shorten (the next batch's head
+            # fills it): TAIL_SHARE_BARRIER_FREE.
             # Training: the trainers' compute for the whole batch (helpers' groups included) on their set.
             n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
             overlap = self.mech.continuous_rollout and self.mech.streaming_training
