@@ -8,10 +8,27 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# --- real redis-server for contract tests (owned by the control plane; see dynaresize/control/server.py) ------
 import pytest  # noqa: E402
 
 
+# --- side by side (pytest-xdist, `make test` runs -n 2 --dist loadgroup) ------------------------------------------
+# The Slurm tests share the one local cluster (slurm/local-cluster.sh: 8 fake GPUs, and the preemption tests take a
+# node away with an exclusive urgent job, which would preempt another test's job too, and they count requeues): they
+# are one xdist group, so they run one after the other on one worker while the other workers run the rest. Every
+# other test is safe to overlap: a session's redis-server (one per worker) is on a free port in its own directory,
+# runs get their own tmp_path, and the model cache is locked (see ``model_cache``).
+SERIAL_GROUPS = {"slurm": "slurm"}  # marker -> xdist group
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook of the same name)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, group in SERIAL_GROUPS.items():
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(pytest.mark.xdist_group(group))
+
+
+# --- real redis-server for contract tests (owned by the control plane; see dynaresize/control/server.py) ------
 def pytest_addoption(parser):
     parser.addoption(
         "--redis-server", default="auto", metavar="BINARY",
@@ -100,7 +117,15 @@ def model_cache(tmp_path_factory) -> str:
     """``model.cache_dir`` shared by every job a session launches. A model is cached under the hash of its recipe
     (``dynaresize.models.store.cache_key``: tiny shape, warm-start, task, reward and run.seed), so jobs with the same
     recipe in any module share one build (a warm-start of 80 steps is ~20 s of CPU) and different recipes never
-    mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason."""
+    mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason.
+
+    Under pytest-xdist every worker is its own session: they share one directory next to their own base
+    directories, so a recipe is built once for the whole run (``ensure_model`` builds under a file lock; a worker
+    that needs a model another one is building waits for it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "models"
+        shared.mkdir(exist_ok=True)
+        return str(shared)
     return str(tmp_path_factory.mktemp("models"))
 
 
