@@ -11,21 +11,37 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 
-# --- side by side (pytest-xdist, `make test` runs -n 2 --dist loadgroup) ------------------------------------------
-# The Slurm tests share the one local cluster (slurm/local-cluster.sh: 8 fake GPUs, and the preemption tests take a
-# node away with an exclusive urgent job, which would preempt another test's job too, and they count requeues): they
-# are one xdist group, so they run one after the other on one worker while the other workers run the rest. Every
-# other test is safe to overlap: a session's redis-server (one per worker) is on a free port in its own directory,
-# runs get their own tmp_path, and the model cache is locked (see ``model_cache``).
-SERIAL_GROUPS = {"slurm": "slurm"}  # marker -> xdist group
+# --- side by side (pytest-xdist: `make test` runs -n 3) ----------------------------------------------------------
+# The Slurm tests share the one local cluster (slurm/local-cluster.sh: 8 fake GPUs; the preemption tests take a node
+# away with an exclusive urgent job, which would preempt another test's job too, and they count requeues): every
+# test under tests/slurm/ is one work unit, run one test after the other on one worker while the other workers run
+# the rest. Every other test is safe to overlap: a session's redis-server (one per worker) is on a free port in its
+# own directory, runs get their own tmp_path, and the model cache is locked (see ``model_cache``).
+# (Not xdist's own ``--dist loadgroup``: its ``xdist_group`` marks rename ``item._nodeid``, which pytest 9 no longer
+# reads, so they group nothing.)
+SERIAL_GROUPS = {"tests/slurm/": "slurm"}  # nodeid prefix -> the one worker's group
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its own hook of the same name)
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist; absent with -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Whatever ``--dist`` says (but ``each``): tests go to the first idle worker one by one, except that a group of
+    SERIAL_GROUPS goes to one worker as a whole, first (xdist hands out the largest units first)."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupsApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((group for prefix, group in SERIAL_GROUPS.items() if nodeid.startswith(prefix)), nodeid)
+
+    return GroupsApart(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        for marker, group in SERIAL_GROUPS.items():
-            if item.get_closest_marker(marker) is not None:
-                item.add_marker(pytest.mark.xdist_group(group))
+    """A test that needs the Slurm cluster must lie in its group's directory, or it could overlap another one."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("slurm") and not i.nodeid.startswith("tests/slurm/")]
+    if stray:
+        raise pytest.UsageError(f"slurm-marked tests outside tests/slurm/ would not run one at a time: {stray}")
 
 
 # --- real redis-server for contract tests (owned by the control plane; see dynaresize/control/server.py) ------
