@@ -7,6 +7,10 @@ PY     := $(VENV)/bin/python
 CONFIG ?= configs/quickstart.yaml
 ARGS   ?=
 PYTEST_ARGS ?=
+# The tests run side by side on this many pytest-xdist workers (most of a test's wall time is waiting on processes,
+# Slurm and deadlines, not computing); the Slurm tests stay one after the other (tests/conftest.py: one work unit).
+# 0 runs them serially in one process: make test PYTEST_WORKERS=0
+PYTEST_WORKERS ?= 3
 
 .PHONY: run test setup bench clean-venv
 
@@ -24,7 +28,7 @@ run: setup
 	$(VENV)/bin/dynaresize run $(CONFIG) $(ARGS)
 
 test: setup
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) tools/bench_control_plane.py --ranks 1024

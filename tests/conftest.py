@@ -8,10 +8,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
-# --- real redis-server for contract tests (owned by the control plane; see dynaresize/control/server.py) ------
 import pytest  # noqa: E402
 
 
+# --- side by side (pytest-xdist: `make test` runs -n 3) ----------------------------------------------------------
+# The Slurm tests share the one local cluster (slurm/local-cluster.sh: 8 fake GPUs; the preemption tests take a node
+# away with an exclusive urgent job, which would preempt another test's job too, and they count requeues): every
+# test under tests/slurm/ is one work unit, run one test after the other on one worker while the other workers run
+# the rest. Every other test is safe to overlap: a session's redis-server (one per worker) is on a free port in its
+# own directory, runs get their own tmp_path, and the model cache is locked (see ``model_cache``).
+# (Not xdist's own ``--dist loadgroup``: its ``xdist_group`` marks rename ``item._nodeid``, which pytest 9 no longer
+# reads, so they group nothing.)
+SERIAL_GROUPS = {"tests/slurm/": "slurm"}  # nodeid prefix -> the one worker's group
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist; absent with -p no:xdist
+def pytest_xdist_make_scheduler(config, log):
+    """Whatever ``--dist`` says (but ``each``): tests go to the first idle worker one by one, except that a group of
+    SERIAL_GROUPS goes to one worker as a whole, first (xdist hands out the largest units first)."""
+    if config.getvalue("dist") == "each":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupsApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return next((group for prefix, group in SERIAL_GROUPS.items() if nodeid.startswith(prefix)), nodeid)
+
+    return GroupsApart(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that needs the Slurm cluster must lie in its group's directory, or it could overlap another one."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("slurm") and not i.nodeid.startswith("tests/slurm/")]
+    if stray:
+        raise pytest.UsageError(f"slurm-marked tests outside tests/slurm/ would not run one at a time: {stray}")
+
+
+# --- real redis-server for contract tests (owned by the control plane; see dynaresize/control/server.py) ------
 def pytest_addoption(parser):
     parser.addoption(
         "--redis-server", default="auto", metavar="BINARY",
@@ -100,7 +133,15 @@ def model_cache(tmp_path_factory) -> str:
     """``model.cache_dir`` shared by every job a session launches. A model is cached under the hash of its recipe
     (``dynaresize.models.store.cache_key``: tiny shape, warm-start, task, reward and run.seed), so jobs with the same
     recipe in any module share one build (a warm-start of 80 steps is ~20 s of CPU) and different recipes never
-    mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason."""
+    mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason.
+
+    Under pytest-xdist every worker is its own session: they share one directory next to their own base
+    directories, so a recipe is built once for the whole run (``ensure_model`` builds under a file lock; a worker
+    that needs a model another one is building waits for it)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "models"
+        shared.mkdir(exist_ok=True)
+        return str(shared)
     return str(tmp_path_factory.mktemp("models"))
 
 
