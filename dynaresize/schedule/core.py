@@ -84,13 +84,8 @@ class _Batch:
     ready_untokened: int = 0  # ready groups with no reported tokens
 
     def add_ready(self, groups) -> None:
-        for g in groups:
-            self.ready.append(g)
-            t = self.tokens.get(g)
-            if t is None:
-                self.ready_untokened += 1
-            else:
-                self.ready_tokens += t
+        self.ready.extend(groups)
+        self._tally(groups, 1)
 
     def take_ready(self, groups: tuple[int, ...]) -> None:
         """Remove ``groups`` (ready ones) from the ready list."""
@@ -99,12 +94,16 @@ class _Batch:
         else:
             gone = set(groups)
             self.ready = [g for g in self.ready if g not in gone]
+        self._tally(groups, -1)
+
+    def _tally(self, groups, sign: int) -> None:
+        """Keep ``ready_tokens`` and ``ready_untokened`` in step with ``groups`` entering (+1) or leaving (-1)."""
         for g in groups:
             t = self.tokens.get(g)
             if t is None:
-                self.ready_untokened -= 1
+                self.ready_untokened += sign
             else:
-                self.ready_tokens -= t
+                self.ready_tokens += sign * t
 
     @property
     def unclaimed(self) -> bool:

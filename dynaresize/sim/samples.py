@@ -521,15 +521,16 @@ class SamplePipeline:
             overlap = self.mech.continuous_rollout and self.mech.streaming_training
             roll = sum(spans) / n_r if overlap else max(spans, default=0.0)
             eff = efficiency(n_t, self.train_cfg.scaling_per_doubling)
-            train = float(bi.train_per_group.sum()) / (n_t * eff) + self.train_cfg.step_overhead_s
+            work = float(bi.train_per_group.sum())  # the batch's training compute on one GPU
+            train = work / (n_t * eff) + self.train_cfg.step_overhead_s
             obs = Observation(
                 step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(self.tail_share if overlap else 1.0) * bi.tail_s,
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
             )
-            per_group = float(bi.train_per_group.sum()) / bi.groups  # the step's training per group on one GPU
-            per_token = float(bi.train_per_group.sum()) / max(1, sum(bi.tokens_per_group))
+            per_group = work / bi.groups  # the step's training per group on one GPU
+            per_token = work / max(1, sum(bi.tokens_per_group))
             decode = latency = 0.0
             if self.mech.trainer_rollout:  # rollout GPU-s per group the rollout ranks made; the slowest group
                 decode = sum(spans) / max(1, bi.groups - self.gen_groups.pop(batch, 0))
