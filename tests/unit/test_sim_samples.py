@@ -129,3 +129,18 @@ def test_trainer_gen_is_not_used_where_it_does_not_pay(over, nt):
     gen = run_samples(s, topo, TGEN)
     assert gen.trainer_gens == 0
     assert gen.total_s == without.total_s
+
+
+def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_training_bound_split():
+    """dapo_64gpu at 42:22 is training-bound: rollout ranks wait for versions and help. Priced at the batch's mean
+    per group, a helper took the newest (longest) groups and ended long after the trainers, so helpers made this
+    split slower; priced by each group's tokens they make it faster. Either way the samples and their versions are
+    the barrier run's."""
+    s = _setup("dapo_64gpu", "sim.steps=30")
+    topo = Topology(42, 22)
+    barrier = run_samples(s, topo, Mechanisms(False, False, False), record_versions=True)
+    without = run_samples(s, topo, Mechanisms(True, True, False), record_versions=True)
+    helped = run_samples(s, topo, Mechanisms(True, True, False, True), record_versions=True)
+    assert helped.helps > 0
+    assert helped.versions == barrier.versions == without.versions and helped.samples == barrier.samples
+    assert helped.total_s < without.total_s
