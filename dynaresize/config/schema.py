@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dynaresize.config.base import RuleError, Section
 from dynaresize.control.config import RedisConfig
@@ -76,11 +76,15 @@ class PipelineConfig(Section):
     mixed_switch: bool = Field(
         True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
     )
-    schedule: Literal["lockstep", "continuous"] = Field(
-        "lockstep", description="lockstep: one step at a time with a barrier (generate, train, blocking weight sync); "
-        "continuous: no step barrier, driven by the scheduler core (dynaresize.schedule): a rollout rank takes the next "
-        "batch's groups as soon as it holds the version that batch needs, weight versions reach each rank in the "
-        "background, and (streaming_training) the trainers start on complete groups; the same samples, versions and loss",
+    schedule: Literal["barrier_free", "barrier", "lockstep"] = Field(
+        "lockstep", description="How the one-step-off pipeline runs. barrier_free: the scheduler core "
+        "(dynaresize.schedule) with continuous rollout (a rollout rank takes the next batch's groups as soon as it "
+        "holds the version that batch needs; weight versions reach each rank in the background) and (streaming_training) "
+        "trainers that start on complete groups. barrier: the same core with its step barrier (a batch opens once the "
+        "previous one is complete and its version exists, one blocking weight sync over the pre-built groups, training "
+        "once the batch is complete): the static one-step-off baseline. lockstep: the older hand-written loop of the same "
+        "barrier schedule (being retired). All three train the same samples, versions and loss. continuous: the old "
+        "name of barrier_free",
     )
     streaming_training: bool = Field(
         True, description="continuous schedule: trainers run forward/backward on a batch's complete GRPO groups as they "
@@ -94,6 +98,17 @@ class PipelineConfig(Section):
         4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
         "rank has two commands queued, so it never waits for the coordinator between them)",
     )
+
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _old_names(cls, v: Any) -> Any:
+        return {"continuous": "barrier_free"}.get(v, v) if isinstance(v, str) else v
+
+    @property
+    def on_core(self) -> bool:
+        """Whether the scheduler core drives the run (every schedule but the retiring lockstep loop)."""
+        return self.schedule != "lockstep"
 
 
 class FaultsConfig(Section):
@@ -179,18 +194,19 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _continuous_schedule_fits(self) -> "Config":
-        if self.pipeline.schedule != "continuous":
+        if not self.pipeline.on_core:
             return self
+        sched = self.pipeline.schedule
         if self.algorithm.dynamic_sampling.enabled:
-            raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule does not run dynamic sampling "
+            raise RuleError(("pipeline", "schedule"), sched, "the scheduler core does not run dynamic sampling yet "
                             "(its extra rounds depend on the whole batch); set algorithm.dynamic_sampling.enabled: false "
                             "or pipeline.schedule: lockstep")
         if self.task.dataset.val_every > 0:
-            raise RuleError(("pipeline", "schedule"), "continuous", "validation passes need every rollout rank on one "
-                            "version (a step barrier); set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
-        if self.rollout.engine == "vllm":
-            raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule's background weight load "
-                            "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: lockstep")
+            raise RuleError(("pipeline", "schedule"), sched, "the scheduler core does not run validation passes yet; "
+                            "set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
+        if self.rollout.engine == "vllm" and sched == "barrier_free":
+            raise RuleError(("pipeline", "schedule"), sched, "the barrier-free schedule's background weight load "
+                            "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: barrier")
         return self
 
     @model_validator(mode="after")

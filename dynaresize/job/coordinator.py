@@ -221,7 +221,7 @@ class Coordinator:
     def loop(self) -> None:
         p, job, steps = self.parts, self.job, self.cfg.run.steps
         k = job.state.step
-        if self.cfg.pipeline.schedule == "continuous":  # no step barrier: the scheduler core decides (job.pipeline)
+        if self.cfg.pipeline.on_core:  # the scheduler core decides (job.pipeline), with or without its step barrier
             self.at = Phase(f"c{k}")
             ContinuousSchedule(job, p, self.at, self.stop_requested.is_set, self.preemption).run()
             return

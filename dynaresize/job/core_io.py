@@ -27,9 +27,19 @@ def scheduler_config(cfg: Config, n_train: int, resume_step: int) -> SchedulerCo
     pl = cfg.pipeline
     return SchedulerConfig(
         n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
-        staleness=pl.staleness_bound, mechanisms=Mechanisms(True, pl.streaming_training, True, False),
+        staleness=pl.staleness_bound, mechanisms=mechanisms(cfg),
         stream_min_groups=pl.stream_min_groups, collective_switch=True, resume_step=resume_step,
     )
+
+
+def mechanisms(cfg: Config) -> Mechanisms:
+    """The core's mechanisms for ``pipeline.schedule``: ``barrier`` turns every barrier-free one off (the static
+    one-step-off pipeline, the baseline), ``barrier_free`` runs continuous rollout and (``streaming_training``)
+    streaming training. Resizing is on in both (the policy decides; ``policy.enabled: false`` holds the split)."""
+    pl = cfg.pipeline
+    if pl.schedule == "barrier":
+        return Mechanisms(continuous_rollout=False, streaming_training=False, resize=True)
+    return Mechanisms(continuous_rollout=True, streaming_training=pl.streaming_training, resize=True)
 
 
 class PlannedPolicy:

@@ -74,6 +74,7 @@ class Sent:
     movers: tuple[int, ...] = ()
     acks: dict[int, Any] = field(default_factory=dict)
     cursor: bytes = b"0-0"
+    targets: tuple[int, ...] = ()  # a blocking sync_weights: the rollout ranks the core sent the version to
 
     @property
     def rank(self) -> int:
@@ -114,6 +115,8 @@ class ContinuousSchedule:
         self.inflight_groups: dict[int, int] = {}  # rollout rank -> groups in its generate commands
         self.tally: dict[int, Tally] = {}
         self.published: set[int] = set()
+        self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
+        self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
         self.drain: int | None = None  # the step a drain stops at (a checkpoint, a stop)
         self.parked: list = []  # actions held back while draining
@@ -148,8 +151,8 @@ class ContinuousSchedule:
             self.log.write({"lost": sorted(job.state.lost)})
         for r in job.state.lost:  # lost before a restart or a resume: never given work
             self.feed(RankLost(r))
-        for r in self.behind(k) if k > 0 else ():  # a restored rank may hold another version than the checkpoint's
-            self.send_fetch(r, k)
+        if k > 0:  # a restored rank may hold another version than the checkpoint's
+            self.deliver(self.behind(k), k)
         for r in job.rollouts():
             self.ready(r)
 
@@ -223,6 +226,11 @@ class ContinuousSchedule:
                 self.ready(r)
             case "fetch_weights":
                 self.feed(WeightsArrived(sent.rank, sent.version))
+            case "sync_weights":
+                for r in sent.targets:
+                    if r not in self.job.state.lost:
+                        self.feed(WeightsArrived(r, sent.version))
+                self.send_syncs()
             case "train_chunk":
                 t = self.tally.setdefault(sent.batch, Tally())
                 t.train_s += max(float(x.get("busy_s", 0.0)) for x in res.values())
@@ -242,6 +250,8 @@ class ContinuousSchedule:
                         self.ready(r)
             case "switch_note":
                 pass
+        if sent.kind in ("switch_role", "switch_note"):
+            self.send_syncs()  # a version held back while the split changed
 
     def stepped(self, k: int, res: dict[int, dict]) -> None:
         """T_k took its optimizer step: version k+1 exists (rank 0 staged it for the rollout ranks). The step's
@@ -336,6 +346,10 @@ class ContinuousSchedule:
         if what is not None:
             self.log.write({what: encode(actions)})
         done_switch: set[int] = set()
+        for a in actions:  # barrier: the pool's version first, before any training command reaches rank 0
+            if isinstance(a, SendWeights) and a.blocking and not (self.drain is not None and self.parks(a)):
+                self.syncs.setdefault(a.version, set()).add(a.rank)
+        self.send_syncs()
         for a in actions:
             if self.drain is not None and self.parks(a):
                 self.parked.append(a)
@@ -347,8 +361,9 @@ class ContinuousSchedule:
                     self.send_chunk(a)
                 case Step():
                     self.send_step(a)
-                case SendWeights(rank, version, _):
-                    self.send_fetch(rank, version)
+                case SendWeights(rank, version, blocking):
+                    if not blocking:
+                        self.send_fetch(rank, version)
                 case Decided(step, decision, sid):
                     self.decided(step, decision, sid)
                 case Switch(_, _, sid) if sid not in done_switch:
@@ -393,6 +408,32 @@ class ContinuousSchedule:
     def send_fetch(self, rank: int, version: int) -> None:
         self.send("fetch_weights", [rank], {"version": version}, version=version)
 
+    def send_syncs(self) -> None:
+        """Barrier: a version the core sent to the rollout pool goes in ONE blocking ``sync_weights`` from trainer
+        rank 0 over the pre-built sync group (every rollout rank of the split takes part in the collective), once no
+        switch is in flight (a switch changes the group; its ranks learn the new split first)."""
+        if not self.syncs or any(s.kind in ("switch_role", "switch_note", "sync_weights") for s in self.sent.values()):
+            return
+        v = min(self.syncs)
+        targets = self.syncs.pop(v)
+        st = self.job.state
+        s = self.send("sync_weights", [0] + self.job.rollouts(), {"version": v, "n_train": st.n_train, "lost": st.lost},
+                      version=v)
+        s.targets = tuple(sorted(targets))
+
+    def deliver(self, ranks: list[int], version: int) -> None:
+        """Bring ``ranks`` (rollout ranks) to ``version`` now, outside the core's plan (a resume, a checkpoint): one
+        blocking sync over the pre-built group (barrier), else a fetch of the published snapshot and an install."""
+        if not ranks:
+            return
+        if self.barrier:
+            st = self.job.state
+            self.p.tx.call(self.at, "sync_weights", [0] + self.job.rollouts(), {"version": version, "n_train": st.n_train,
+                                                                              "lost": st.lost})
+            return
+        self.p.tx.call(self.at, "fetch_weights", ranks, {"version": version})  # a no-op where the read is under way or done
+        self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+
     def send_chunk(self, a: Train) -> None:
         """A chunk of batch k's complete groups, as the whole batch has them (a group's advantages are its own)."""
         job, svc, rollout = self.job, self.p.svc, self.p.rollout
@@ -417,7 +458,8 @@ class ContinuousSchedule:
     def send_step(self, a: Step) -> None:
         t = self.tally.setdefault(a.batch, Tally())
         self.send("optimizer_step", list(a.ranks), {"step": a.batch, "n_train": len(a.ranks), "version_after": a.batch + 1,
-                                                    "denominator": self.denominator(t), "publish": True}, batch=a.batch)
+                                                    "denominator": self.denominator(t), "publish": not self.barrier},
+                  batch=a.batch)
 
     def decided(self, step: int, d: Decision, sid: int | None) -> None:
         self.job.events.emit("decision", step=step + 1, action=d.action.value, reason=d.reason,
@@ -457,12 +499,7 @@ class ContinuousSchedule:
     def install_newest(self, k: int) -> None:
         """Before a checkpoint at step k every rollout rank holds version k, as after a lockstep step's sync (a
         resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
-        tx = self.p.tx
-        behind = self.behind(k)
-        if not behind:
-            return
-        tx.call(self.at, "fetch_weights", behind, {"version": k})  # a no-op where the read is under way or done
-        tx.call(self.at, "generate", behind, self.p.rollout.payload(k, version=k, prompts=[]))
+        self.deliver(self.behind(k), k)
 
     def checkpoint_and_go_on(self) -> None:
         k, p = self.drain, self.p

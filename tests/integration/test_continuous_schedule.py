@@ -88,6 +88,45 @@ def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cach
         assert logged == again, f"replaying {what}: {logged} != {again}"
 
 
+def test_the_barrier_schedule_on_the_core_keeps_rl_semantics_and_its_barrier(tmp_path, model_cache, static_run):
+    """``pipeline.schedule: barrier``: the same core with its barrier mechanisms, the static one-step-off baseline.
+    Resizing both ways, it trains the static lockstep run's samples, versions and rewards; a batch's groups are
+    assigned only once the previous batch is complete, training waits for the whole batch, and each version reaches
+    the pool in one blocking sync over the pre-built group (no snapshot through the run directory)."""
+    from dynaresize.job.core_io import replay_log
+
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}",
+        "pipeline.schedule=barrier", "task.dataset.val_every=0", "pipeline.groups_per_command=1")
+    rd = run_dir_of(tmp_path)
+    got = batches(rd)
+    same_samples(got, batches(static_run))
+    n_train = [b["n_train"] for b in got]
+    assert 1 in n_train and 3 in n_train, n_train
+    recs = schedule(rd)
+    assert recs[0]["config"]["mechanisms"]["continuous_rollout"] is False
+    done: dict[int, int] = {}
+    sends = 0
+    for rec in recs:
+        ev = rec.get("event") or {}
+        if ev.get("type") == "GroupsDone":
+            done[ev["batch"]] = done.get(ev["batch"], 0) + len(ev["groups"])
+        for a in rec.get("actions", rec.get("start", [])):
+            if a["type"] == "Assign" and a["batch"] >= 1:
+                assert done.get(a["batch"] - 1, 0) == 4, f"batch {a['batch']} assigned before batch {a['batch'] - 1} was complete"
+            if a["type"] == "Train":
+                assert done.get(a["batch"], 0) == 4, f"batch {a['batch']} trained before it was complete"
+            if a["type"] == "SendWeights":
+                assert a["blocking"], a
+                sends += 1
+    assert sends >= STEPS - 2
+    assert not (rd / "weights").exists() or not any((rd / "weights").iterdir()), "a snapshot went through the run directory"
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    syncs = [e for e in events if e.get("stage") == "weight_sync"]
+    assert syncs and not any(e.get("background") or e.get("publish") for e in syncs)
+    for what, logged, again in replay_log(rd):
+        assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
 def test_a_rollout_rank_lost_with_two_batches_in_flight_and_weights_on_the_way(tmp_path, model_cache, static_run):
     # rank 3 dies as version 2 starts to reach it in the background: batch 1 is training, batch 2 generating
     run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
