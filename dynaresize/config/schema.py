@@ -201,9 +201,6 @@ class Config(Section):
             raise RuleError(("pipeline", "schedule"), sched, "the scheduler core does not run dynamic sampling yet "
                             "(its extra rounds depend on the whole batch); set algorithm.dynamic_sampling.enabled: false "
                             "or pipeline.schedule: lockstep")
-        if self.task.dataset.val_every > 0:
-            raise RuleError(("pipeline", "schedule"), sched, "the scheduler core does not run validation passes yet; "
-                            "set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
         if self.rollout.engine == "vllm" and sched == "barrier_free":
             raise RuleError(("pipeline", "schedule"), sched, "the barrier-free schedule's background weight load "
                             "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: barrier")

@@ -52,7 +52,8 @@ from dynaresize.policy.types import Action as PolicyAction
 from dynaresize.policy.types import Decision, Observation
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
-    Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
+    Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate, ValidationDone,
+    WeightsArrived,
 )
 from dynaresize.schedule.codec import encode
 
@@ -107,7 +108,7 @@ class ContinuousSchedule:
         self.stop_requested, self.preemption = stop_requested, preemption
         self.cfg = job.cfg
         st = job.state
-        self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step)
+        self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step))
         self.policy = PlannedPolicy(parts.planner.policy, self.cfg.policy.forced_splits, self.cfg.policy.enabled)
         self.core = PipelineScheduler(self.core_cfg, self.policy)
         self.core.policy_state = parts.planner.pstate  # a resume goes on with the checkpoint's policy state
@@ -115,6 +116,7 @@ class ContinuousSchedule:
         self.inflight_groups: dict[int, int] = {}  # rollout rank -> groups in its generate commands
         self.tally: dict[int, Tally] = {}
         self.published: set[int] = set()
+        self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
@@ -224,6 +226,11 @@ class ContinuousSchedule:
                 self.feed(GroupsDone(r, sent.batch, sent.groups))
                 self.clock_starts()
                 self.ready(r)
+            case "validate":
+                self.inflight_groups[sent.rank] -= len(sent.groups)
+                self.feed(ValidationDone(sent.rank, sent.version, sent.groups))
+                self.validated()
+                self.ready(sent.rank)
             case "fetch_weights":
                 self.feed(WeightsArrived(sent.rank, sent.version))
             case "sync_weights":
@@ -328,13 +335,17 @@ class ContinuousSchedule:
             self.policy.policy = self.p.planner.policy  # the policy plans over the live ranks
             for cid, s in list(self.sent.items()):
                 if any(r in e.ranks for r in s.flight.ranks):
-                    if s.kind not in ("generate", "fetch_weights", "switch_note"):
+                    if s.kind not in ("generate", "validate", "fetch_weights", "switch_note"):
                         raise
                     del self.sent[cid]
             self.log.write({"lost": sorted(self.job.state.lost)})  # a replay re-plans over the live ranks here too
+            vq = self.p.validation.queue()
             for r in e.ranks:
+                for v in self.validating:
+                    vq.release(v, r)  # its validation prompts go to another rank holding the version
                 self.inflight_groups.pop(r, None)
                 self.feed(RankLost(r))
+            self.validated()
 
     # --- the core ------------------------------------------------------------------------------------------------
     def feed(self, ev) -> None:
@@ -357,6 +368,8 @@ class ContinuousSchedule:
             match a:
                 case Assign():
                     self.send_generate(a)
+                case Validate():
+                    self.send_validate(a)
                 case Train():
                     self.send_chunk(a)
                 case Step():
@@ -404,6 +417,29 @@ class ContinuousSchedule:
             self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(part)
             self.send("generate", [a.rank], self.p.rollout.payload(a.batch, version=a.version, prompts=list(part)),
                       batch=a.batch, groups=part, version=a.version)
+
+    def send_validate(self, a: Validate) -> None:
+        """Validation groups (prompts of the held-out set) of version ``a.version``'s pass, generated with it."""
+        if a.version not in self.validating:
+            self.p.validation.publish(a.version)
+            vq = self.p.validation.queue()
+            for r in range(self.job.world):  # claims of an earlier launch's processes (this one has none yet)
+                vq.release(a.version, r)
+            self.validating[a.version] = time.monotonic()
+        self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(a.groups)
+        payload = self.p.rollout.payload(a.version, version=a.version, prompts=list(a.groups), validation=True)
+        self.send("generate", [a.rank], payload, label="validate", version=a.version, groups=a.groups)
+
+    def validated(self) -> None:
+        """Record every validation pass the core has complete (an abandoned one is reported, not recorded)."""
+        for v, t0 in sorted(self.validating.items()):
+            if self.core.validated(v):
+                del self.validating[v]
+                if v in self.core.vals_abandoned:
+                    log.warning("validation at version %d: a rank holding the version was lost before it finished its "
+                                "prompts and no other rank holds that version any more; the pass is not recorded", v)
+                else:
+                    self.p.validation.record(v, time.monotonic() - t0)
 
     def send_fetch(self, rank: int, version: int) -> None:
         self.send("fetch_weights", [rank], {"version": version}, version=version)

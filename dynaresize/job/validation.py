@@ -25,21 +25,38 @@ class Validation:
         return (bool(samples) and every > 0 and str(version) not in self.job.state.validation
                 and (version % every == 0 or version == cfg.run.steps))
 
+    def passes(self, first: int) -> tuple[tuple[int, int], ...]:
+        """The validation passes of versions ``first`` .. ``run.steps`` still to run: (version, prompts), the
+        scheduler core's ``SchedulerConfig.validations`` (one group per validation prompt)."""
+        if self.job.cfg.task.dataset.val_every <= 0:
+            return ()
+        n = len(self.svc.task.val_samples()) if callable(getattr(self.svc.task, "val_samples", None)) else 0
+        return tuple((v, n) for v in range(first, self.job.cfg.run.steps + 1) if n and self.due(v))
+
+    def queue(self):
+        from dynaresize.contract.workqueue import RolloutQueue
+
+        return RolloutQueue(self.svc.redis, self.job.job_id, name="vq")
+
+    def publish(self, version: int) -> int:
+        """Queue the pass of ``version`` (once: a published pass keeps its claims and results); its item count."""
+        from dynaresize.job.batching import val_items
+
+        ds = self.job.cfg.task.dataset
+        items = val_items(self.svc.task.val_samples(), self.svc.tokenizer, self.job.cfg.run.seed, version, ds.val_samples)
+        self.queue().publish(version, items)
+        return len(items)
+
     def run(self, at: Phase, version: int) -> None:
         """Generate ``val_samples`` responses per validation prompt with policy ``version`` (held by every rollout
         rank now), through the validation queue; record the mean reward and pass@k. Seeds depend on (run seed,
         prompt, index) only, so every pass answers the same draws and a resized run matches a static one."""
-        from dynaresize.job.batching import val_items
-        from dynaresize.contract.workqueue import RolloutQueue
-
         if not self.due(version):
             return
         job = self.job
         t0 = time.monotonic()
-        ds = job.cfg.task.dataset
-        items = val_items(self.svc.task.val_samples(), self.svc.tokenizer, job.cfg.run.seed, version, ds.val_samples)
-        vq = RolloutQueue(self.svc.redis, job.job_id, name="vq")
-        vq.publish(version, items)
+        vq = self.queue()
+        self.publish(version)
         payload = self.rollout.payload(version, validation=True)
         for _ in range(3):
             if vq.done(version) >= vq.total(version) or not job.rollouts():
@@ -48,16 +65,24 @@ class Validation:
                 vq.release(version, r)
             sent = self.tx.send(at, "generate", job.rollouts(), payload)
             self.rollout.await_rollout(sent.cmd, job.rollouts(), version)
+        self.record(version, time.monotonic() - t0)
+
+    def record(self, version: int, seconds: float) -> None:
+        """The pass of ``version`` is generated: its mean reward and pass@k to the state, the events, the metric
+        loggers and ``validation.jsonl``."""
+        job, ds = self.job, self.job.cfg.task.dataset
+        vq = self.queue()
         results = vq.results(version)
-        if len(results) < len(items):
-            log.warning("validation at version %d: %d of %d samples generated; not recorded", version, len(results), len(items))
+        total = vq.total(version)
+        if len(results) < total or not results:
+            log.warning("validation at version %d: %d of %d samples generated; not recorded", version, len(results), total)
             return
         rewards = [float(r.extra.get("reward", 0.0)) for r in results]
-        per_prompt = [rewards[p * ds.val_samples:(p + 1) * ds.val_samples] for p in range(len(items) // ds.val_samples)]
+        per_prompt = [rewards[p * ds.val_samples:(p + 1) * ds.val_samples] for p in range(len(results) // ds.val_samples)]
         rec = {"version": version, "step": version, "prompts": len(per_prompt), "k": ds.val_samples,
                "reward_mean": round(sum(rewards) / len(rewards), 6),
                "pass_at_k": round(sum(max(g) >= 1.0 for g in per_prompt) / len(per_prompt), 6),
-               "reward_errors": len(reward_errors(results)), "seconds": round(time.monotonic() - t0, 3)}
+               "reward_errors": len(reward_errors(results)), "seconds": round(seconds, 3)}
         job.state.validation[str(version)] = rec
         for name in ("reward_mean", "pass_at_k"):
             job.events.emit("metric", name=f"val_{name}", value=rec[name], step=version, k=ds.val_samples)

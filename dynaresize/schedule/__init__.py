@@ -7,11 +7,12 @@ from dynaresize.schedule.core import PipelineScheduler, replay
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
-    TrainerBack, WeightsArrived, version_of,
+    TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
 )
 
 __all__ = [
     "Action", "Assign", "Decided", "Event", "GroupsDone", "Help", "HelpDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
     "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerConfig", "SendWeights", "Step",
-    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "TrainerBack", "WeightsArrived", "replay", "version_of",
+    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "TrainerBack", "Validate", "ValidationDone", "WeightsArrived", "replay",
+    "version_of",
 ]

@@ -62,8 +62,8 @@ from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PolicyState
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
-    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, WeightsArrived,
-    version_of,
+    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    ValidationDone, WeightsArrived, version_of,
 )
 
 
@@ -135,6 +135,7 @@ class _Rank:
     to: Role | None = None
     switch_id: int | None = None  # the resize this rank is part of
     lost: bool = False
+    newest: int = 0  # the newest version it decoded with or received in place (it cannot go back to an older one)
 
 
 class PipelineScheduler:
@@ -179,11 +180,20 @@ class PipelineScheduler:
         self.group_latency_s = 0.0  # the newest measured longest assignment-to-end time of a group
         self.trainer_gens = 0  # trainer-gen excursions (one Assign to one trainer each)
         self.gen_budget: dict[int, float] = {}  # generating trainer -> its priced time away (seconds)
+        # validation passes: version -> its held-out groups (one _Batch each; never trained on)
+        self.vals: dict[int, _Batch] = {v: _Batch(v, n, v) for v, n in cfg.validations}
+        self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
+        for r in self.ranks:
+            r.newest = k
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
-        return self.produced == self.cfg.steps
+        return self.produced == self.cfg.steps and all(b.complete for b in self.vals.values())
+
+    def validated(self, version: int) -> bool:
+        """Whether every group of ``version``'s validation pass was generated (or the pass was abandoned)."""
+        return self.vals[version].complete
 
     def topology(self) -> Topology:
         """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
@@ -232,6 +242,8 @@ class PipelineScheduler:
                 self._assign(ev.rank, out)
         elif tp is GroupsDone:
             self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out)
+        elif tp is ValidationDone:
+            self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
             self._handle_rest(ev, out)
         if self.mech.trainer_rollout and not self.restarting:
@@ -249,6 +261,8 @@ class PipelineScheduler:
                 r.sending.discard(version)
                 if not r.lost and r.role is Role.ROLLOUT:
                     r.versions.add(version)
+                    if not self.mech.continuous_rollout:
+                        r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
                     self._assign(rank, out)
             case SwitchDone(rank):
                 self._switch_done(rank, out)
@@ -283,6 +297,8 @@ class PipelineScheduler:
         if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
             self.waiting.discard(rank)
             return
+        if self.vals:
+            self._assign_validation(rank, r, out)
         while self.first_open < self.n_steps and not self.batches[self.first_open].unclaimed:
             self.first_open += 1
         j = self.first_open
@@ -312,8 +328,62 @@ class PipelineScheduler:
         b.held[rank] = b.held.get(rank, 0) + len(got)
         r.inflight += len(got)
         r.inflight_version = b.version
+        r.newest = max(r.newest, b.version)
         out.append(Assign(rank, b.index, got, b.version))
         return got
+
+    # --- validation ---------------------------------------------------------------------------------------------
+    def _assign_validation(self, rank: int, r: _Rank, out: list[Action]) -> None:
+        """A validation pass of a version this rank holds and has not moved past goes before its training work: the
+        pass must be handed out while ranks still hold its version (a rank decodes one version at a time and cannot
+        go back to an older one)."""
+        for v, b in self.vals.items():
+            if r.capacity <= 0:
+                return
+            if not b.unclaimed or v > self.produced or v not in r.versions or r.newest > v:
+                continue
+            if r.inflight and r.inflight_version != v:
+                continue
+            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)
+            if room <= 0:
+                continue
+            got = b.claim(min(r.capacity, room))
+            for g in got:
+                b.owner[g] = rank
+            b.held[rank] = b.held.get(rank, 0) + len(got)
+            r.inflight += len(got)
+            r.inflight_version = v
+            r.capacity = 0 if len(got) == room else r.capacity - len(got)
+            out.append(Validate(rank, v, got))
+
+    def _validation_done(self, rank: int, version: int, groups: tuple[int, ...], out: list[Action]) -> None:
+        b = self.vals.get(version)
+        r = self.ranks[rank]
+        if b is None:
+            raise ScheduleError(f"rank {rank} reported validation groups of version {version}, which has no pass")
+        mine = [g for g in groups if b.owner.get(g) == rank]
+        if len(mine) != len(groups):
+            if r.lost:
+                return
+            raise ScheduleError(f"rank {rank} reported validation groups {sorted(set(groups) - set(mine))} of version "
+                                f"{version} it was not given")
+        b.held[rank] -= len(mine)
+        for g in mine:
+            del b.owner[g]
+            b.done.add(g)
+        r.inflight -= len(mine)
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving:
+                self._start_switch(rank, out)
+        if b.complete:
+            self._prune_and_send(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)
+
+    def _validation_open(self, v: int) -> bool:
+        """Barrier: the pool moves to version ``v`` only once every older validation pass was handed out."""
+        return not any(b.unclaimed for u, b in self.vals.items() if u < v)
 
     def _assign_waiting(self, out: list[Action]) -> None:
         for rank in sorted(self.waiting):
@@ -361,15 +431,24 @@ class PipelineScheduler:
             if j > 0 and not self.batches[j - 1].complete:
                 return
             v = version_of(j, self.s)
-            if v > self.produced:
+            if v > self.produced or (self.vals and not self._validation_open(v)):
                 return
             self.released += 1
-            for rank in self.rollout_ranks():
-                r = self.ranks[rank]
-                if v not in r.versions and v not in r.sending and not r.leaving:
-                    r.sending.add(v)
-                    out.append(SendWeights(rank, v, blocking=True))
+            self._sync_pool(v, out)
             self._assign_waiting(out)
+        if self.vals and self.batches[-1].complete:  # the versions only a validation pass uses (the run's last ones)
+            for v in self.vals:
+                if v <= self.produced and not self._batches_of(v) and self._validation_open(v):
+                    self._sync_pool(v, out)
+            self._assign_waiting(out)
+
+    def _sync_pool(self, v: int, out: list[Action]) -> None:
+        """Barrier: version ``v`` to every rollout rank (not leaving) that lacks it, in one blocking sync."""
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            if v not in r.versions and v not in r.sending and not r.leaving:
+                r.sending.add(v)
+                out.append(SendWeights(rank, v, blocking=True))
 
     def _batches_of(self, v: int) -> range:
         """The batches generated by version ``v`` (with s = 1: batches 0 and 1 for version 0, then batch v + 1)."""
@@ -377,8 +456,9 @@ class PipelineScheduler:
         return range(lo, min(hi, self.cfg.steps))
 
     def _needed(self, v: int) -> bool:
-        """Whether a batch generated by version ``v`` is not complete yet."""
-        return any(not self.batches[j].complete for j in self._batches_of(v))
+        """Whether a batch generated by version ``v`` (or its validation pass) is not complete yet."""
+        vb = self.vals.get(v) if self.vals else None
+        return any(not self.batches[j].complete for j in self._batches_of(v)) or (vb is not None and not vb.complete)
 
     def _prune_and_send(self, out: list[Action]) -> None:
         """Continuous rollout: drop versions no batch needs any more, then send deferred ones into the free buffers."""
@@ -401,8 +481,8 @@ class PipelineScheduler:
                 out.append(SendWeights(rank, v))
 
     def _send_new_version(self, v: int, out: list[Action]) -> None:
-        if not self._batches_of(v):
-            return  # no batch is generated by this version
+        if not self._batches_of(v) and v not in self.vals:
+            return  # no batch is generated by this version, nor validated
         if not self.mech.continuous_rollout:
             self._release(out)
             return
@@ -728,6 +808,7 @@ class PipelineScheduler:
         if r.role is Role.ROLLOUT:
             self.n_rollout += 1
             r.versions = {self.produced}  # a former trainer holds the newest weights
+            r.newest = self.produced
             self._release(out)
             if self.cfg.collective_switch:
                 self._try_train(out)  # the trainers that stayed took part in the switch
@@ -758,6 +839,19 @@ class PipelineScheduler:
                 b.returned = sorted(b.returned + mine)
                 self.first_open = min(self.first_open, b.index)
                 returned = True
+        for v, b in self.vals.items():
+            mine = sorted(g for g, owner in b.owner.items() if owner == rank)
+            for g in mine:
+                del b.owner[g]
+            b.held.pop(rank, None)
+            if mine:
+                b.returned = sorted(b.returned + mine)
+                returned = True
+            if b.returned and not any(v in self.ranks[i].versions and self.ranks[i].newest <= v
+                                      for i in self.rollout_ranks()) and v < self.produced:
+                b.done.update(b.returned)  # no live rank holds the version any more: the pass cannot be finished
+                b.cursor, b.returned = b.groups, []
+                self.vals_abandoned.add(v)
         r.inflight, r.capacity, r.inflight_version = 0, 0, None
         helped = self.helping.pop(rank, None)
         if helped is not None:  # its gradient is lost: the trainers compute those groups again

@@ -248,3 +248,33 @@ def test_bad_setups_fail_fast_with_one_message(byo, tmp_path):
 
     out = dynaresize_run(root, cfg, "reward.function=my_rewards:nope", timeout=300)
     assert out.returncode == 2 and "reward.function = 'my_rewards:nope': module 'my_rewards' has no attribute 'nope'" in out.stderr
+
+
+def test_validation_on_the_barrier_free_schedule_measures_what_the_barrier_run_does(byo):
+    """Validation passes as versioned work of the scheduler core: the prompts of version v's pass go to rollout ranks
+    holding v, interleaved with the training work (no barrier). With resizing both ways, the run trains the static
+    lockstep run's samples and measures the same mean reward and pass@k for every validated version."""
+    root, model_dir = byo
+    no_ds = "algorithm.dynamic_sampling.enabled=false"
+    free = dynaresize_run(root, config(root, model_dir, "val-free"), no_ds, "pipeline.schedule=barrier_free", "run.steps=6",
+                          "policy.forced_splits={1: 1, 3: 3}", "run.seed=5", "pipeline.groups_per_command=1")
+    assert free.returncode == 0, free.stdout[-3000:] + free.stderr[-3000:]
+    st = dynaresize_run(root, config(root, model_dir, "val-static"), no_ds, "pipeline.schedule=lockstep", "run.steps=6",
+                        "policy.enabled=false", "run.seed=5")
+    assert st.returncode == 0, st.stdout[-3000:] + st.stderr[-3000:]
+    f_dir, s_dir = run_dir(root, "val-free"), run_dir(root, "val-static")
+    val_f, val_s = jsonl(f_dir / "validation.jsonl"), jsonl(s_dir / "validation.jsonl")
+    assert [v["version"] for v in val_f] == [v["version"] for v in val_s] == [0, 2, 4, 6]
+    for f, s in zip(val_f, val_s):
+        assert (f["prompts"], f["k"], f["reward_mean"], f["pass_at_k"]) == (s["prompts"], s["k"], s["reward_mean"], s["pass_at_k"])
+    b_f, b_s = jsonl(f_dir / "batches.jsonl"), jsonl(s_dir / "batches.jsonl")
+    n_train = [b["n_train"] for b in b_f]
+    assert 1 in n_train and 3 in n_train, n_train  # resized both ways
+    for f, s in zip(b_f, b_s, strict=True):
+        assert (f["keys"], f["versions"], f["rewards"]) == (s["keys"], s["versions"], s["rewards"])
+    # versioned work interleaved with training: a pass's prompts were handed out while a batch was still generating
+    recs = [json.loads(l) for l in (f_dir / "schedule.jsonl").read_text().splitlines()]
+    order = [a["type"] for r in recs for a in r.get("actions", []) if a["type"] in ("Validate", "Assign")]
+    first_val = [i for i, t in enumerate(order) if t == "Validate"]
+    assert first_val and any(t == "Assign" for t in order[first_val[0]:]), order
+    assert json.loads((f_dir / "summary.json").read_text())["status"] == "completed"

@@ -103,14 +103,18 @@ def test_shipped_configs_validate(path):
 
 
 @pytest.mark.parametrize("override, says", [
-    ("algorithm.dynamic_sampling.enabled=true", "the continuous schedule does not run dynamic sampling"),
-    ("task.dataset.val_every=2", "validation passes need every rollout rank on one version"),
+    ("algorithm.dynamic_sampling.enabled=true", "the scheduler core does not run dynamic sampling yet"),
 ])
-def test_the_continuous_schedule_refuses_what_it_does_not_run(override, says):
+def test_the_core_schedules_refuse_what_they_do_not_run(override, says):
     base = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
-    assert load_config("configs/quickstart.yaml", base).pipeline.schedule == "continuous"
-    with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'continuous': " + says):
+    assert load_config("configs/quickstart.yaml", base).pipeline.schedule == "barrier_free"  # the old name
+    with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'barrier_free': " + says):
         load_config("configs/quickstart.yaml", [*base, override])
+
+
+def test_validation_runs_on_every_schedule():
+    for sched in ("barrier_free", "barrier", "lockstep"):
+        assert load_config("configs/quickstart.yaml", [f"pipeline.schedule={sched}", "task.dataset.val_every=2"])
 
 
 def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():

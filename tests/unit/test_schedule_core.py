@@ -10,6 +10,9 @@ claims interleave in any order). After every action the world checks the contrac
 - no rank is a trainer and a rollout rank at once; a rank switches only without work;
 - trainer-gen: a trainer generates only with the version it holds (the newest), never while it trains, and the
   trainer set of ``T_k`` is the same from its first chunk to its step;
+- validation passes: each validation group generated exactly once, by a rank holding that version and never by one
+  that decoded a newer version already, interleaved with the training work (or the pass is abandoned when a loss
+  left no live rank holding its version);
 - the run finishes (every optimizer step taken) unless a trainer was lost (then the core asks for a restart).
 """
 
@@ -28,7 +31,7 @@ from dynaresize.policy.types import Decision, Observation, PolicyState
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
-    TrainerBack, WeightsArrived, version_of,
+    TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
 )
 
 pytestmark = pytest.mark.unit
@@ -79,6 +82,9 @@ class World:
     decode_s: float = 1.0
     latency_s: float = 0.0
     tokens: bool = False  # GroupsDone reports each group's trained tokens (world_tokens), StepMeasured the compute per token
+    vinflight: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rank -> validation (version, group)
+    validated: dict[tuple[int, int], int] = field(default_factory=dict)  # (version, group) -> times generated
+    newest: dict[int, int] = field(default_factory=dict)  # rank -> newest version it decoded with
 
     def done(self, rank: int, batch: int, g: int) -> GroupsDone:
         return GroupsDone(rank, batch, (g,), (world_tokens(batch, g),) if self.tokens else ())
@@ -88,6 +94,7 @@ class World:
         for r in range(self.cfg.n_ranks):
             self.held[r] = {k} if r >= self.cfg.n_train else set()
             self.inflight[r] = []
+            self.vinflight[r] = []
         for j in range(min(k + s, self.cfg.steps) if k else 0):  # a resume: generated (and trained) before
             for g in range(self.cfg.groups[j]):
                 self.generated[(j, g)] = version_of(j, s)
@@ -120,9 +127,21 @@ class World:
                         assert self.core.role(rank) is Role.ROLLOUT
                         assert version in self.held[rank], f"rank {rank} lacks version {version}"
                     assert all(v == version for _, _, v in self.inflight[rank]), "two versions on one rank"
+                    assert all(v == version for v, _ in self.vinflight[rank]), "two versions on one rank"
+                    self.newest[rank] = max(self.newest.get(rank, 0), version)
                     for g in groups:
                         assert (batch, g) not in self.generated, f"group {g} of batch {batch} assigned after it was made"
                         self.inflight[rank].append((batch, g, version))
+                case Validate(rank, version, groups):
+                    assert rank not in self.lost and self.core.role(rank) is Role.ROLLOUT, "validation for a lost rank"
+                    assert version in self.held[rank], f"rank {rank} validates {version} without holding it"
+                    assert self.newest.get(rank, 0) <= version, f"rank {rank} went back to version {version}"
+                    assert all(v == version for _, _, v in self.inflight[rank]), "two versions on one rank"
+                    assert all(v == version for v, _ in self.vinflight[rank]), "two versions on one rank"
+                    self.newest[rank] = version
+                    for g in groups:
+                        assert (version, g) not in self.validated, f"validation group {g} of {version} handed out again"
+                        self.vinflight[rank].append((version, g))
                 case Train(batch, groups, ranks, first):
                     assert self.chunk is None and self.stepping is None
                     assert batch == self.steps_done, "batches trained out of order"
@@ -158,7 +177,7 @@ class World:
                     assert version <= self.steps_done
                     self.pending.append(WeightsArrived(rank, version))
                 case Switch(rank, to, _):
-                    assert not self.inflight[rank], "switched a rank that holds work"
+                    assert not self.inflight[rank] and not self.vinflight[rank], "switched a rank that holds work"
                     assert rank not in self.helping, "switched a rank in the middle of its help"
                     if self.chunk is not None:
                         assert rank not in self.chunk.ranks, "a trainer left in the middle of a batch"
@@ -185,12 +204,14 @@ class World:
                 ev.extend(self.done(r, batch, g) for batch, g, _ in self.inflight[r])
             if r in self.lost or self.core.role(r) is not Role.ROLLOUT:
                 continue
-            free = self.slots - len(self.inflight[r])
+            free = self.slots - len(self.inflight[r]) - len(self.vinflight[r])
             if free > 0:
                 ev.append(RankReady(r, free))
             for batch, g, _ in self.inflight[r]:
                 ev.append(self.done(r, batch, g))
-            busy = self.inflight[r] or r in self.helping
+            for v, g in self.vinflight[r]:
+                ev.append(ValidationDone(r, v, (g,)))
+            busy = self.inflight[r] or self.vinflight[r] or r in self.helping
             if self.losses_left > 0 and busy and len(self.core.rollout_ranks()) > 1:  # loses work
                 ev.append(RankLost(r))
         return ev
@@ -205,6 +226,9 @@ class World:
                 self.generated[(batch, g)] = v
                 if rank in self.gen and not self.inflight[rank]:
                     self.pending.append(TrainerBack(rank))  # its engine sleeps again
+            case ValidationDone(rank, v, (g,)):
+                self.vinflight[rank].remove((v, g))
+                self.validated[(v, g)] = self.validated.get((v, g), 0) + 1
             case TrainerBack(rank):
                 self.gen.discard(rank)
             case TrainChunkDone():
@@ -216,12 +240,16 @@ class World:
                 if rank in self.lost:
                     return
                 self.held[rank].add(version)
+                if not self.cfg.mechanisms.continuous_rollout:  # the barrier's syncs load the weights in place, in order
+                    self.held[rank] = {max(self.held[rank])}
+                    self.newest[rank] = max(self.newest.get(rank, 0), version)
             case HelpDone(rank, _):
                 del self.helping[rank]
             case RankLost(rank):
                 self.lost.add(rank)
                 self.losses_left -= 1
                 self.inflight[rank] = []
+                self.vinflight[rank] = []
                 helped = self.helping.pop(rank, None)
                 if helped is not None:  # its gradient is lost with it
                     self.trained[helped[0]] -= set(helped[1])
@@ -230,6 +258,7 @@ class World:
             case ("switch", rank, to):
                 if to is Role.ROLLOUT:
                     self.held[rank] = {self.steps_done}
+                    self.newest[rank] = self.steps_done
                 self.apply(self.core.handle(SwitchDone(rank)))
                 return
         self.apply(self.core.handle(ev))
@@ -266,6 +295,10 @@ def check_finished(w: World) -> None:
         assert {g for (b, g) in w.generated if b == j} == set(range(n)), f"batch {j} not generated exactly once"
         assert all(w.generated[(j, g)] == version_of(j, w.cfg.staleness) for g in range(n))
         assert w.trained[j] == set(range(n))
+    for v, n in w.cfg.validations:
+        if v not in w.core.vals_abandoned:
+            assert {g for (u, g) in w.validated if u == v} == set(range(n)), f"validation of {v} not generated"
+    assert all(c == 1 for c in w.validated.values()), "a validation group generated twice"
 
 
 MECHS = st.builds(Mechanisms, st.booleans(), st.booleans(), st.just(True), st.booleans(), st.booleans())
@@ -278,6 +311,50 @@ def test_random_event_orders_keep_the_contract(data, mech, n, steps, s, groups, 
     cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1)
     w = run_world(cfg, data, slots)
     check_finished(w)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), groups=st.integers(1, 4),
+       vals=st.lists(st.integers(0, 5), max_size=4, unique=True), vgroups=st.integers(1, 4), slots=st.integers(1, 3),
+       script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)), losses=st.integers(0, 1))
+def test_validation_passes_interleave_and_keep_the_contract(data, mech, n, steps, groups, vals, vgroups, slots, script,
+                                                            losses):
+    validations = tuple((v, vgroups) for v in sorted(vals) if v <= steps)
+    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=1, mechanisms=mech, helper_cost_s=0.1,
+                          validations=validations)
+    w = run_world(cfg, data, slots, script=script, losses=losses)
+    check_finished(w)
+
+
+def test_validation_goes_before_the_training_work_of_its_version_and_the_last_version_is_sent_for_it():
+    cfg = SchedulerConfig(3, 1, (2, 2), staleness=1, mechanisms=Mechanisms(False, False), validations=((0, 1), (2, 2)))
+    core = PipelineScheduler(cfg)
+    assert core.start() == []
+    assert core.handle(RankReady(1, 2)) == [Validate(1, 0, (0,))]  # its version's pass first (an even share of it)
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 0, (0,), 0)]
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (1,), 0)]  # interleaved with the training work, one version
+    core.handle(ValidationDone(1, 0, (0,)))
+    assert core.validated(0) and not core.finished
+    core.handle(GroupsDone(2, 0, (0,)))
+    assert core.handle(GroupsDone(1, 0, (1,))) == [Train(0, (0, 1), (0,), True)]
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 1, (0,), 0)]
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 1, (1,), 0)]
+    core.handle(TrainChunkDone(0))
+    assert core.handle(OptimizerStepDone(0)) == []  # version 1: no batch, no pass uses it
+    core.handle(GroupsDone(1, 1, (0,)))
+    core.handle(GroupsDone(2, 1, (1,)))
+    core.handle(TrainChunkDone(1))
+    out = core.handle(OptimizerStepDone(1))  # version 2, the run's last: only its validation pass uses it
+    assert [a for a in out if isinstance(a, SendWeights)] == [SendWeights(1, 2, True), SendWeights(2, 2, True)]
+    assert not core.finished
+    core.handle(WeightsArrived(1, 2))
+    assert core.handle(RankReady(1, 2)) == [Validate(1, 2, (0,))]
+    core.handle(WeightsArrived(2, 2))
+    assert core.handle(RankReady(2, 2)) == [Validate(2, 2, (1,))]
+    core.handle(ValidationDone(1, 2, (0,)))
+    assert not core.finished
+    core.handle(ValidationDone(2, 2, (1,)))
+    assert core.finished and core.validated(2)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
