@@ -61,7 +61,7 @@ from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PolicyState
 from dynaresize.schedule.types import (
-    Action, Assign, Decided, Event, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
@@ -82,6 +82,14 @@ class _Batch:
     tokens: dict[int, int] = field(default_factory=dict)  # group -> its trained tokens, where the driver reported them
     ready_tokens: int = 0  # the reported tokens of the ready groups
     ready_untokened: int = 0  # ready groups with no reported tokens
+    # dynamic sampling (need > 0): only the first ``need`` informative groups by prompt index are trained
+    need: int = 0
+    sealed: bool = True  # no extra round can be added any more (always, without dynamic sampling)
+    judged: dict[int, bool] = field(default_factory=dict)  # group -> informative (its rewards differ)
+    scan: int = 0  # the groups before it are judged and were selected or passed over, in prompt order
+    selected: int = 0  # groups selected for training so far
+    rounds: int = 0  # extra rounds added
+    unfilled: bool = False  # sealed with fewer than ``need`` informative groups and no padding: cannot be trained
 
     def add_ready(self, groups) -> None:
         self.ready.extend(groups)
@@ -111,7 +119,12 @@ class _Batch:
 
     @property
     def complete(self) -> bool:
-        return len(self.done) == self.groups
+        return len(self.done) == self.groups and self.sealed
+
+    @property
+    def train_total(self) -> int:
+        """Groups the batch trains: every group, or with dynamic sampling the ``need`` it selects."""
+        return self.need or self.groups
 
     def claim(self, n: int) -> tuple[int, ...]:
         out = self.returned[:n]
@@ -148,6 +161,10 @@ class PipelineScheduler:
         self.policy = policy
         self.policy_state: PolicyState | None = policy.initial_state() if policy is not None else None
         self.batches = [_Batch(j, g, version_of(j, cfg.staleness)) for j, g in enumerate(cfg.groups)]
+        self.sampling = cfg.sampling
+        if self.sampling is not None:
+            for b in self.batches:
+                b.need, b.sealed = self.sampling.need, False
         self.n_steps = cfg.steps
         self.ranks = [_Rank(Role.TRAIN if r < cfg.n_train else Role.ROLLOUT) for r in range(cfg.n_ranks)]
         k = cfg.resume_step
@@ -156,10 +173,16 @@ class PipelineScheduler:
                 r.versions.add(k)  # every rank starts from the initial weights (a resume: the checkpoint's)
         self.produced = k  # newest policy version (number of optimizer steps taken)
         for b in self.batches[:k + self.s if k > 0 else 0]:  # trained before the checkpoint, or generated and waiting
+            if self.sampling is not None:
+                b.sealed = True
+                if b.index >= k:  # its rounds and its selection, replayed by the driver from the stored samples
+                    b.groups, chosen = cfg.resumed[b.index - k]
+                    b.need = b.selected = len(chosen)
+                    b.add_ready(chosen)
             b.cursor, b.done = b.groups, set(range(b.groups))
             if b.index < k:
-                b.trained = b.groups
-            else:
+                b.trained = b.train_total
+            elif self.sampling is None:
                 b.add_ready(range(b.groups))
         self.first_open = min(k + self.s, cfg.steps) if k > 0 else 0  # oldest batch that may still have unclaimed groups
         self.released = self.first_open  # barrier: batches < released are open to the rollout pool
@@ -241,7 +264,7 @@ class PipelineScheduler:
                 r.capacity = max(0, ev.capacity)
                 self._assign(ev.rank, out)
         elif tp is GroupsDone:
-            self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out)
+            self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out, ev.kept)
         elif tp is ValidationDone:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
@@ -390,7 +413,7 @@ class PipelineScheduler:
             self._assign(rank, out)
 
     def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
-                     out: list[Action]) -> None:
+                     out: list[Action], kept: tuple[bool, ...] = ()) -> None:
         b = self.batches[batch]
         r = self.ranks[rank]
         mine = [g for g in groups if b.owner.get(g) == rank]
@@ -404,11 +427,18 @@ class PipelineScheduler:
                 raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
                                     f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
             b.tokens.update(zip(groups, tokens))
+        if self.sampling is not None and len(kept) != len(groups):
+            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
+                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
         b.held[rank] -= len(mine)
         for g in mine:
             del b.owner[g]
             b.done.add(g)
-        b.add_ready(mine)
+        if self.sampling is None:
+            b.add_ready(mine)
+        else:
+            b.judged.update(zip(groups, kept))
+            self._select(b, out)
         r.inflight -= len(mine)
         if r.inflight == 0:
             r.inflight_version = None
@@ -417,9 +447,50 @@ class PipelineScheduler:
         if b.complete:
             self._prune_and_send(out)
             self._release(out)
+            if self.sampling is not None and batch == self.produced:
+                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
         self._try_train(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
+
+    # --- dynamic sampling ---------------------------------------------------------------------------------------------
+    def _select(self, b: _Batch, out: list[Action]) -> None:
+        """Select, in prompt order, the judged informative groups of ``b`` up to ``need`` (ready for training once every
+        earlier prompt is judged); add a round while a shortfall is certain; seal the batch once its selection is fixed
+        (padding with the earliest dropped groups after the last round, or marking it unfilled)."""
+        ds = self.sampling
+        while b.scan < b.groups and b.scan in b.done:
+            g = b.scan
+            b.scan += 1
+            if b.judged[g] and b.selected < b.need:
+                b.selected += 1
+                b.add_ready((g,))
+        if b.sealed:
+            return
+        informative = sum(1 for v in b.judged.values() if v)
+        if informative >= b.need:
+            b.sealed = True
+            return
+        while informative + (b.groups - len(b.done)) < b.need and b.rounds < ds.max_rounds:  # a shortfall is certain
+            first = b.groups
+            b.groups += ds.round_groups
+            b.rounds += 1
+            self.first_open = min(self.first_open, b.index)
+            out.append(Extend(b.index, b.rounds, tuple(range(first, b.groups))))
+        if len(b.done) == b.groups and informative < b.need:  # the last round is in: the selection is what it is
+            b.sealed = True
+            if ds.pad:
+                filler = [g for g in range(b.groups) if not b.judged[g]][:b.need - b.selected]
+                b.selected += len(filler)
+                b.add_ready(filler)
+            if b.selected < b.need:
+                b.unfilled = True
+        self._assign_waiting(out)
+
+    def unfilled(self, batch: int) -> bool:
+        """Dynamic sampling without padding found too few informative groups after its last round: the batch cannot
+        be trained (the driver stops the run, naming the setting)."""
+        return self.batches[batch].unfilled
 
     def _release(self, out: list[Action]) -> None:
         """Barrier pipeline: open the next batch once the previous one is complete and its version exists; the pool
@@ -446,7 +517,8 @@ class PipelineScheduler:
         """Barrier: version ``v`` to every rollout rank (not leaving) that lacks it, in one blocking sync."""
         for rank in self.rollout_ranks():
             r = self.ranks[rank]
-            if v not in r.versions and v not in r.sending and not r.leaving:
+            if v not in r.versions and v not in r.sending and not r.leaving and r.newest <= v:
+                # (a rank holding a newer version, a former trainer with staleness >= 2, cannot go back in place)
                 r.sending.add(v)
                 out.append(SendWeights(rank, v, blocking=True))
 
@@ -499,8 +571,8 @@ class PipelineScheduler:
         if self.t_busy or k >= self.cfg.steps or self.restarting or self.generating:
             return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
         b = self.batches[k]
-        left = b.groups - b.trained
-        if left == 0:
+        left = b.train_total - b.trained
+        if left == 0 or b.unfilled:
             return
         if self.mech.streaming_training:
             if len(b.ready) < min(self.cfg.stream_min_groups, left):
@@ -516,7 +588,7 @@ class PipelineScheduler:
             self.t_started = True
         take = len(b.ready)
         if self.mech.gradient_helpers:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
-            take = min(take, max(1, -(-b.groups // self.cfg.train_chunks)))
+            take = min(take, max(1, -(-b.train_total // self.cfg.train_chunks)))
         chunk = tuple(b.ready[:take])
         b.take_ready(chunk)
         b.trained += len(chunk)
@@ -645,7 +717,7 @@ class PipelineScheduler:
         if self.generating or self.t_busy or self.switching or k >= c.steps or d <= 0 or g <= 0 or self.n_rollout < 1:
             return
         b = self.batches[k]
-        left = b.groups - b.trained
+        left = b.train_total - b.trained
         if left == 0:
             return  # the batch is all in training (helpers, or the step is next)
         j = next((j for j in self._batches_of(k) if self.batches[j].unclaimed and self._open(j)), None)
@@ -697,7 +769,7 @@ class PipelineScheduler:
         if self.t_busy or k >= self.cfg.steps or self.generating:
             return
         b = self.batches[k]
-        if b.trained == b.groups and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
+        if b.complete and b.trained == b.train_total and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
             self.t_busy = True
             out.append(Step(k, self.t_ranks))
 
@@ -706,8 +778,8 @@ class PipelineScheduler:
             raise ScheduleError(f"training chunk of batch {batch} finished, but batch {self.produced} is in training")
         self.t_busy = False
         b = self.batches[batch]
-        if b.trained == b.groups:
-            self._maybe_step(out)
+        if b.trained == b.train_total and b.sealed:
+            self._maybe_step(out)  # (dynamic sampling: once every prompt of its rounds is generated, as a static run)
         else:
             self._try_train(out)
 

@@ -50,6 +50,22 @@ class Mechanisms:
 
 
 @dataclass(frozen=True, slots=True)
+class DynamicSampling:
+    """DAPO dynamic sampling (arXiv 2503.14476, section 3.2) as the core runs it: a batch trains the first ``need``
+    groups by prompt index whose rewards differ (the driver judges each group as it completes: ``GroupsDone.kept``);
+    while a shortfall is certain (the informative groups so far plus those not judged yet are fewer than ``need``) an
+    extra round of ``round_groups`` prompts is added (``Extend``), at most ``max_rounds``; with too few after the last
+    round, ``pad`` trains the earliest dropped groups to keep ``need`` (else the batch is unfilled: the driver fails).
+    The same groups a static run keeps, whatever the order groups complete in: the static run adds a round exactly
+    when its previous rounds hold fewer than ``need`` informative groups, which is what "certain" means here."""
+
+    need: int
+    round_groups: int
+    max_rounds: int
+    pad: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     n_ranks: int
     n_train: int  # initial trainers (ranks 0 .. n_train - 1)
@@ -81,6 +97,11 @@ class SchedulerConfig:
     # ranks holding that version, interleaved with the training work (``Validate`` / ``ValidationDone``); scored by the
     # driver, never trained on. A version's pass is handed out before that version's training work on a rank.
     validations: tuple[tuple[int, int], ...] = ()
+    # DAPO dynamic sampling (None: every group of a batch is trained). ``groups`` then holds each batch's first round.
+    sampling: DynamicSampling | None = None
+    # With ``sampling``, a resume's batches generated before the checkpoint (``resume_step`` ..): for each, the prompts
+    # generated (every round) and the groups its training selected (the driver replays the selection from the samples).
+    resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_train < self.n_ranks:
@@ -127,6 +148,7 @@ class GroupsDone:
     batch: int
     groups: tuple[int, ...]
     tokens: tuple[int, ...] = ()
+    kept: tuple[bool, ...] = ()  # dynamic sampling: whether each group's rewards differ (it carries a signal)
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +257,16 @@ class Validate:
 
 
 @dataclass(frozen=True, slots=True)
+class Extend:
+    """Dynamic sampling: batch ``batch`` gets extra round ``round`` (1, 2, ...): prompts ``groups`` (the next prompt
+    indices), generated with the batch's version like the rest of it."""
+
+    batch: int
+    round: int
+    groups: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Train:
     """Forward/backward over ``groups`` of ``batch`` on trainer ranks ``ranks`` (accumulate; no optimizer step)."""
 
@@ -298,7 +330,7 @@ class Restart:
     reason: str
 
 
-Action = Assign | Validate | Train | Help | Step | SendWeights | Switch | Decided | Restart
+Action = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
 
 
 class ScheduleError(RuntimeError):

@@ -29,7 +29,7 @@ from dynaresize.policy import Topology
 from dynaresize.policy.types import Action as PolicyAction
 from dynaresize.policy.types import Decision, Observation, PolicyState
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
+    Assign, Decided, DynamicSampling, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
     TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
 )
@@ -85,9 +85,15 @@ class World:
     vinflight: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rank -> validation (version, group)
     validated: dict[tuple[int, int], int] = field(default_factory=dict)  # (version, group) -> times generated
     newest: dict[int, int] = field(default_factory=dict)  # rank -> newest version it decoded with
+    salt: int = 0  # dynamic sampling: which groups are informative (judge)
+    extended: dict[int, int] = field(default_factory=dict)  # batch -> extra rounds the core added
+
+    def judge(self, batch: int, g: int) -> bool:
+        return (31 * batch + 17 * g + self.salt) % 3 != 0
 
     def done(self, rank: int, batch: int, g: int) -> GroupsDone:
-        return GroupsDone(rank, batch, (g,), (world_tokens(batch, g),) if self.tokens else ())
+        kept = (self.judge(batch, g),) if self.cfg.sampling is not None else ()
+        return GroupsDone(rank, batch, (g,), (world_tokens(batch, g),) if self.tokens else (), kept)
 
     def __post_init__(self) -> None:
         k, s = self.cfg.resume_step, self.cfg.staleness
@@ -142,6 +148,12 @@ class World:
                     for g in groups:
                         assert (version, g) not in self.validated, f"validation group {g} of {version} handed out again"
                         self.vinflight[rank].append((version, g))
+                case Extend(batch, round_, groups):
+                    ds = self.cfg.sampling
+                    assert ds is not None and round_ == self.extended.get(batch, 0) + 1 <= ds.max_rounds
+                    first = self.cfg.groups[batch] + (round_ - 1) * ds.round_groups
+                    assert groups == tuple(range(first, first + ds.round_groups)), "a round of other prompts"
+                    self.extended[batch] = round_
                 case Train(batch, groups, ranks, first):
                     assert self.chunk is None and self.stepping is None
                     assert batch == self.steps_done, "batches trained out of order"
@@ -170,7 +182,7 @@ class World:
                     assert not self.gen & set(ranks), "a step while a trainer generates"
                     assert self.t_set.get(batch, ranks) == ranks, "the trainer set changed within a batch"
                     assert not any(b == batch for b, _ in self.helping.values()), "step before the helpers' gradients"
-                    assert self.trained.get(batch, set()) == set(range(self.cfg.groups[batch])), "step before the batch trained"
+                    assert self.trained.get(batch, set()) == set(static_selection(self, batch)[1]), "step before the batch trained"
                     self.stepping = batch
                     self.pending.append(OptimizerStepDone(batch))
                 case SendWeights(rank, version, _):
@@ -268,6 +280,25 @@ class World:
                                                      self.latency_s, self.gpu_s / 4.0 if self.tokens else 0.0)))
 
 
+def static_selection(w: "World", batch: int) -> tuple[int, tuple[int, ...]]:
+    """What the static barrier run generates and trains for ``batch``: (prompts, trained groups), by
+    ``dynaresize.rl.dapo`` round by round (every group of every batch without dynamic sampling)."""
+    from dynaresize.rl.dapo import next_round_prompts, select_groups
+
+    ds, n = w.cfg.sampling, w.cfg.groups[batch]
+    if ds is None:
+        return n, tuple(range(n))
+    rounds = 0
+    while True:
+        kept = sum(w.judge(batch, g) for g in range(n))
+        more = next_round_prompts(kept, ds.need, rounds, ds.max_rounds, ds.round_groups)
+        if not more:
+            break
+        n, rounds = n + more, rounds + 1
+    rewards = [[0.0, 1.0] if w.judge(batch, g) else [1.0, 1.0] for g in range(n)]
+    return n, select_groups(rewards, ds.need, pad=ds.pad).trained
+
+
 def world_tokens(batch: int, g: int) -> int:
     """A group's trained tokens in the random worlds: 1 .. 7 (mean 4), uneven across groups and batches."""
     return 1 + (3 * batch + 5 * g) % 7
@@ -291,10 +322,11 @@ def check_finished(w: World) -> None:
     if w.restarted:
         return
     assert w.core.finished, "the run did not finish"
-    for j, n in enumerate(w.cfg.groups):
+    for j in range(w.cfg.steps):
+        n, chosen = static_selection(w, j)
         assert {g for (b, g) in w.generated if b == j} == set(range(n)), f"batch {j} not generated exactly once"
         assert all(w.generated[(j, g)] == version_of(j, w.cfg.staleness) for g in range(n))
-        assert w.trained[j] == set(range(n))
+        assert w.trained[j] == set(chosen), f"batch {j} trained {sorted(w.trained[j])}, the static run {chosen}"
     for v, n in w.cfg.validations:
         if v not in w.core.vals_abandoned:
             assert {g for (u, g) in w.validated if u == v} == set(range(n)), f"validation of {v} not generated"
@@ -324,6 +356,45 @@ def test_validation_passes_interleave_and_keep_the_contract(data, mech, n, steps
                           validations=validations)
     w = run_world(cfg, data, slots, script=script, losses=losses)
     check_finished(w)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), need=st.integers(1, 4),
+       rgroups=st.integers(1, 3), max_rounds=st.integers(0, 3), pad=st.booleans(), salt=st.integers(0, 2),
+       slots=st.integers(1, 3), script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)),
+       losses=st.integers(0, 1), s=st.integers(0, 2))
+def test_dynamic_sampling_keeps_the_static_runs_groups_whatever_the_order(data, mech, n, steps, need, rgroups, max_rounds,
+                                                                         pad, salt, slots, script, losses, s):
+    ds = DynamicSampling(need, rgroups, max_rounds, pad=True)  # unfilled batches: the next test
+    cfg = SchedulerConfig(n, n // 2, (need,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1, sampling=ds)
+    core = PipelineScheduler(cfg, ScriptedPolicy(script) if script is not None else None)
+    w = World(core, cfg, slots, losses_left=losses, salt=salt)
+    w.apply(core.start())
+    for _ in range(5000):
+        if core.finished or w.restarted:
+            break
+        ev = w.enabled()
+        assert ev, "the pipeline stalled with nothing left to happen"
+        w.fire(ev[data.draw(st.integers(0, len(ev) - 1))])
+    check_finished(w)
+
+
+def test_dynamic_sampling_without_padding_marks_a_short_batch_unfilled_and_does_not_train_it():
+    ds = DynamicSampling(need=2, round_groups=1, max_rounds=1, pad=False)
+    core = PipelineScheduler(SchedulerConfig(3, 1, (2, 2), mechanisms=Mechanisms(True, True), sampling=ds))
+    core.start()
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (0,), 0)]
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 0, (1,), 0)]
+    with pytest.raises(ScheduleError, match="without their judgement"):
+        core.handle(GroupsDone(1, 0, (0,)))
+    out = core.handle(GroupsDone(1, 0, (0,), kept=(False,)))  # 1 of 2 prompts left: a shortfall is certain
+    assert out == [Extend(0, 1, (2,))]
+    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (2,), 0), Assign(1, 1, (0,), 0)]  # the round first
+    out = core.handle(GroupsDone(2, 0, (1,), kept=(True,)))
+    assert Train(0, (1,), (0,), True) in out  # streaming: group 1 is selected (prompt 0 is judged: dropped)
+    core.handle(GroupsDone(1, 0, (2,), kept=(False,)))  # the last round is in: 1 informative group of 2
+    assert core.unfilled(0) and not core.unfilled(1)
+    assert core.handle(TrainChunkDone(0)) == []  # never stepped: the driver stops the run
 
 
 def test_validation_goes_before_the_training_work_of_its_version_and_the_last_version_is_sent_for_it():
