@@ -197,10 +197,6 @@ class Config(Section):
         if not self.pipeline.on_core:
             return self
         sched = self.pipeline.schedule
-        if self.algorithm.dynamic_sampling.enabled:
-            raise RuleError(("pipeline", "schedule"), sched, "the scheduler core does not run dynamic sampling yet "
-                            "(its extra rounds depend on the whole batch); set algorithm.dynamic_sampling.enabled: false "
-                            "or pipeline.schedule: lockstep")
         if self.rollout.engine == "vllm" and sched == "barrier_free":
             raise RuleError(("pipeline", "schedule"), sched, "the barrier-free schedule's background weight load "
                             "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: barrier")

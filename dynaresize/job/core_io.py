@@ -18,18 +18,19 @@ from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.policy import Topology
 from dynaresize.policy.types import Action as PolicyAction
 from dynaresize.policy.types import Decision, Observation, PolicyState
-from dynaresize.schedule import Mechanisms, PipelineScheduler, SchedulerConfig
+from dynaresize.schedule import DynamicSampling, Mechanisms, PipelineScheduler, SchedulerConfig
 from dynaresize.schedule.codec import encode
 
 
-def scheduler_config(cfg: Config, n_train: int, resume_step: int,
-                     validations: tuple[tuple[int, int], ...] = ()) -> SchedulerConfig:
+def scheduler_config(cfg: Config, n_train: int, resume_step: int, validations: tuple[tuple[int, int], ...] = (),
+                     resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> SchedulerConfig:
     """The core's configuration for this run (what ``schedule.jsonl`` records, and a replay rebuilds)."""
     pl = cfg.pipeline
     return SchedulerConfig(
         n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
         staleness=pl.staleness_bound, mechanisms=mechanisms(cfg),
         stream_min_groups=pl.stream_min_groups, collective_switch=True, resume_step=resume_step, validations=validations,
+        sampling=sampling(cfg), resumed=resumed,
     )
 
 
@@ -41,6 +42,16 @@ def mechanisms(cfg: Config) -> Mechanisms:
     if pl.schedule == "barrier":
         return Mechanisms(continuous_rollout=False, streaming_training=False, resize=True)
     return Mechanisms(continuous_rollout=True, streaming_training=pl.streaming_training, resize=True)
+
+
+def sampling(cfg: Config) -> DynamicSampling | None:
+    """DAPO dynamic sampling as the core runs it (``algorithm.dynamic_sampling``), or None when it is off."""
+    ds = cfg.algorithm.dynamic_sampling
+    if not ds.enabled:
+        return None
+    need = cfg.rollout.prompts_per_step
+    return DynamicSampling(need=need, round_groups=ds.round_prompts or need, max_rounds=ds.max_rounds,
+                           pad=ds.on_unfilled == "pad")
 
 
 class PlannedPolicy:

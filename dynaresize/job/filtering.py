@@ -121,6 +121,23 @@ class BatchAssembler:
             )
         return sel
 
+    def judge(self, step: int, items: list[WorkItem], texts: list[str], samples: list[SampleResult],
+              prompts: list[int]) -> tuple[bool, ...]:
+        """Whether each of ``prompts`` (groups whose samples are all in ``samples``) carries a signal: its rewards
+        (after shaping) differ. The scheduler core selects the batch's groups from these, in prompt order."""
+        from dynaresize.rl.dapo import informative
+
+        rewards = self.group_rewards(step, items, texts, samples)
+        return tuple(informative(rewards[p]) for p in prompts)
+
+    def build_groups(self, step: int, items: list[WorkItem], texts: list[str], samples: list[SampleResult]) -> TrainBatch:
+        """A chunk of ``step``'s batch: exactly the groups of ``items`` (selected already), in prompt order, with the
+        advantages the whole batch gives them (a group's advantages are its own)."""
+        trained = sorted(items, key=lambda it: (it.prompt, it.index))
+        scored = self._score(step, trained, texts, samples)
+        return build_batch(step, trained, samples, texts, self.task, self.tokenizer, self.group, self.bound,
+                           self.scale_by_std, scored={it.key: scored[it.key][1] for it in trained})
+
     def build(self, step: int, items: list[WorkItem], texts: list[str], samples: list[SampleResult]) -> tuple[TrainBatch, BatchStats]:
         """The training batch of ``step`` (the selected groups, in prompt order) and what was seen."""
         sel = self.select(step, items, texts, samples)

@@ -41,6 +41,7 @@ from typing import Any, Callable
 from dynaresize.control.commands import AckResult
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_to_dict
@@ -52,7 +53,7 @@ from dynaresize.policy.types import Action as PolicyAction
 from dynaresize.policy.types import Decision, Observation
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
-    Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate, ValidationDone,
+    Extend, Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate, ValidationDone,
     WeightsArrived,
 )
 from dynaresize.schedule.codec import encode
@@ -108,14 +109,15 @@ class ContinuousSchedule:
         self.stop_requested, self.preemption = stop_requested, preemption
         self.cfg = job.cfg
         st = job.state
-        self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step))
+        self.published: set[int] = set()
+        resumed = self.check_generated_before(st.step)
+        self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step), resumed)
         self.policy = PlannedPolicy(parts.planner.policy, self.cfg.policy.forced_splits, self.cfg.policy.enabled)
         self.core = PipelineScheduler(self.core_cfg, self.policy)
         self.core.policy_state = parts.planner.pstate  # a resume goes on with the checkpoint's policy state
         self.sent: dict[str, Sent] = {}
         self.inflight_groups: dict[int, int] = {}  # rollout rank -> groups in its generate commands
         self.tally: dict[int, Tally] = {}
-        self.published: set[int] = set()
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
@@ -146,7 +148,6 @@ class ContinuousSchedule:
 
     def start(self) -> None:
         job, k = self.job, self.job.state.step
-        self.check_generated_before(k)
         self.act(self.core.start(), "start")
         self.clock_starts()
         if job.state.lost:
@@ -158,16 +159,24 @@ class ContinuousSchedule:
         for r in job.rollouts():
             self.ready(r)
 
-    def check_generated_before(self, k: int) -> None:
-        """A resume at step k trains batches k .. k+s-1 first: they were generated before the checkpoint."""
-        q = self.p.svc.queue
-        for j in range(k, min(k + self.core_cfg.staleness, self.cfg.run.steps)) if k > 0 else ():
-            items, _ = self.p.rollout.work(j)
+    def check_generated_before(self, k: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+        """A resume at step k trains batches k .. k+s-1 first: they were generated before the checkpoint. With dynamic
+        sampling their rounds are planned again from the stored samples; returns each one's (prompts, selected
+        groups), what the core starts from (``SchedulerConfig.resumed``)."""
+        q, rollout, a = self.p.svc.queue, self.p.rollout, self.p.svc.assembler
+        out = []
+        for j in range(k, min(k + self.cfg.pipeline.staleness_bound, self.cfg.run.steps)) if k > 0 else ():
+            items, _ = rollout.work(j)
             q.publish(j, items)
             self.published.add(j)
+            rollout.replay_rounds(j)
             if q.done(j) < q.total(j):
                 raise JobError(f"resume at step {k}: batch {j} should have been generated before the checkpoint, but "
                                f"{q.total(j) - q.done(j)} of its {q.total(j)} samples are not in the run's Redis")
+            if a.filtering:
+                items, texts = rollout.work(j)
+                out.append((len(texts), tuple(a.select(j, items, texts, q.results(j)).trained)))
+        return tuple(out)
 
     def wait(self) -> list[tuple[Sent, Any]]:
         """The acks that arrived (up to 1 s), each with its command; a rank lost meanwhile is handled first."""
@@ -189,7 +198,7 @@ class ContinuousSchedule:
         """Draining to step k: nothing in flight, batches k .. k+s-1 generated."""
         k = self.drain
         q = self.p.svc.queue
-        return not self.sent and all(q.done(j) >= q.total(j) > 0
+        return not self.sent and all(q.done(j) >= q.total(j) > 0 and self.core.complete(j)
                                      for j in range(k, min(k + self.core_cfg.staleness, self.cfg.run.steps)))
 
     def stalled(self) -> None:
@@ -223,7 +232,9 @@ class ContinuousSchedule:
                 t.gen_busy_s += float(res[r].get("busy_s", 0.0))
                 t.tokens_generated += int(res[r].get("tokens", 0))
                 self.inflight_groups[r] -= len(sent.groups)
-                self.feed(GroupsDone(r, sent.batch, sent.groups))
+                self.feed(GroupsDone(r, sent.batch, sent.groups, kept=self.judge(sent.batch, sent.groups)))
+                if self.core.unfilled(sent.batch):
+                    self.unfilled(sent.batch)
                 self.clock_starts()
                 self.ready(r)
             case "validate":
@@ -294,6 +305,33 @@ class ContinuousSchedule:
                 p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested())):
             self.drain = k + 1
 
+    def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
+        """Complete groups of batch ``j``: their reward failures reported (every generated sample, trained or not),
+        and with dynamic sampling whether each carries a signal (its rewards, after shaping, differ): the core selects
+        the batch from these. Empty without dynamic sampling."""
+        a = self.p.svc.assembler
+        items, texts = self.p.rollout.work(j)
+        want = set(groups)
+        mine = [it for it in items if it.prompt in want]
+        results = self.p.svc.queue.results_of(j, [it.key for it in mine])
+        self.p.rollout.check_rewards(j, results)
+        if not a.filtering:
+            return ()
+        if len(results) != len(mine):
+            raise JobError(f"batch {j}: the rollout ranks acked groups {list(groups)}, but {len(mine) - len(results)} of "
+                           f"their {len(mine)} samples are not in the run's Redis")
+        return a.judge(j, mine, texts, results, list(groups))
+
+    def unfilled(self, j: int) -> None:
+        """Dynamic sampling with ``on_unfilled: fail`` found too few informative groups after the last round."""
+        a, q = self.p.svc.assembler, self.p.svc.queue
+        items, texts = self.p.rollout.work(j)
+        try:
+            a.select(j, items, texts, q.results(j))
+        except UnfilledBatchError as e:
+            raise JobError(str(e)) from None
+        raise JobError(f"batch {j}: dynamic sampling found too few groups with unequal rewards")
+
     def clock_starts(self) -> None:
         """The loop's time counts from the first batch to train being complete, as the lockstep loop's counts from
         the end of its fill (so loop seconds per step compare)."""
@@ -309,7 +347,13 @@ class ContinuousSchedule:
         its chunks read (every group went through one chunk)."""
         rollout, svc = self.p.rollout, self.p.svc
         items, texts = rollout.work(k)
+        if svc.assembler.filtering:  # the selection's statistics see every prompt of its rounds (all generated)
+            results = svc.queue.results(k)
         batch, stats = svc.assembler.build(k, items, texts, results)
+        if stats.groups_filler:
+            self.job.events.emit("control", what="dynamic_sampling_unfilled", reason=f"batch {k}: {stats.groups_kept} "
+                                 f"groups with unequal rewards in {stats.groups_generated} prompts; "
+                                 f"{stats.groups_filler} dropped group(s) trained on to keep the batch size")
         rollout.items.pop(k, None)
         return BuiltBatch(batch, stats)
 
@@ -370,6 +414,8 @@ class ContinuousSchedule:
                     self.send_generate(a)
                 case Validate():
                     self.send_validate(a)
+                case Extend(batch, round_, groups):
+                    self.p.rollout.add_round(batch, round_, len(groups))
                 case Train():
                     self.send_chunk(a)
                 case Step():
@@ -479,8 +525,7 @@ class ContinuousSchedule:
         want = set(a.groups)
         mine = [it for it in items if it.prompt in want]
         results = svc.queue.results_of(a.batch, [it.key for it in mine])
-        rollout.check_rewards(a.batch, results)
-        chunk, _ = svc.assembler.build(a.batch, mine, texts, results)
+        chunk = svc.assembler.build_groups(a.batch, mine, texts, results)
         t = self.tally.setdefault(a.batch, Tally())
         t.results.extend(results)
         key = f"{batch_key(job.job_id, a.batch)}:c{t.chunks}"

@@ -141,6 +141,30 @@ class Rollout:
         self.filled.add(j)
         return ran
 
+    def add_round(self, j: int, round_: int, prompts: int) -> None:
+        """Dynamic sampling: extra round ``round_`` of batch ``j`` (``prompts`` more prompts, the next indices), in
+        this coordinator's plan and in the run's queue (once: a round already queued adds nothing there)."""
+        items, texts = self.work(j)
+        a = self.svc.assembler
+        if len(texts) != a.need + (round_ - 1) * a.round_prompts:
+            return  # planned already (a replay of the rounds from the stored samples)
+        cfg = self.job.cfg
+        more, more_texts = work_items(self.svc.task, self.svc.tokenizer, cfg.run.seed, j, prompts, cfg.rollout.group_size,
+                                      first=len(texts), stride=self.stride())
+        self.items[j] = (items + more, texts + more_texts)
+        self.svc.queue.extend(j, round_, more)
+
+    def replay_rounds(self, j: int) -> None:
+        """Dynamic sampling after a resume: the rounds batch ``j`` had, planned again from its stored samples (every
+        one of them is in the run's Redis); nothing is generated."""
+        a, q = self.svc.assembler, self.svc.queue
+        while a.filtering:
+            items, texts = self.work(j)
+            n = a.next_round(j, items, texts, q.results(j))
+            if not n:
+                return
+            self.add_round(j, a.rounds_of(len(texts)) + 1, n)
+
     def stride(self) -> int:
         """Prompts a step may use at most: the step's own, plus every extra round dynamic sampling may add. A dataset
         task's step ``k`` reads records ``k * stride ..``, so no round ever takes a record of another step."""

@@ -158,10 +158,16 @@ def test_work_items_render_the_directorys_chat_template(byo):
 
 
 def test_byo_job_resized_and_static_train_on_the_same_samples(byo):
+    """The barrier-free schedule resizing both ways, with DAPO dynamic sampling, clip-higher and validation on, against
+    the static barrier run with the same seed."""
     root, model_dir = byo
-    dyn = dynaresize_run(root, config(root, model_dir, "dyn"), "policy.forced_splits={1: 1, 2: 3}", "run.seed=5")
+    steps = "run.steps=6"
+    clip = "train.clip_eps_high=0.28"
+    dyn = dynaresize_run(root, config(root, model_dir, "dyn"), "policy.forced_splits={1: 1, 3: 3}", "run.seed=5", steps,
+                         clip, "pipeline.schedule=barrier_free", "pipeline.groups_per_command=1")
     assert dyn.returncode == 0, dyn.stdout[-3000:] + dyn.stderr[-3000:]
-    st = dynaresize_run(root, config(root, model_dir, "static"), "policy.enabled=false", "run.seed=5")
+    st = dynaresize_run(root, config(root, model_dir, "static"), "policy.enabled=false", "run.seed=5", steps, clip,
+                        "pipeline.schedule=lockstep")
     assert st.returncode == 0, st.stdout[-3000:] + st.stderr[-3000:]
     d_dir, s_dir = run_dir(root, "dyn"), run_dir(root, "static")
 
@@ -193,19 +199,26 @@ def test_byo_job_resized_and_static_train_on_the_same_samples(byo):
     # dynamic sampling is on: that group's rewards are all 0, so it is dropped and a later prompt takes its place
     assert not any(k.startswith("0.0.") for k in b_dyn[0]["keys"]) and len(b_dyn[0]["keys"]) == B * G
 
-    # validation measured: versions 0, 2, 4 (every 2 steps and after the last), mean reward and pass@k
+    # validation measured: versions 0, 2, 4, 6 (every 2 steps and after the last), mean reward and pass@k
     val = jsonl(d_dir / "validation.jsonl")
-    assert [v["version"] for v in val] == [0, 2, 4]
+    assert [v["version"] for v in val] == [0, 2, 4, 6]
     assert all(v["prompts"] == 3 and v["k"] == VAL_K and 0 <= v["pass_at_k"] <= 1 for v in val)
     summary = json.loads((d_dir / "summary.json").read_text())
     assert summary["val_reward_first"] == val[0]["reward_mean"] and summary["val_reward_last"] == val[-1]["reward_mean"]
 
     # resizing changed no RL result: same samples, versions and rewards; same validation
-    assert [b["n_train"] for b in b_dyn] == [2, 1, 3, 3] and {b["n_train"] for b in b_st} == {2}
+    n_train = [b["n_train"] for b in b_dyn]
+    assert 1 in n_train and 3 in n_train and {b["n_train"] for b in b_st} == {2}, n_train
     for d, s in zip(b_dyn, b_st, strict=True):
         assert d["keys"] == s["keys"] and len(d["keys"]) == B * G
         assert d["versions"] == s["versions"]
         assert d["rewards"] == s["rewards"]
+        assert d["loss"] == pytest.approx(s["loss"], rel=1e-3, abs=1e-5)
+    ends = [{k: e.get(k) for k in ("step", "groups_kept", "groups_dropped", "groups_generated", "rounds")}
+            for e in events if e.get("type") == "step_end"]
+    assert ends == [{k: e.get(k) for k in ("step", "groups_kept", "groups_dropped", "groups_generated", "rounds")}
+                    for e in jsonl(s_dir / "events.jsonl") if e.get("type") == "step_end"]
+    assert any(e["rounds"] for e in ends), "no extra round ran: the test would not exercise dynamic sampling"
     assert [v["reward_mean"] for v in val] == [v["reward_mean"] for v in jsonl(s_dir / "validation.jsonl")]
 
 

@@ -102,19 +102,14 @@ def test_shipped_configs_validate(path):
     load_config(path)
 
 
-@pytest.mark.parametrize("override, says", [
-    ("algorithm.dynamic_sampling.enabled=true", "the scheduler core does not run dynamic sampling yet"),
-])
-def test_the_core_schedules_refuse_what_they_do_not_run(override, says):
-    base = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
-    assert load_config("configs/quickstart.yaml", base).pipeline.schedule == "barrier_free"  # the old name
-    with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'barrier_free': " + says):
-        load_config("configs/quickstart.yaml", [*base, override])
+def test_the_old_schedule_name_is_an_alias():
+    assert load_config("configs/quickstart.yaml", ["pipeline.schedule=continuous"]).pipeline.schedule == "barrier_free"
 
 
-def test_validation_runs_on_every_schedule():
+def test_validation_and_dynamic_sampling_run_on_every_schedule():
     for sched in ("barrier_free", "barrier", "lockstep"):
-        assert load_config("configs/quickstart.yaml", [f"pipeline.schedule={sched}", "task.dataset.val_every=2"])
+        assert load_config("configs/quickstart.yaml", [f"pipeline.schedule={sched}", "task.dataset.val_every=2",
+                                                       "algorithm.dynamic_sampling.enabled=true"])
 
 
 def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
