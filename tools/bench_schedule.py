@@ -1,27 +1,30 @@
-"""The quickstart with the step barrier (``pipeline.schedule: lockstep``) and without it (``continuous``: the
-scheduler core, continuous rollout, streaming training), side by side in one run, on this machine.
+"""The default schedule (barrier-free, resizing on) against the barrier schedule at every static split, on the
+emulated accelerator, each row beside the simulator's prediction for it; all rows in one run.
 
-    .venv/bin/python tools/bench_schedule.py               # 30 steps each, ~5 min on 2 cores
-    .venv/bin/python tools/bench_schedule.py --steps 100   # the quickstart's whole run
-    .venv/bin/python tools/bench_schedule.py -o policy.enabled=false   # both static at the quickstart's 3:1
+    .venv/bin/python tools/bench_schedule.py                                  # configs/emulated-8gpu.yaml, 20 steps
+    .venv/bin/python tools/bench_schedule.py configs/emulated-8gpu.yaml --steps 30 --time-scale 0.1
 
-Each row is one real run (4 worker processes, Redis, DeepSpeed on CPU, the same seed): the loop time per step
-(``summary.json``'s loop seconds / steps), samples/s, and the bubble fraction that ``dynaresize analyze`` measures
-from the run's event log (idle GPU-s / total GPU-s: a rank is busy only inside its logged stage intervals).
-Validation passes are off in both (the continuous schedule has none). Then one JSON line.
+Rows (each one real run: Redis, 8 worker processes, DeepSpeed on CPU with the emulated accelerator's timing, the
+same seed):
 
-What to expect on a CPU machine: the four ranks share two cores, so a rank that goes idle hands its core to the
-others, and overlapping rollout with training mostly competes for the same cores; the bubble fraction shows the
-schedule's idle time, the loop time what that is worth here. ``tools/bench_sim.py`` and ``dynaresize simulate
---compare`` give the same comparison at cluster scale (issue 17 makes the runtime rehearse it with GPU timing).
+- ``barrier n:m``: ``pipeline.schedule: barrier`` (the scheduler core with its step barrier: the static one-step-off
+  baseline, what verl's one-step-off runs), resizing off, at every split ``n`` trainers : ``m`` rollout ranks;
+- ``default from best``: the default schedule (``barrier_free``: continuous rollout, streaming training, resizing on)
+  started at the best static barrier split of the rows above;
+- ``default from config``: the same started at the config's own ``cluster.initial_train``.
+
+Each row's figure is samples per wall second over the run's span (``dynaresize analyze``'s ``span_s``), and beside
+it the sample-level simulator's prediction for the same schedule on the run's own profile and samples
+(:func:`dynaresize.analysis.whatif.emulated_sim_config`, as ``tools/bench_emulated.py``). Then one JSON line:
+``default_vs_best_static_barrier`` (the default started at the best split, over that split with the barrier, minus 1),
+``default_from_start_vs_best_static_barrier`` and ``sim_predicted_gain`` (the simulator's figure for the first).
+Target (issue 25): the first > 0 and at least ``sim_predicted_gain`` minus 2 points.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -29,53 +32,61 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-ROWS = [("lockstep", ["pipeline.schedule=lockstep"]), ("continuous", ["pipeline.schedule=continuous"])]
-
-
-def one_run(out: Path, config: str, steps: int, extra: list[str]) -> dict:
-    from dynaresize.analysis.metrics import analyze
-    from dynaresize.analysis.reader import load_run
-
-    cmd = [sys.executable, "-m", "dynaresize.cli", "run", config, f"run.steps={steps}", f"run.output_dir={out}",
-           "run.progress=false", "task.dataset.val_every=0", "run.checkpoint_every=0", *extra, "--quiet"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    p = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if p.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{p.stdout[-3000:]}")
-    rd = next(d for d in out.iterdir() if d.is_dir())
-    s = json.loads((rd / "summary.json").read_text())
-    a = analyze(load_run(rd))
-    return {"run_dir": str(rd), "steps": s["steps"], "loop_s_per_step": s["loop_s"] / max(1, s["steps"]),
-            "samples_per_s": s["samples_per_s"], "bubble_fraction": a.totals["bubble_fraction"],
-            "switches": len(s["switches"]), "switch_critical_path_s": s["switch_critical_path_s"],
-            "reward_last": s.get("reward_last")}
+from tools.bench_emulated import observed, one_run, simulate  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("config", nargs="?", default="configs/quickstart.yaml")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("-o", "--override", action="append", default=[], help="dotted config override for both rows")
+    ap.add_argument("config", nargs="?", default="configs/emulated-8gpu.yaml")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--time-scale", type=float, default=0.1, help="emulation.time_scale of every run (docs/emulation.md)")
+    ap.add_argument("-o", "--override", action="append", default=[], help="extra dotted override for every run")
     args = ap.parse_args()
-    res = {}
+    from dynaresize.comm.groups import candidate_trainer_counts, unit_from_cluster
+    from dynaresize.config.loader import load_config
+
+    base = [f"run.steps={args.steps}", f"emulation.time_scale={args.time_scale}", "task.dataset.val_every=0",
+            "run.checkpoint_every=0", *args.override]
+    cfg = load_config(ROOT / args.config, base)
+    gpus = cfg.cluster.gpus
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-schedule-") as tmp:
-        for name, extra in ROWS:
-            res[name] = one_run(Path(tmp) / name, args.config, args.steps, [*args.override, *extra])
-            print(f"  {name}: done ({res[name]['loop_s_per_step']:.3f} s/step)", file=sys.stderr)
-    lock, cont = res["lockstep"], res["continuous"]
-    print(f"{'schedule':<11} {'steps':>5} {'loop s/step':>11} {'samples/s':>9} {'bubble':>7} {'switches':>8} "
-          f"{'switch crit s':>13} {'reward last':>11}")
-    for name, r in res.items():
-        print(f"{name:<11} {r['steps']:>5} {r['loop_s_per_step']:>11.3f} {r['samples_per_s']:>9.1f} "
-              f"{r['bubble_fraction']:>7.3f} {r['switches']:>8} {r['switch_critical_path_s']:>13.3f} "
-              f"{(r['reward_last'] or 0.0):>11.3f}")
-    ratio = cont["loop_s_per_step"] / lock["loop_s_per_step"]
-    print(f"continuous / lockstep: loop time per step x{ratio:.3f}, bubble {lock['bubble_fraction']:.3f} -> "
-          f"{cont['bubble_fraction']:.3f}")
-    print(json.dumps({"loop_s_per_step_lockstep": round(lock["loop_s_per_step"], 4),
-                      "loop_s_per_step_continuous": round(cont["loop_s_per_step"], 4),
-                      "loop_time_ratio": round(ratio, 4), "bubble_lockstep": round(lock["bubble_fraction"], 4),
-                      "bubble_continuous": round(cont["bubble_fraction"], 4), "steps": args.steps}))
+        def row(name: str, n_train: int, schedule: str, resize: bool) -> dict:
+            over = [*base, f"pipeline.schedule={schedule}", f"cluster.initial_train={n_train}",
+                    f"policy.enabled={str(resize).lower()}"]
+            rd = one_run(Path(tmp) / f"{len(rows)}", args.config, over)
+            c = load_config(rd / "config.yaml")
+            free = schedule == "barrier_free"
+            obs = observed(rd)
+            sim = simulate(rd, n_train, free, free and c.pipeline.streaming_training, resize)
+            r = {"row": name, "runtime": round(obs["samples_per_s"], 4), "sim": round(sim["samples_per_s"], 4),
+                 "ratio": round(obs["samples_per_s"] / sim["samples_per_s"], 4), "switches": obs["switches"],
+                 "sim_switches": sim["switches"], "faithful": obs["faithful"]}
+            rows.append(r)
+            print(f"  {name}: {r['runtime']:.3f} samples/s (sim {r['sim']:.3f})", file=sys.stderr, flush=True)
+            return r
+
+        splits = candidate_trainer_counts(gpus, unit_from_cluster(cfg.cluster))
+        barrier = {n: row(f"barrier {n}:{gpus - n}", n, "barrier", False) for n in splits}
+        best = max(barrier, key=lambda n: barrier[n]["runtime"])
+        from_best = row(f"default from best {best}:{gpus - best}", best, "barrier_free", True)
+        init = cfg.cluster.initial_train
+        from_start = row(f"default from config {init}:{gpus - init}", init, "barrier_free", True)
+    head = ["row", "runtime", "sim", "ratio", "switches", "sim_switches", "faithful"]
+    print("samples per wall second (sim: the simulator's prediction for the same schedule, per modelled second / "
+          "time_scale)")
+    print("  ".join(f"{h:>28}" if h == "row" else f"{h:>12}" for h in head))
+    for r in rows:
+        print("  ".join((f"{r[h]:>28}" if h == "row" else f"{r[h]:>12.3f}" if isinstance(r[h], float) else f"{str(r[h]):>12}")
+                        for h in head))
+    b = barrier[best]
+    print(json.dumps({
+        "config": args.config, "steps": args.steps, "time_scale": args.time_scale, "best_static_barrier": f"{best}:{gpus - best}",
+        "default_vs_best_static_barrier": round(from_best["runtime"] / b["runtime"] - 1.0, 4),
+        "default_from_start_vs_best_static_barrier": round(from_start["runtime"] / b["runtime"] - 1.0, 4),
+        "sim_predicted_gain": round(from_best["sim"] / b["sim"] - 1.0, 4),
+        "sim_predicted_gain_from_start": round(from_start["sim"] / b["sim"] - 1.0, 4),
+    }))
     return 0
 
 

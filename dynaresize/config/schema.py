@@ -77,7 +77,7 @@ class PipelineConfig(Section):
         True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
     )
     schedule: Literal["barrier_free", "barrier", "lockstep"] = Field(
-        "lockstep", description="How the one-step-off pipeline runs. barrier_free: the scheduler core "
+        "barrier_free", description="How the one-step-off pipeline runs. barrier_free: the scheduler core "
         "(dynaresize.schedule) with continuous rollout (a rollout rank takes the next batch's groups as soon as it "
         "holds the version that batch needs; weight versions reach each rank in the background) and (streaming_training) "
         "trainers that start on complete groups. barrier: the same core with its step barrier (a batch opens once the "
