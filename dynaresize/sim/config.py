@@ -203,6 +203,12 @@ class SimConfig(Section):
         0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
         "command round trips; dynaresize calibrate measures it)"
     )
+    command_latency_s: float = Field(
+        0.0, ge=0, description="Control-plane latency: seconds from the moment the coordinator decides a command (generate, "
+        "train chunk, optimizer step, weight fetch, gradient help) to the moment it takes effect on the rank; both models "
+        "(dynaresize calibrate fits it from a run's gaps between commands; the emulated runtime here: ~0.05 s, MEASURED "
+        "in issue 28; 0: an ideal control plane)"
+    )
     pipeline: PipelineModelConfig = Field(default_factory=PipelineModelConfig, description="Pipeline model and barrier-free mechanisms")
     write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
     compare_static_max: int = Field(
