@@ -184,7 +184,32 @@ def train_options(work: float, n_gpus: int, sim: SimConfig) -> tuple[np.ndarray,
     return np.concatenate(walls), np.concatenate(gpus)
 
 
-LAMBDAS = np.linspace(0.0, 1.0, 41)  # the weightings of the training chain against the GPU-seconds tried
+def _weights() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weightings (alpha, beta, gamma >= 0, summing to 1) of the training chain, the rollout windows and the
+    GPU-seconds tried (every one gives a lower bound; the best is taken). The best alpha is small (the chain counts
+    every step's wall once, the GPU-seconds over N): a fine grid there."""
+    x = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 28)])
+    a, b = np.meshgrid(x, x, indexing="ij")
+    ok = a + b <= 1.0 + 1e-12
+    alpha, beta = a[ok], b[ok]
+    return alpha, beta, np.maximum(0.0, 1.0 - alpha - beta)
+
+
+ALPHA, BETA, GAMMA = _weights()
+
+
+def decode_options(n_gpus: int, seqs: float, cap: float, w: float, u: float) -> tuple[np.ndarray, np.ndarray]:
+    """For one batch's decode: a grid of intervals of the mean number of GPUs ``G`` on it (0 < G <= N), each as the
+    (left, right) ends, and the decode rate (tokens/s) at each grid point: ``G f(min(cap, seqs / G))`` with
+    f(b) = b / (w + b u) (at most ``seqs`` sequences of one version are decoding, spread over G GPUs at best evenly:
+    f is concave). Seconds per token 1 / rate falls and GPU-seconds per token G / rate rises with G."""
+    g = np.unique(np.concatenate([np.geomspace(1e-3, n_gpus, 160), np.arange(1, n_gpus + 1, max(1, n_gpus // 64)),
+                                  [float(n_gpus), min(float(n_gpus), seqs / cap)]]))
+    b = np.minimum(cap, seqs / g)
+    rate = g * b / (w + b * u)
+    return g, rate
+
+
 
 
 def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, sync_s: float = 0.0) -> TightBound:
@@ -208,7 +233,9 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
     tail = np.empty(K)
     post = np.empty(K)
     tmin = np.empty(K)
-    mixed = np.zeros(len(LAMBDAS))  # per weighting lambda: sum_k min over options of lambda wall + (1 - lambda) GPU-s / N
+    # per weighting (alpha, beta, gamma): sum over steps of the least alpha x training wall + beta / (s + 1) x rollout
+    # window + gamma x GPU-seconds / N any option of the step gives
+    mixed = np.zeros(len(ALPHA))
     for k in range(K):
         ph = table.physics(k)
         b = ph.batch
@@ -216,12 +243,13 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
         walls, gpus = train_options(work_t, N, sim)
         train[k] = float(gpus.min())  # = work + o: one trainer, eff(1) = 1
         tmin[k] = float(walls.min())  # T_k's training needs version k: it runs after T_{k-1}
-        mixed += (LAMBDAS[:, None] * walls[None, :] + (1 - LAMBDAS[:, None]) * gpus[None, :] / N).min(axis=1)
+        mixed += (ALPHA[:, None] * walls[None, :] + GAMMA[:, None] * gpus[None, :] / N).min(axis=1)
         awaited = b.prompt_index <= b.prompt_index[b.kept].max() if b.kept.any() else np.ones(len(b.lengths), dtype=bool)
         if r.model == "empirical":
             roll[k] = b.tokens_generated / r.empirical_tokens_per_gpu_s
             roll_aw[k] = float(b.lengths[awaited].sum()) / r.empirical_tokens_per_gpu_s
             tail[k] = r.empirical_overhead_s
+            mixed += GAMMA * roll[k] / N
         else:
             conc = max(1.0, min(float(max(ph.cap, b.group_size)), float(nv[k])))  # one version per GPU: no more sequences than it made
             per_token = (ph.w + conc * ph.u) / conc
@@ -230,6 +258,17 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
             roll_aw[k] = (float(b.lengths[awaited].sum()) * per_token
                           + float(b.prompt_lengths[:last].sum()) / r.prefill_tokens_per_s)
             tail[k] = float(b.lengths[awaited].max()) * (ph.w + ph.u)
+            # the rollout window of batch k: from its first decode to its last awaited response, on a time-mean of G
+            # GPUs: at least max(tail, X / rate(G)) seconds and G X / rate(G) GPU-s for its X awaited tokens; over an
+            # interval [g_i, g_{i+1}] of G at least the seconds at g_{i+1} and the GPU-seconds at g_i
+            X = float(b.lengths[awaited].sum())
+            g, rate = decode_options(N, float(nv[k]), float(max(ph.cap, b.group_size)), ph.w, ph.u)
+            secs = np.maximum(tail[k], X / rate[1:])
+            gsec = g[:-1] * X / rate[:-1]
+            pre = float(b.prompt_lengths[:last].sum()) / r.prefill_tokens_per_s
+            surplus = (b.tokens_generated - X) * per_token + (b.prompt_tokens - float(b.prompt_lengths[:last].sum())) / r.prefill_tokens_per_s
+            mixed += (BETA[:, None] / (s + 1) * secs[None, :] + GAMMA[:, None] * gsec[None, :] / N).min(axis=1) \
+                + GAMMA * (pre + surplus) / N
         post[k] = 2 * c + t.step_overhead_s  # the last group's Train (or Help) and the Step commands, the optimizer step
         i = int(np.argmax(np.where(awaited, b.lengths, -1.0)))
         if b.kept[i]:
@@ -260,6 +299,9 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
     work_s = float((roll.sum() + train.sum()) / N)  # every generated token (surplus groups too) within the run
     # the trainings run one after another (T_k needs T_{k-1}'s version), so the run lasts at least the sum of their
     # walls, and at least all GPU-seconds over N: at least any weighting of the two, each step at its best option
-    lagrange = float((mixed + (1 - LAMBDAS) * roll.sum() / N).max())
+    # and every rollout window lies between the ends of T_{k-s-1} and T_k: the windows sum to at most (s + 1) x the
+    # run. So any weighting of the three is a lower bound; the rollout's GPU-seconds are in the windows' term
+    lagrange = float(mixed.max())
+
     total = max(float(ends[-1]), work_s, lagrange)
     return TightBound(total, work_s, float(chain[-1]), lagrange, roll, train, ends, d)
