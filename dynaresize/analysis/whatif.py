@@ -124,7 +124,7 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     values: dict[str, object] = {
         "sim.workload.trace": str(tf), "sim.workload.trace_token_scale": cfg.emulation.tokens_per_token,
         "sim.workload.response_tokens_by_step": [], "sim.workload.tasks": [], "sim.workload.task_weights": {},
-        "sim.workload.cap_share": 0.0, "sim.workload.dynamic_sampling.enabled": False,
+        "sim.workload.cap_share": 0.0, "sim.workload.cap_share_end": None, "sim.workload.dynamic_sampling.enabled": False,
         "sim.steps": steps,
     }
     if cfg.pipeline.schedule == "lockstep":
