@@ -17,6 +17,11 @@ against the time the run took. How the work and the costs are taken, by the kind
   CPU iteration costs per sequence in the batch, no fixed part, no KV or prefill term, no slot cap), and the
   fitted per-stage rollout overhead has no place there, so those rows leave it out (the output says so).
 
+The row ``own schedule (replay)``: the run's own split schedule through the step-level model (below); ``own split
+(replay)``, for a run without switches, its own split and schedule (barrier or continuous) through the sample-level
+model, which follows the runtime's commands (one command's groups per rank at a time, each
+``sim.command_latency_s`` late).
+
 The measured time is the run's span as ``dynaresize analyze`` measures it (``totals.span_s``: the earliest step
 start or busy interval to the latest step end). The row ``own schedule (replay)`` is the run's own split schedule
 (its switches as ``policy.forced_splits``, step level, barrier) through the same model: how far the replay is from
@@ -259,7 +264,7 @@ def _forced(rd: RunData, rep: Replay) -> dict[int, int]:
 
 def whatif(run: str | Path) -> dict:
     """Replay ``run`` and return the what-if: measured time, one row per schedule, the mechanisms' shares."""
-    from dynaresize.sim.compare import compare, run_static, setup
+    from dynaresize.sim.compare import compare, run_samples, run_static, setup
 
     rd = load_run(run)
     rep = _policy_on(_filtered_note(replay_of(run, rd)))
@@ -283,6 +288,15 @@ def whatif(run: str | Path) -> dict:
         return dict(name=name, model=model, time_s=by[key]["total_s"] * k, switches=by[key]["switches"])
 
     rows.append(dict(name="own schedule (replay)", model="step", time_s=own.total_s * k, switches=own.switches))
+    own_samples = None
+    if not forced:  # a static run: its own split and schedule at sample level too (the model that follows commands)
+        from dynaresize.schedule import Mechanisms
+
+        sc = rep.samples_cfg or rep.cfg
+        cont = sc.pipeline.schedule == "continuous"
+        ss = setup(sc) if rep.samples_cfg is not None else s
+        own_samples = run_samples(ss, ss.initial, Mechanisms(cont, cont and sc.pipeline.streaming_training, False))
+        rows.append(dict(name="own split (replay)", model="samples", time_s=own_samples.total_s * k, switches=0))
     rows.append(row(f"best static {sm['best_static_split']} (barrier)", best_name, "step"))
     rows.append(row("barrier + resizing", "dynaresize", "step"))
     rows.append(row(f"best static {samples_split} (barrier)", "best static (samples)", "samples"))
@@ -311,6 +325,8 @@ def whatif(run: str | Path) -> dict:
         time_scale=k, steps=rep.cfg.sim.steps, gpus=rep.cfg.cluster.gpus, initial_split=str(s.initial),
         own_schedule={str(a): b for a, b in sorted(forced.items())},
         replay_s=own.total_s * k, replay_vs_measured=own.total_s * k / measured if measured > 0 else None,
+        replay_samples_s=own_samples.total_s * k if own_samples else None,
+        replay_samples_vs_measured=own_samples.total_s * k / measured if own_samples and measured > 0 else None,
         best_static_split=sm["best_static_split"], best_static_s=best_s, resizing_s=by["dynaresize"]["total_s"] * k,
         oracle_s=by["oracle (barrier)"]["total_s"] * k, bound_s=by["bound"]["total_s"] * k,
         tight_bound_s=by["tight bound"]["total_s"] * k,
@@ -337,6 +353,9 @@ def render(w: dict) -> str:
                                                   else " (all together under a 1% gain: no shares)"))
     out.append(f"own schedule replayed: {w['own_schedule'] or 'no switch'} -> {w['replay_s']:.3f} s, "
                f"{w['replay_vs_measured']:.3f} x the measured time")
+    if w.get("replay_samples_s") is not None:
+        out.append(f"own split and schedule replayed at sample level: {w['replay_samples_s']:.3f} s, "
+                   f"{w['replay_samples_vs_measured']:.3f} x the measured time")
     out += [f"note: {n}" for n in w["notes"]] + [f"assumed or left out: {x}" for x in w["left_out"]]
     return "\n".join(out)
 
