@@ -4,6 +4,8 @@ Definitions (per step k, from the same physics as :class:`~dynaresize.sim.stages
 ``iteration_fixed_s``, ``u`` = per-sequence cost at the step's context, ``a`` = the per-GPU concurrency cap
 ``min(max_seqs_per_gpu, KV capacity / context)``; N GPUs, staleness bound s):
 
+(``a`` is at least the group size G: the model gives an empty GPU one whole group even above its cap.)
+
 - rollout work ``R_k`` = generated tokens x (w + a u) / a  +  prompt tokens / prefill_tokens_per_s (GPU-seconds):
   every generated token at the best per-GPU decode rate a / (w + a u) the KV memory allows (every decoded token,
   dropped groups included), plus prefill;
@@ -32,6 +34,11 @@ generate and rollout ranks that train, free and instant switches):
    R_k runs after E_{k-s-1} on at most N GPUs; the optimizer step of T_k (step_overhead_s) comes after the last
    gradient, which needs the last response. T_k's forward/backward needs version k, so it runs after T_{k-1} on at
    most N GPUs (n eff(n) is largest at n = N). By induction each E_k is <= the real end of T_k.
+
+Not covered by this proof: gradient helpers. ``train_min_k`` takes all N GPUs training at eff(N), but a helper
+trains at ``helper_rate`` with no scaling loss, so with helpers (0.9 against eff(64) = 0.74) a batch can in principle
+train faster than N eff(N). No simulated run has beaten it (every scenario's test, 1,800 random worlds); the tight
+bound below allows the helpers and is proved for every schedule of the model.
 
 Left out (so the bound stays below every schedule): the weight sync (it can be overlapped, bucketed behind the
 optimizer step), prefill latency on the chain, any switch cost. Assumed (as in the simulator): a decode iteration
@@ -120,6 +127,19 @@ def bound_total(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int) 
 
 
 # --- the tight bound -------------------------------------------------------------------------------------------------
+#
+# Proof sketch (docs/simulator.md, "The tight bound", has it in full). Every schedule of the model satisfies, with T
+# the run's time, E_k the end of T_k:
+# (a) GPU-seconds: sum over steps of the training GPU-s (n_k trainers: work / eff(n_k) + n_k o; helpers: their work
+#     / helper_rate + at least one helper_cost_s) + each batch's decode GPU-s + prefill <= N T;
+# (b) the training chain: T_k needs version k, so the trainings run one after another: sum_k wall(T_k) <= T;
+# (c) the rollout windows: batch k decodes after E_{k-s-1} (its version) and its awaited responses end before E_k,
+#     so sum_k window_k <= sum_k (E_k - E_{k-s-1}) <= (s + 1) T;
+# (d) decode: on a time-mean of G GPUs a batch of n sequences (one version: a GPU holds one) decodes at most
+#     G f(min(cap, n / G)) tokens/s, f(b) = b / (w + b u) concave (Jensen over the GPUs and over time);
+# so T >= alpha (b) + beta (c) / (s + 1) + gamma (a) / N for any weights summing to 1, each step's term at least its
+# best option; and the chain edges and windows of work below (E_m >= E_{k-s-1} + the work of batches k..m and
+# trainings k-s..m over N) give E_{K-1} <= T. total_s is the largest of them.
 
 
 @dataclass(frozen=True)
