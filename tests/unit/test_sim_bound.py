@@ -175,3 +175,23 @@ def test_no_schedule_of_a_random_world_beats_either_bound(w):
     for r in runs:
         assert r.total_s >= tb.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < tight bound {tb.total_s:.4f} s ({tb.binding})"
         assert r.total_s >= b.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < bound {b.total_s:.4f} s ({b.binding})"
+
+
+def test_trainer_count_intervals_stay_below_every_count_and_close(monkeypatch):
+    """Above EXACT_TRAINERS GPUs the training options go in intervals of trainer counts: never above the bound with
+    every count an option of its own (so still a lower bound), and within 0.1% of it."""
+    import dynaresize.sim.bound as bound
+
+    cfg = load_config(ROOT / "configs/sim/scale_512gpu.yaml", ["sim.steps=20"])
+    s = setup(cfg)
+    grid = tight_bound_of(s)
+    monkeypatch.setattr(bound, "EXACT_TRAINERS", 10**9)
+    exact = tight_bound_of(s)
+    assert grid.total_s <= exact.total_s * (1 + 1e-12) and grid.total_s >= 0.999 * exact.total_s
+    for work in (0.0, 3.0, 5000.0):  # every option of the interval version is below an exact one's
+        walls, gpus = bound.train_options(work, 512, cfg.sim)
+        monkeypatch.setattr(bound, "EXACT_TRAINERS", 256)
+        gw, gg = bound.train_options(work, 512, cfg.sim)
+        monkeypatch.setattr(bound, "EXACT_TRAINERS", 10**9)
+        for lam in (0.0, 0.01, 0.3, 1.0):
+            assert (lam * gw + (1 - lam) * gg).min() <= (lam * walls + (1 - lam) * gpus).min() * (1 + 1e-12)
