@@ -7,7 +7,7 @@ and written as comments at the top of the YAML file, so the file itself holds on
     dynaresize calibrate runs/quickstart-20261130-101500 -o costs.yaml
     dynaresize calibrate runs/real --json           # the full fit as JSON on stdout
 
-Format: ``switching: {costs}`` and ``sim: {train, rollout, workload, schedule, step_gap_s}``, config sections that
+Format: ``switching: {costs}`` and ``sim: {train, rollout, workload, schedule, step_gap_s, command_latency_s}``, config sections that
 ``dynaresize simulate --costs`` merges whole; :func:`to_costs_section` is the one place that maps the fit onto it.
 A replay of the logged run also needs its step count and split schedule on the command line; the comments at
 the top of the file give them (``sim.steps=N policy.enabled=false 'policy.forced_splits={k: trainers}'``).
@@ -48,7 +48,9 @@ def to_costs_section(fit: dict) -> dict:
       physics is for GPUs; a stage-time fit does not determine its parameters, so it is not used).
     - ``workload``: the log's mean response length of every step (``response_tokens_by_step``), B x G, the
       length cap, and what a trained token counts; the length *shape* is not in the log (the default is kept).
-    - ``schedule`` and ``step_gap_s``: lockstep with the coordinator's measured per-step gap for a runtime log.
+    - ``command_latency_s``: the control plane's fitted latency per command (every log).
+    - ``schedule`` and ``step_gap_s``: lockstep with the coordinator's measured per-step gap for a runtime log, less
+      the two commands a step the model prices with ``command_latency_s``.
     ``rollout``, ``workload`` and ``schedule`` are written for real (non-simulated) logs only.
     """
     costs: dict = {}
@@ -69,6 +71,9 @@ def to_costs_section(fit: dict) -> dict:
     sim: dict = {}
     if train:
         sim["train"] = train
+    lat = (fit.get("command_latency") or {}).get("command_latency_s")
+    if lat is not None:
+        sim["command_latency_s"] = round(lat, 6)
     if fit["source"].get("kind") == "sim":
         # a simulated log's rollout and workload come from the physics and workload in its own config: a line
         # fitted to them would replace an exact model by an approximation, so only costs and train are written
@@ -89,8 +94,8 @@ def to_costs_section(fit: dict) -> dict:
     sc = fit.get("schedule") or {}
     if sc.get("schedule") == "lockstep":
         sim["schedule"] = "lockstep"
-        if sc.get("step_gap_s") is not None:
-            sim["step_gap_s"] = round(sc["step_gap_s"], 6)
+        if sc.get("step_gap_s") is not None:  # the model prices two commands a step on the critical path itself
+            sim["step_gap_s"] = round(max(0.0, sc["step_gap_s"] - 2 * (lat or 0.0)), 6)
     return {**out, "sim": sim}
 
 
@@ -109,6 +114,10 @@ def _comments(fit: dict) -> str:
                      f"trained tokens = {w['trained_tokens']}; length shape (response_sigma) assumed, not in the log")
     if sc.get("schedule") == "lockstep":
         lines.append(f"schedule: lockstep (runtime coordinator), step_gap_s from {sc['n']} steps")
+    cl = fit.get("command_latency") or {}
+    if cl.get("n"):
+        lines.append(f"command latency: median {cl['command_latency_s']:.4g} s (quartiles {cl['p25_s']:.4g}..{cl['p75_s']:.4g} s) "
+                     f"over {cl['n']} spans, from the latest end of any span to each span's start")
     lines.append(f"replay: dynaresize simulate CONFIG --costs THIS_FILE sim.steps={s['steps']} policy.enabled=false "
                  f"'policy.forced_splits={fit.get('forced_splits') or {}}'")
     for op, o in fit["ops"].items():

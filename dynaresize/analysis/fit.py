@@ -22,6 +22,9 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
 - schedule: a runtime log (``run_start.source == "runtime"``) is the coordinator's lock-step loop; step_gap_s =
   median over steps of (step_end_k - step_end_{k-1} - max(rollout span of k+1, train span of k)) - weight_sync_s,
   the coordinator's own per-step time (batch assembly, command round trips), clipped at 0.
+- command latency (``sim.command_latency_s``): the median gap from the latest end of any span to a span's
+  start (:func:`fit_command_latency`); the lock-step ``step_gap_s`` written is the measured gap less the two
+  commands per step the model then prices (the weight fetch and the generate/train command on the critical path).
 - switch ops: the median duration per op name (robust to one slow outlier), with n, min, max and the share of
   critical occurrences; written as ``override_s`` (op -> seconds), the measured-duration override of the
   simulator's switch cost model (``dynaresize.policy.config.SwitchCostConfig.override_s``), except for ops seen
@@ -110,6 +113,7 @@ def fit_costs(rd: RunData) -> dict:
         "weight_sync_s": ws_med,
         "workload": fit_workload(rd),
         "schedule": fit_schedule(rd, ws_med or 0.0),
+        "command_latency": fit_command_latency(rd),
         "ops": op_stats,
         # the logged split schedule, as policy.forced_splits: {step whose training ran first on the new split: trainers}
         # (a runtime switch_start names that step; a simulated one the step after which it was decided)
@@ -172,3 +176,36 @@ def fit_schedule(rd: RunData, sync_s: float) -> dict:
             gaps.append(ends[k] - ends[k - 1] - max(busy))
     gap = max(0.0, statistics.median(gaps) - sync_s) if gaps else None
     return {"schedule": "lockstep", "step_gap_s": gap, "n": len(gaps)}
+
+
+LATENCY_STAGES = ("rollout", "train", "weight_sync")  # spans that begin when a command reaches their ranks
+
+
+def fit_command_latency(rd: RunData) -> dict:
+    """The control plane's latency per command, from the gaps between the logged spans (no command send/ack times
+    are logged).
+
+    Every rollout, train and weight_sync span begins when a command reaches its ranks, and the coordinator sends a
+    command when something it waits for has ended: some span of some rank (the previous stage, a group, a weight
+    sync's ack). So the gap from the latest end of any span (of positive length, on any rank, its own included) to
+    a span's start is one command's latency plus whatever the coordinator did in between. The median over the spans
+    is the fit (robust to the spans that waited for something unlogged: the run's start, a decision, a switch);
+    spans of zero length (a weight sync of 0 s in a simulated log) are neither samples nor triggers.
+    """
+    starts = np.frombuffer(rd.iv_start, dtype=np.float64) if len(rd.iv_start) else np.zeros(0)
+    ends = np.frombuffer(rd.iv_end, dtype=np.float64) if len(rd.iv_end) else np.zeros(0)
+    kinds = np.frombuffer(rd.iv_kind, dtype=np.int32) if len(rd.iv_kind) else np.zeros(0, dtype=np.int32)
+    real = ends > starts
+    if not real.any():
+        return {"n": 0, "command_latency_s": None, "p25_s": None, "p75_s": None}
+    trig = np.sort(ends[real])
+    ids = [rd.kinds.index(k) for k in LATENCY_STAGES if k in rd.kinds]
+    sample = real & np.isin(kinds, ids)
+    s = starts[sample]
+    i = np.searchsorted(trig, s + 1e-9, side="right") - 1  # the latest end at or before the start
+    ok = i >= 0
+    gaps = np.maximum(s[ok] - trig[i[ok]], 0.0)
+    if len(gaps) == 0:
+        return {"n": 0, "command_latency_s": None, "p25_s": None, "p75_s": None}
+    q25, q50, q75 = (float(x) for x in np.quantile(gaps, [0.25, 0.5, 0.75]))
+    return {"n": int(len(gaps)), "command_latency_s": q50, "p25_s": q25, "p75_s": q75}

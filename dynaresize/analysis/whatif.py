@@ -17,6 +17,11 @@ against the time the run took. How the work and the costs are taken, by the kind
   CPU iteration costs per sequence in the batch, no fixed part, no KV or prefill term, no slot cap), and the
   fitted per-stage rollout overhead has no place there, so those rows leave it out (the output says so).
 
+The row ``own schedule (replay)``: the run's own split schedule through the step-level model (below); ``own split
+(replay)``, for a run without switches, its own split and schedule (barrier or continuous) through the sample-level
+model, which follows the runtime's commands (one command's groups per rank at a time, each
+``sim.command_latency_s`` late).
+
 The measured time is the run's span as ``dynaresize analyze`` measures it (``totals.span_s``: the earliest step
 start or busy interval to the latest step end). The row ``own schedule (replay)`` is the run's own split schedule
 (its switches as ``policy.forced_splits``, step level, barrier) through the same model: how far the replay is from
@@ -34,7 +39,7 @@ from pydantic import ValidationError
 
 from dynaresize import atomic
 from dynaresize.analysis.calibrate import to_costs_section
-from dynaresize.analysis.fit import fit_costs
+from dynaresize.analysis.fit import fit_command_latency, fit_costs
 from dynaresize.analysis.metrics import analyze
 from dynaresize.analysis.reader import RunData, load_run
 from dynaresize.config.loader import ConfigError, load_config
@@ -107,8 +112,10 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     The run's own config (its GPU profile: ``sim.rollout``, ``sim.train``, ``switching.costs``; its cluster,
     policy and staleness), the workload the trace of its ``batches.jsonl`` with every length times
     ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (lockstep for
-    ``pipeline.schedule: lockstep``, with no coordinator gap: the modelled profile has none). Multiply the
-    simulator's seconds by the returned ``emulation.time_scale`` to compare with the run's wall time.
+    ``pipeline.schedule: lockstep``, with no coordinator gap: the modelled profile has none), and the control
+    plane's latency per command fitted from the run's log (``sim.command_latency_s``, wall seconds / time_scale: the
+    runtime's commands take real time whatever the emulation's clock). Multiply the simulator's seconds by the
+    returned ``emulation.time_scale`` to compare with the run's wall time.
     """
     run_dir = _run_dir(run)
     cfg = _config(run_dir)
@@ -122,12 +129,16 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     values: dict[str, object] = {
         "sim.workload.trace": str(tf), "sim.workload.trace_token_scale": cfg.emulation.tokens_per_token,
         "sim.workload.response_tokens_by_step": [], "sim.workload.tasks": [], "sim.workload.task_weights": {},
-        "sim.workload.cap_share": 0.0, "sim.workload.dynamic_sampling.enabled": False,
+        "sim.workload.cap_share": 0.0, "sim.workload.cap_share_end": None, "sim.workload.dynamic_sampling.enabled": False,
         "sim.steps": steps,
     }
     if cfg.pipeline.schedule == "lockstep":
         values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})
     values.update(runtime_admission(cfg))
+    # the control plane's latency is real wall time, not emulated time: fitted from the run's own log (the gaps
+    # between its spans, dynaresize.analysis.fit.fit_command_latency), in modelled seconds
+    lat = fit_command_latency(load_run(run_dir))["command_latency_s"]
+    values["sim.command_latency_s"] = (lat or 0.0) / cfg.emulation.time_scale
     return with_values(cfg, values, f"emulated run {run_dir}"), cfg.emulation.time_scale
 
 
@@ -216,7 +227,8 @@ def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
         c, scale = emulated_sim_config(run_dir)
         return Replay("emulated", c, time_scale=scale, notes=[
             f"profile: the run's own sim.rollout, sim.train and switching.costs; workload: the trace of {trace_file(run_dir)} "
-            f"x {c.sim.workload.trace_token_scale:g} tokens per token; modelled s x {scale:g} = wall s"])
+            f"x {c.sim.workload.trace_token_scale:g} tokens per token; modelled s x {scale:g} = wall s; control-plane "
+            f"latency {c.sim.command_latency_s * scale:.4g} wall s a command, fitted from the log's gaps between spans"])
     return _cpu_replay(run_dir, rd)
 
 
@@ -252,7 +264,7 @@ def _forced(rd: RunData, rep: Replay) -> dict[int, int]:
 
 def whatif(run: str | Path) -> dict:
     """Replay ``run`` and return the what-if: measured time, one row per schedule, the mechanisms' shares."""
-    from dynaresize.sim.compare import compare, run_static, setup
+    from dynaresize.sim.compare import compare, run_samples, run_static, setup
 
     rd = load_run(run)
     rep = _policy_on(_filtered_note(replay_of(run, rd)))
@@ -276,12 +288,22 @@ def whatif(run: str | Path) -> dict:
         return dict(name=name, model=model, time_s=by[key]["total_s"] * k, switches=by[key]["switches"])
 
     rows.append(dict(name="own schedule (replay)", model="step", time_s=own.total_s * k, switches=own.switches))
+    own_samples = None
+    if not forced:  # a static run: its own split and schedule at sample level too (the model that follows commands)
+        from dynaresize.schedule import Mechanisms
+
+        sc = rep.samples_cfg or rep.cfg
+        cont = sc.pipeline.schedule == "continuous"
+        ss = setup(sc) if rep.samples_cfg is not None else s
+        own_samples = run_samples(ss, ss.initial, Mechanisms(cont, cont and sc.pipeline.streaming_training, False))
+        rows.append(dict(name="own split (replay)", model="samples", time_s=own_samples.total_s * k, switches=0))
     rows.append(row(f"best static {sm['best_static_split']} (barrier)", best_name, "step"))
     rows.append(row("barrier + resizing", "dynaresize", "step"))
     rows.append(row(f"best static {samples_split} (barrier)", "best static (samples)", "samples"))
     for key, cname, label in CHAIN:
         rows.append(row(label, cname, "samples"))
     rows.append(row("oracle (barrier)", "oracle (barrier)", "step"))
+    rows.append(row("tight bound", "tight bound", "step"))
     rows.append(row("bound", "bound", "step"))
     best_s = by[best_name]["total_s"] * k
     best_samples_s = by["best static (samples)"]["total_s"] * k
@@ -303,8 +325,11 @@ def whatif(run: str | Path) -> dict:
         time_scale=k, steps=rep.cfg.sim.steps, gpus=rep.cfg.cluster.gpus, initial_split=str(s.initial),
         own_schedule={str(a): b for a, b in sorted(forced.items())},
         replay_s=own.total_s * k, replay_vs_measured=own.total_s * k / measured if measured > 0 else None,
+        replay_samples_s=own_samples.total_s * k if own_samples else None,
+        replay_samples_vs_measured=own_samples.total_s * k / measured if own_samples and measured > 0 else None,
         best_static_split=sm["best_static_split"], best_static_s=best_s, resizing_s=by["dynaresize"]["total_s"] * k,
         oracle_s=by["oracle (barrier)"]["total_s"] * k, bound_s=by["bound"]["total_s"] * k,
+        tight_bound_s=by["tight bound"]["total_s"] * k,
         mechanisms=mech, rows=rows, notes=rep.notes, left_out=rep.left_out,
     )
 
@@ -328,6 +353,9 @@ def render(w: dict) -> str:
                                                   else " (all together under a 1% gain: no shares)"))
     out.append(f"own schedule replayed: {w['own_schedule'] or 'no switch'} -> {w['replay_s']:.3f} s, "
                f"{w['replay_vs_measured']:.3f} x the measured time")
+    if w.get("replay_samples_s") is not None:
+        out.append(f"own split and schedule replayed at sample level: {w['replay_samples_s']:.3f} s, "
+                   f"{w['replay_samples_vs_measured']:.3f} x the measured time")
     out += [f"note: {n}" for n in w["notes"]] + [f"assumed or left out: {x}" for x in w["left_out"]]
     return "\n".join(out)
 

@@ -4,6 +4,8 @@ Definitions (per step k, from the same physics as :class:`~dynaresize.sim.stages
 ``iteration_fixed_s``, ``u`` = per-sequence cost at the step's context, ``a`` = the per-GPU concurrency cap
 ``min(max_seqs_per_gpu, KV capacity / context)``; N GPUs, staleness bound s):
 
+(``a`` is at least the group size G: the model gives an empty GPU one whole group even above its cap.)
+
 - rollout work ``R_k`` = generated tokens x (w + a u) / a  +  prompt tokens / prefill_tokens_per_s (GPU-seconds):
   every generated token at the best per-GPU decode rate a / (w + a u) the KV memory allows (every decoded token,
   dropped groups included), plus prefill;
@@ -33,6 +35,11 @@ generate and rollout ranks that train, free and instant switches):
    gradient, which needs the last response. T_k's forward/backward needs version k, so it runs after T_{k-1} on at
    most N GPUs (n eff(n) is largest at n = N). By induction each E_k is <= the real end of T_k.
 
+Not covered by this proof: gradient helpers. ``train_min_k`` takes all N GPUs training at eff(N), but a helper
+trains at ``helper_rate`` with no scaling loss, so with helpers (0.9 against eff(64) = 0.74) a batch can in principle
+train faster than N eff(N). No simulated run has beaten it (every scenario's test, 1,800 random worlds); the tight
+bound below allows the helpers and is proved for every schedule of the model.
+
 Left out (so the bound stays below every schedule): the weight sync (it can be overlapped, bucketed behind the
 optimizer step), prefill latency on the chain, any switch cost. Assumed (as in the simulator): a decode iteration
 costs at least w + u for the step's u (a step-wide mean context), and the optimizer step follows the last sample's
@@ -55,6 +62,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dynaresize.policy.predictor import efficiency
 from dynaresize.sim.config import SimConfig
 from dynaresize.sim.stages import StageTable, train_context
 
@@ -99,7 +107,8 @@ def bound_total(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int) 
             roll[k] = b.tokens_generated / r.empirical_tokens_per_gpu_s
             tail[k] = r.empirical_overhead_s
         else:
-            roll[k] = b.tokens_generated * (ph.w + ph.cap * ph.u) / ph.cap + b.prompt_tokens / r.prefill_tokens_per_s
+            a = max(ph.cap, b.group_size)  # an empty GPU is given one whole group even when it is larger than the cap
+            roll[k] = b.tokens_generated * (ph.w + a * ph.u) / a + b.prompt_tokens / r.prefill_tokens_per_s
             tail[k] = float(b.lengths[awaited].max()) * (ph.w + ph.u)
         post[k] = t.step_overhead_s
         i = int(np.argmax(np.where(awaited, b.lengths, -1.0)))
@@ -115,3 +124,212 @@ def bound_total(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int) 
     work_s = float((roll.sum() + train.sum()) / N)
     chain_s = float(ends[-1])
     return Bound(max(work_s, chain_s), work_s, chain_s, roll, train, tail, ends)
+
+
+# --- the tight bound -------------------------------------------------------------------------------------------------
+#
+# Proof sketch (docs/simulator.md, "The tight bound", has it in full). Every schedule of the model satisfies, with T
+# the run's time, E_k the end of T_k:
+# (a) GPU-seconds: sum over steps of the training GPU-s (n_k trainers: work / eff(n_k) + n_k o; helpers: their work
+#     / helper_rate + at least one helper_cost_s) + each batch's decode GPU-s + prefill <= N T;
+# (b) the training chain: T_k needs version k, so the trainings run one after another: sum_k wall(T_k) <= T;
+# (c) the rollout windows: batch k decodes after E_{k-s-1} (its version) and its awaited responses end before E_k,
+#     so sum_k window_k <= sum_k (E_k - E_{k-s-1}) <= (s + 1) T;
+# (d) decode: on a time-mean of G GPUs a batch of n sequences (one version: a GPU holds one) decodes at most
+#     G f(min(cap, n / G)) tokens/s, f(b) = b / (w + b u) concave (Jensen over the GPUs and over time);
+# so T >= alpha (b) + beta (c) / (s + 1) + gamma (a) / N for any weights summing to 1, each step's term at least its
+# best option; and the chain edges and windows of work below (E_m >= E_{k-s-1} + the work of batches k..m and
+# trainings k-s..m over N) give E_{K-1} <= T. total_s is the largest of them.
+
+
+@dataclass(frozen=True)
+class TightBound:
+    """The tighter lower bound (docs/simulator.md, "The tight bound"): ``total_s`` = E_{K-1} of the windowed chain."""
+
+    total_s: float  # no schedule of the model finishes the run sooner
+    work_s: float  # the whole run's work at the reachable decode concurrency, over N GPUs (the window k = 0, m = K-1)
+    chain_s: float  # the latency chain alone (the chain edges, without the windows)
+    efficiency_s: float  # the training chain at data-parallel efficiency weighed against the GPU-seconds
+    rollout_gpu_s: np.ndarray  # per step: R'_k (decode at min(cap, sequences of the batch's version) per GPU)
+    train_gpu_s: np.ndarray  # per step: T_k (as the work-conserving bound)
+    chain_end_s: np.ndarray  # per step: E'_k
+    release_s: float  # d: from a version's end to the first decode iteration of a batch it makes
+
+    @property
+    def binding(self) -> str:
+        """Which term gives the total: work, efficiency (the weighted training chain) or chain (with its windows)."""
+        terms = {"work": self.work_s, "efficiency": self.efficiency_s, "chain": float(self.chain_end_s[-1])}
+        return max(terms, key=terms.get)
+
+
+def version_seqs(table: StageTable, staleness: int) -> np.ndarray:
+    """Per step k: the sequences generated by k's version (batches 0..s share version 0; later ones are alone)."""
+    K = table.steps
+    n = np.array([len(table.physics(k).batch.lengths) for k in range(K)], dtype=float)
+    out = n.copy()
+    head = float(n[: staleness + 1].sum())
+    out[: staleness + 1] = head
+    return out
+
+
+EXACT_TRAINERS = 256  # up to this many GPUs every trainer count is an option of its own
+TRAINER_GRID = 160  # above: geometric intervals of trainer counts, each priced at its ends (a lower bound over it)
+
+
+def train_options(work: float, n_gpus: int, sim: SimConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Every way the model can run one batch's training (``work`` single-GPU seconds of forward/backward), as a
+    lower bound on its (wall seconds, GPU-seconds) pair; each column one option, the first N the trainers alone.
+
+    n trainers alone (n = 1..N): wall = 2c + work / (n eff(n)) + o, GPU-s = work / eff(n) + n o (every trainer runs
+    every chunk and the optimizer step; c the command latency, o ``step_overhead_s``). n trainers and gradient
+    helpers on the other N - n GPUs taking ``wh`` of the work: the helpers end no sooner than
+    ``helper_cost_s + wh / ((N - n) helper_rate)`` and cost at least one helper's ``helper_cost_s`` and
+    ``wh / helper_rate`` GPU-s; wall = 2c + max(that, (work - wh) / (n eff(n))) + o. For each n the best ``wh`` for
+    any weighting of wall against GPU-s is an end of the interval or the kink of the max (the objective is convex
+    and piecewise linear in ``wh`` on (0, work]), so three columns per n cover them. Above ``EXACT_TRAINERS`` GPUs the
+    trainer counts go in geometric intervals, each column the least any count inside can give (wall at the
+    interval's top, GPU-seconds at its bottom): still a lower bound, and ~30x fewer columns at 4096 GPUs.
+    """
+    t, p = sim.train, sim.pipeline
+    c, o, N = sim.command_latency_s, t.step_overhead_s, n_gpus
+    e = lambda x: t.scaling_per_doubling ** np.log2(x)  # noqa: E731
+    if N <= EXACT_TRAINERS:
+        lo = hi = np.arange(1, N + 1, dtype=float)
+    else:  # intervals [lo, hi] of trainer counts: each term at the end of its interval where it is smallest
+        g = np.unique(np.concatenate([np.rint(np.geomspace(1, N, TRAINER_GRID)), [1.0, float(N)]]))
+        lo, hi = g[:-1], g[1:]
+    walls = [2 * c + work / (hi * e(hi)) + o]  # wall falls with n (n eff(n) rises), GPU-s rise with n
+    gpus = [work / e(lo) + lo * o]
+    ok = N - lo >= 1
+    if ok.any() and work > 0:
+        lo, hi = lo[ok], hi[ok]
+        hr, hc = p.helper_rate, p.helper_cost_s
+        A, B = 1.0 / (hi * e(hi)), 1.0 / ((N - lo) * hr)  # the trainers' and the helpers' seconds per work, at least
+        kink = np.clip((A * work - hc) / (A + B), 0.0, work)
+        for wh in (np.full_like(lo, 1e-12 * work), np.full_like(lo, work), kink):
+            walls.append(2 * c + np.maximum(A * (work - wh), hc + B * wh) + o)
+            gpus.append((work - wh) / e(lo) + wh / hr + hc + lo * o)
+    return np.concatenate(walls), np.concatenate(gpus)
+
+
+def _weights() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The weightings (alpha, beta, gamma >= 0, summing to 1) of the training chain, the rollout windows and the
+    GPU-seconds tried (every one gives a lower bound; the best is taken). The best alpha is small (the chain counts
+    every step's wall once, the GPU-seconds over N): a fine grid there."""
+    x = np.concatenate([[0.0], np.geomspace(1e-3, 1.0, 28)])
+    a, b = np.meshgrid(x, x, indexing="ij")
+    ok = a + b <= 1.0 + 1e-12
+    alpha, beta = a[ok], b[ok]
+    return alpha, beta, np.maximum(0.0, 1.0 - alpha - beta)
+
+
+ALPHA, BETA, GAMMA = _weights()
+
+
+def decode_options(n_gpus: int, seqs: float, cap: float, w: float, u: float) -> tuple[np.ndarray, np.ndarray]:
+    """For one batch's decode: a grid of intervals of the mean number of GPUs ``G`` on it (0 < G <= N), each as the
+    (left, right) ends, and the decode rate (tokens/s) at each grid point: ``G f(min(cap, seqs / G))`` with
+    f(b) = b / (w + b u) (at most ``seqs`` sequences of one version are decoding, spread over G GPUs at best evenly:
+    f is concave). Seconds per token 1 / rate falls and GPU-seconds per token G / rate rises with G."""
+    g = np.unique(np.concatenate([np.geomspace(1e-3, n_gpus, 160), np.arange(1, n_gpus + 1, max(1, n_gpus // 64)),
+                                  [float(n_gpus), min(float(n_gpus), seqs / cap)]]))
+    b = np.minimum(cap, seqs / g)
+    rate = g * b / (w + b * u)
+    return g, rate
+
+
+
+
+def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, sync_s: float = 0.0) -> TightBound:
+    """The tight bound (docs/simulator.md, "The tight bound"): the training chain at its data-parallel efficiency
+    weighed against the GPU-seconds, decode at the concurrency one version's sequences allow, and windows of work
+    between the points of the latency chain.
+
+    ``sync_s``: the least weight-sync time of the schedules compared (a rollout rank decodes a new version only once
+    it arrived; a generating trainer instead wakes its engine, ``trainer_gen_cost_s / 2``). The control-plane latency
+    ``sim.command_latency_s`` (c) delays every command: Train, Step, SendWeights, Assign, Help.
+    """
+    if n_gpus < 1 or staleness < 0:
+        raise ValueError(f"tight_bound needs n_gpus >= 1 and staleness >= 0 (got {n_gpus}, {staleness})")
+    K, N, s = table.steps, n_gpus, staleness
+    r, t, p = sim.rollout, sim.train, sim.pipeline
+    c = sim.command_latency_s
+    nv = version_seqs(table, s)
+    roll = np.empty(K)
+    roll_aw = np.empty(K)  # the awaited responses' part of R'_k (what must be decoded before T_k ends)
+    train = np.empty(K)
+    tail = np.empty(K)
+    post = np.empty(K)
+    tmin = np.empty(K)
+    # per weighting (alpha, beta, gamma): sum over steps of the least alpha x training wall + beta / (s + 1) x rollout
+    # window + gamma x GPU-seconds / N any option of the step gives
+    mixed = np.zeros(len(ALPHA))
+    for k in range(K):
+        ph = table.physics(k)
+        b = ph.batch
+        work_t = ph.train_tokens_eff / t.tokens_per_gpu_s
+        walls, gpus = train_options(work_t, N, sim)
+        train[k] = float(gpus.min())  # = work + o: one trainer, eff(1) = 1
+        tmin[k] = float(walls.min())  # T_k's training needs version k: it runs after T_{k-1}
+        mixed += (ALPHA[:, None] * walls[None, :] + GAMMA[:, None] * gpus[None, :] / N).min(axis=1)
+        awaited = b.prompt_index <= b.prompt_index[b.kept].max() if b.kept.any() else np.ones(len(b.lengths), dtype=bool)
+        if r.model == "empirical":
+            roll[k] = b.tokens_generated / r.empirical_tokens_per_gpu_s
+            roll_aw[k] = float(b.lengths[awaited].sum()) / r.empirical_tokens_per_gpu_s
+            tail[k] = r.empirical_overhead_s
+            mixed += GAMMA * roll[k] / N
+        else:
+            conc = max(1.0, min(float(max(ph.cap, b.group_size)), float(nv[k])))  # one version per GPU: no more sequences than it made
+            per_token = (ph.w + conc * ph.u) / conc
+            roll[k] = b.tokens_generated * per_token + b.prompt_tokens / r.prefill_tokens_per_s
+            last = int(b.prompt_index[awaited].max()) + 1
+            roll_aw[k] = (float(b.lengths[awaited].sum()) * per_token
+                          + float(b.prompt_lengths[:last].sum()) / r.prefill_tokens_per_s)
+            tail[k] = float(b.lengths[awaited].max()) * (ph.w + ph.u)
+            # the rollout window of batch k: from its first decode to its last awaited response, on a time-mean of G
+            # GPUs: at least max(tail, X / rate(G)) seconds and G X / rate(G) GPU-s for its X awaited tokens; over an
+            # interval [g_i, g_{i+1}] of G at least the seconds at g_{i+1} and the GPU-seconds at g_i
+            X = float(b.lengths[awaited].sum())
+            g, rate = decode_options(N, float(nv[k]), float(max(ph.cap, b.group_size)), ph.w, ph.u)
+            secs = np.maximum(tail[k], X / rate[1:])
+            gsec = g[:-1] * X / rate[:-1]
+            pre = float(b.prompt_lengths[:last].sum()) / r.prefill_tokens_per_s
+            surplus = (b.tokens_generated - X) * per_token + (b.prompt_tokens - float(b.prompt_lengths[:last].sum())) / r.prefill_tokens_per_s
+            mixed += (BETA[:, None] / (s + 1) * secs[None, :] + GAMMA[:, None] * gsec[None, :] / N).min(axis=1) \
+                + GAMMA * (pre + surplus) / N
+        post[k] = 2 * c + t.step_overhead_s  # the last group's Train (or Help) and the Step commands, the optimizer step
+        i = int(np.argmax(np.where(awaited, b.lengths, -1.0)))
+        if b.kept[i]:
+            tokens = b.lengths[i] + (b.prompt_lengths[b.prompt_index[i]] if sim.workload.trained_tokens == "sequence" else 0.0)
+            scale = 1.0 + t.attention_per_context_token * train_context(b)
+            # its own forward/backward at the fastest any option trains (one sample's share of the best option)
+            post[k] += float((walls - 2 * c - t.step_overhead_s).min()) * tokens * scale / t.tokens_per_gpu_s / max(work_t, 1e-300)
+    # from a version's end to a batch it makes decoding: the Assign command, and the weights (SendWeights + sync) on a
+    # rollout rank or the engine's wake on a generating trainer (its Assign needs no weights sent)
+    d = c + min(c + sync_s, p.trainer_gen_cost_s / 2)
+    PR = np.concatenate([[0.0], np.cumsum(roll_aw)])
+    PT = np.concatenate([[0.0], np.cumsum(train)])
+    ends = np.empty(K)
+    chain = np.empty(K)
+    for m in range(K):
+        prev = ends[m - 1] if m >= 1 else 0.0
+        dep = ends[m - s - 1] + d if m - s - 1 >= 0 else 0.0
+        e = max(prev + tmin[m], dep + max(tail[m], roll_aw[m] / N) + post[m])
+        cprev = chain[m - 1] if m >= 1 else 0.0
+        cdep = chain[m - s - 1] + d if m - s - 1 >= 0 else 0.0
+        chain[m] = max(cprev + tmin[m], cdep + max(tail[m], roll_aw[m] / N) + post[m])
+        # the windows: for every k <= m, the rollouts of batches k..m and the trainings T_{k-s}..T_m all need a
+        # version >= k - s, so they run after T_{k-s-1} ends, and all end before T_m does, on at most N GPUs
+        ks = np.arange(m + 1)
+        start = np.where(ks - s - 1 >= 0, ends[np.maximum(ks - s - 1, 0)], 0.0)
+        win = start + (PR[m + 1] - PR[ks] + PT[m + 1] - PT[np.maximum(ks - s, 0)]) / N
+        ends[m] = max(e, float(win.max()))
+    work_s = float((roll.sum() + train.sum()) / N)  # every generated token (surplus groups too) within the run
+    # the trainings run one after another (T_k needs T_{k-1}'s version), so the run lasts at least the sum of their
+    # walls, and at least all GPU-seconds over N: at least any weighting of the two, each step at its best option
+    # and every rollout window lies between the ends of T_{k-s-1} and T_k: the windows sum to at most (s + 1) x the
+    # run. So any weighting of the three is a lower bound; the rollout's GPU-seconds are in the windows' term
+    lagrange = float(mixed.max())
+
+    total = max(float(ends[-1]), work_s, lagrange)
+    return TightBound(total, work_s, float(chain[-1]), lagrange, roll, train, ends, d)

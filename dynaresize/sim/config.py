@@ -75,7 +75,16 @@ class WorkloadConfig(Section):
     prompt_tokens_sigma: float = Field(0.3, ge=0, description="Lognormal shape of prompt lengths")
     response_tokens_start: float = Field(1000, gt=0, description="Mean response length at the first step, tokens")
     response_tokens_end: float = Field(4000, gt=0, description="Mean response length at the last step (equal to start: stationary)")
-    drift: Literal["linear", "exponential"] = Field("linear", description="How the mean response length moves from start to end")
+    drift: Literal["linear", "exponential", "logistic"] = Field(
+        "linear", description="How the mean response length moves from start to end: linear, exponential (a constant "
+        "rate per step) or logistic (an S-curve: slow at first, fastest at drift_midpoint, flattening out; the shape "
+        "long-CoT RL runs report, e.g. DeepSeek-R1-Zero's training length, Nature 2025 Fig. 1b; the S shape ASSUMPTION)"
+    )
+    drift_midpoint: float = Field(0.5, gt=0, lt=1, description="drift=logistic: the share of the run where the length grows fastest (ASSUMPTION)")
+    drift_width: float = Field(
+        0.12, gt=0, le=1, description="drift=logistic: the S-curve's width as a share of the run (about 4 x this from 12% to "
+        "88% of the growth; ASSUMPTION)"
+    )
     response_sigma: float = Field(1.0, ge=0, description="Lognormal shape of response lengths (1.0: a long tail)")
     max_response_tokens: int = Field(16384, ge=1, description="Response length cap (max_tokens)")
     response_tokens_by_step: list[float] = Field(
@@ -89,6 +98,11 @@ class WorkloadConfig(Section):
     cap_share: float = Field(
         0.0, ge=0, lt=1, description="Share of responses that run to max_response_tokens whatever their drawn length "
         "(degenerate repetition, unfinished reasoning; 0: off, only draws above the cap are cut; ASSUMPTION)"
+    )
+    cap_share_end: float | None = Field(
+        None, ge=0, lt=1, description="Share of responses at max_response_tokens at the last step (linear from cap_share "
+        "at the first; none: cap_share throughout). Long-CoT runs report a truncated share that grows as lengths reach "
+        "the context limit (DeepScaleR's 8K stage; DAPO arXiv 2503.14476 shapes or filters overlong samples for it)"
     )
     tasks: list[TaskConfig] = Field(
         default_factory=list, description="A task mix: each prompt belongs to one task (drawn by task_weights) and its "
@@ -203,6 +217,12 @@ class SimConfig(Section):
         0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
         "command round trips; dynaresize calibrate measures it)"
     )
+    command_latency_s: float = Field(
+        0.0, ge=0, description="Control-plane latency: seconds from the moment the coordinator decides a command (generate, "
+        "train chunk, optimizer step, weight fetch, gradient help) to the moment it takes effect on the rank; both models "
+        "(dynaresize calibrate fits it from a run's gaps between commands; the emulated runtime here: ~0.05 s, MEASURED "
+        "in issue 28; 0: an ideal control plane)"
+    )
     pipeline: PipelineModelConfig = Field(default_factory=PipelineModelConfig, description="Pipeline model and barrier-free mechanisms")
     write_events: bool = Field(True, description="Write events.jsonl (off: faster, for sweeps)")
     compare_static_max: int = Field(
@@ -248,7 +268,8 @@ class SimConfig(Section):
 
         w = self.workload
         drivers = [("tasks", bool(w.tasks)), ("response_tokens_by_step", bool(w.response_tokens_by_step)),
-                   ("dynamic_sampling", w.dynamic_sampling.enabled), ("cap_share", w.cap_share > 0)]
+                   ("dynamic_sampling", w.dynamic_sampling.enabled), ("cap_share", w.cap_share > 0),
+                   ("cap_share_end", w.cap_share_end is not None)]
         for key, on in drivers:
             if on:
                 raise RuleError(("workload", key), getattr(w, key) if key != "dynamic_sampling" else True,

@@ -115,6 +115,7 @@ class Pipeline:
         self.overlap = overlap_fraction
         self.sync_s = costs.weight_sync_s()
         self.lockstep, self.gap, self.forced = lockstep, step_gap_s, dict(forced or {})
+        self.lat = table.sim.command_latency_s  # control-plane latency per command (sim.command_latency_s)
         self.ev: list[Event] = []
         self.r_start: list[float] = []  # first busy moment of R_j (sync or head start)
         self.r_gen: list[float] = []  # generation start of the old/whole pool
@@ -148,7 +149,8 @@ class Pipeline:
         n, nt = self.topo.n_rollout, self.topo.n_train
         start = self._rollout_start(j)
         sync = self.sync_s if j - self.s >= 1 else 0.0
-        gen = start + sync
+        # control-plane latency: the weight-fetch command (when there is a version to fetch), then the generate one
+        gen = start + sync + (self.lat if sync > 0 else 0.0) + self.lat
         D = self.tab.rollout_s(j, n)
         floor = self.tab.tail_s(j)
         sw, first, mixed = self.pending, start, False
@@ -177,7 +179,8 @@ class Pipeline:
                 sw.delay_r = 0.0
                 self._maybe_close(sw)
         if sync > 0:
-            self.emit(start, EventType.STAGE, step=j, stage="weight_sync", ranks=old, start=round(start, 6), end=round(gen, 6))
+            self.emit(start, EventType.STAGE, step=j, stage="weight_sync", ranks=old, start=round(start + self.lat, 6),
+                      end=round(gen - self.lat, 6))
         b = self.tab.batches[j]
         self.emit(gen, EventType.STAGE, step=j, stage="rollout", ranks=old, start=round(gen, 6), end=round(end, 6),
                   tokens=b[1], samples=b[0], version=max(0, j - self.s))
@@ -195,7 +198,7 @@ class Pipeline:
         if self.lockstep:  # the coordinator's blocking weight sync and its own per-step time come first
             ready += self.gap + (self.sync_s if k >= 1 else 0.0)
         start = max(ready, self.gate_t)
-        dur = self.tab.train_s(k, n)
+        dur = self.tab.train_s(k, n) + 2 * self.lat  # the train command and the optimizer-step command
         spill = 0.0
         sw = self.pending
         if sw is not None and sw.delay_t is None:

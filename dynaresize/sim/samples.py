@@ -53,6 +53,7 @@ from dynaresize.sim.engine import RunResult
 from dynaresize.sim.stages import StageTable
 
 _EPS = 1e-9
+_COMMANDS = (Assign, Train, Help, Step, SendWeights)  # what the coordinator sends a rank (command_latency_s each)
 
 # With continuous rollout and streaming training, the share of a batch's longest response decoded alone that the
 # policy's observation reports as a rollout tail (the part of the rollout that more GPUs do not shorten): none. The
@@ -214,7 +215,7 @@ class SampleRunResult(RunResult):
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
-    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, GEN, BACK = range(8)  # heap event kinds
+    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, GEN, BACK, CMD = range(9)  # heap event kinds
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
@@ -264,6 +265,8 @@ class SamplePipeline:
         self.topology_at_step: dict[int, Topology] = {}
         self.busy_start: dict[int, float] = {}  # rollout rank -> when it last went from no sequence to some
         self.topo = initial  # the split the last decision aimed at
+        self.latency = sim.command_latency_s  # control-plane latency per command (0: every action at once)
+        self.in_flight: dict[int, int] = {}  # rank -> sequences assigned to it whose Assign has not arrived yet
 
     # --- workload -----------------------------------------------------------------------------------------------
     def _batch(self, j: int) -> _BatchInfo:
@@ -310,6 +313,8 @@ class SamplePipeline:
             return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
         if dr.rank in self.core.waiting:
             return math.inf  # woken by the core's actions
+        if self.in_flight.get(dr.rank):
+            return math.inf  # an assignment is on its way: its arrival schedules the next claim
         return dr.claim_time(self._claim_seqs(dr))
 
     def _claim_seqs(self, dr: DecodeRank) -> int:
@@ -349,6 +354,10 @@ class SamplePipeline:
                 self._gen_event(t, key, payload)
             elif kind == self.BACK:
                 self._gen_back(t, key)
+            elif kind == self.CMD:
+                if isinstance(payload, Assign):
+                    self.in_flight[payload.rank] -= len(payload.groups) * self.G
+                self._apply(t, payload)
             elif kind == self.HELP:
                 self.do(t, self.core.handle(HelpDone(key, payload)))
                 if self.core.accepting(key):
@@ -366,8 +375,9 @@ class SamplePipeline:
         return r
 
     def _capacity(self, dr: DecodeRank) -> int:
-        free = dr.slots - dr.active
-        return max(1 if dr.active == 0 else 0, free // self.G)
+        coming = self.in_flight.get(dr.rank, 0)  # assigned, not arrived (command_latency_s > 0 only)
+        free = dr.slots - dr.active - coming
+        return max(1 if dr.active == 0 and not coming else 0, free // self.G)
 
     def _rank_event(self, t: float, rank: int, token: int) -> None:
         dr = self.ranks[rank]
@@ -388,7 +398,7 @@ class SamplePipeline:
         active = dr.active
         if active == 0:
             self._idle(rank, t)
-        if core.ranks[rank].role is Role.ROLLOUT:
+        if core.ranks[rank].role is Role.ROLLOUT and not self.in_flight.get(rank):
             cap = self._capacity(dr)
             if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
                 self.do(t, core.handle(RankReady(rank, cap)))
@@ -410,42 +420,53 @@ class SamplePipeline:
     def do(self, t: float, actions) -> None:
         if not actions:
             return
+        c = self.latency
         for a in actions:
-            match a:
-                case Assign(rank, batch, groups, version):
-                    if self.mech.trainer_rollout:
-                        self._lat_assign(t, batch, groups)
-                        if rank in self.core.generating:
-                            self._gen_assign(t, rank, batch, groups, version)
-                            continue
-                    self._assign(t, rank, batch, groups, version)
-                case Train(batch, groups, ranks, first):
-                    self._train(t, batch, groups, ranks, first)
-                case Help(rank, batch, groups):
-                    bi = self._batch(batch)
-                    dur = self.helper_cost_s + float(bi.train_per_group[list(groups)].sum()) / self.helper_rate
-                    self.res.busy_rollout_gpu_s += dur
-                    self.res.helps += 1
-                    if self.log:
-                        self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=str(rank), start=round(t, 6),
-                                  end=round(t + dur, 6), samples=len(groups) * bi.group_size, helper=True)
-                    self.push(t + dur, self.HELP, rank, batch)
-                case Step(batch, ranks):
-                    dur = self.train_cfg.step_overhead_s
-                    self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
-                    self.res.busy_train_gpu_s += dur * len(ranks)
-                    self.push(t + dur, self.STEP, batch, (t, ranks))
-                case SendWeights(rank, version, blocking):
-                    self.push(t + self.sync_s, self.WEIGHTS, rank, version)
-                    if blocking and self.log:
-                        self.emit(t, EventType.STAGE, step=version + self.s, stage="weight_sync", ranks=str(rank),
-                                  start=round(t, 6), end=round(t + self.sync_s, 6))
-                case Switch(rank, to, sid):
-                    self._switch(t, rank, to, sid)
-                case Decided(step, dec, sid):
-                    self._decided(t, step, dec, sid)
-                case Restart():
-                    raise RuntimeError("a trainer was lost in the simulator (not modelled)")
+            if c > 0 and isinstance(a, _COMMANDS):
+                # the control plane: the command reaches its rank ``command_latency_s`` later; an assignment on its
+                # way counts against the rank's free slots meanwhile (so it is not offered the same room twice)
+                if isinstance(a, Assign):
+                    self.in_flight[a.rank] = self.in_flight.get(a.rank, 0) + len(a.groups) * self.G
+                self.push(t + c, self.CMD, 0, a)
+            else:
+                self._apply(t, a)
+
+    def _apply(self, t: float, a) -> None:
+        match a:
+            case Assign(rank, batch, groups, version):
+                if self.mech.trainer_rollout:
+                    self._lat_assign(t, batch, groups)
+                    if rank in self.core.generating:
+                        self._gen_assign(t, rank, batch, groups, version)
+                        return
+                self._assign(t, rank, batch, groups, version)
+            case Train(batch, groups, ranks, first):
+                self._train(t, batch, groups, ranks, first)
+            case Help(rank, batch, groups):
+                bi = self._batch(batch)
+                dur = self.helper_cost_s + float(bi.train_per_group[list(groups)].sum()) / self.helper_rate
+                self.res.busy_rollout_gpu_s += dur
+                self.res.helps += 1
+                if self.log:
+                    self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=str(rank), start=round(t, 6),
+                              end=round(t + dur, 6), samples=len(groups) * bi.group_size, helper=True)
+                self.push(t + dur, self.HELP, rank, batch)
+            case Step(batch, ranks):
+                dur = self.train_cfg.step_overhead_s
+                self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
+                self.res.busy_train_gpu_s += dur * len(ranks)
+                self.push(t + dur, self.STEP, batch, (t, ranks))
+            case SendWeights(rank, version, blocking):
+                self.push(t + self.sync_s, self.WEIGHTS, rank, version)
+                if blocking and self.log:
+                    self.emit(t, EventType.STAGE, step=version + self.s, stage="weight_sync", ranks=str(rank),
+                              start=round(t, 6), end=round(t + self.sync_s, 6))
+            case Switch(rank, to, sid):
+                self._switch(t, rank, to, sid)
+            case Decided(step, dec, sid):
+                self._decided(t, step, dec, sid)
+            case Restart():
+                raise RuntimeError("a trainer was lost in the simulator (not modelled)")
 
     def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
         bi = self._batch(batch)

@@ -9,8 +9,11 @@ Drivers (``sim.workload``, each off by default; with all off the draws are exact
   ``response_tokens_start`` to ``response_tokens_end`` (or an observed ``response_tokens_by_step``);
 - **task mix** (``tasks`` + ``task_weights``): each prompt belongs to a task drawn by the step's weights (piecewise
   constant, changing at the given steps); its G responses follow that task's lengths;
-- **max-length cap** (``cap_share``): that share of responses runs to ``max_response_tokens`` whatever its drawn
-  length (draws above the cap are cut there in any case);
+- **max-length cap** (``cap_share``, ``cap_share_end``): that share of responses runs to ``max_response_tokens``
+  whatever its drawn length (draws above the cap are cut there in any case); with ``cap_share_end`` the share moves
+  linearly from the first step to the last (long-CoT runs: more responses hit the context limit as lengths grow);
+- **length growth curve** (``drift``): linear, exponential or logistic (an S-curve, ``drift_midpoint`` and
+  ``drift_width``: a length that takes off, as long-CoT RL runs report, then flattens);
 - **trace** (``trace``): a run's logged lengths, step by step (:mod:`dynaresize.sim.trace`); no draw, every other
   driver off;
 - **dynamic sampling** (``dynamic_sampling``, DAPO): per-prompt success probability ~ Beta around the step's accuracy,
@@ -41,7 +44,24 @@ def mean_response(w: WorkloadConfig, step: int, steps: int) -> float:
     x = step / max(1, steps - 1)
     if w.drift == "exponential":
         return w.response_tokens_start * (w.response_tokens_end / w.response_tokens_start) ** x
+    if w.drift == "logistic":
+        x = logistic_share(x, w.drift_midpoint, w.drift_width)
     return w.response_tokens_start + (w.response_tokens_end - w.response_tokens_start) * x
+
+
+def logistic_share(x: float, mid: float, width: float) -> float:
+    """The share of the growth reached at ``x`` (0..1 of the run) on an S-curve centred at ``mid``, rescaled so that
+    it is exactly 0 at the first step and 1 at the last."""
+    f = lambda z: 1.0 / (1.0 + math.exp(-(z - mid) / width))  # noqa: E731
+    lo, hi = f(0.0), f(1.0)
+    return (f(x) - lo) / (hi - lo)
+
+
+def cap_share(w: WorkloadConfig, step: int, steps: int) -> float:
+    """The share of responses at the length cap at ``step``: ``cap_share``, or linear to ``cap_share_end``."""
+    if w.cap_share_end is None:
+        return w.cap_share
+    return w.cap_share + (w.cap_share_end - w.cap_share) * step / max(1, steps - 1)
 
 
 def task_weights(w: WorkloadConfig, step: int) -> np.ndarray:
@@ -109,8 +129,9 @@ def _draw(w: WorkloadConfig, rng: np.random.Generator, n: int, step: int, steps:
             for _ in range(6):  # a few passes: lengths at the cap cannot take their share of an upward rescale
                 lengths = np.minimum(np.maximum(np.rint(lengths * (target / lengths.sum())), 1), cap)
         prompts = np.maximum(np.rint(rng.lognormal(math.log(w.prompt_tokens_mean) - ps * ps / 2, ps, n)), 1)
-    if w.cap_share > 0:
-        lengths[rng.random(n * G) < w.cap_share] = cap
+    share = cap_share(w, step, steps)
+    if share > 0:
+        lengths[rng.random(n * G) < share] = cap
     return lengths, prompts, task.astype(np.int64)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from dynaresize.config.loader import load_config
 from dynaresize.sim.bound import bound_total
-from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup, static_choices
+from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup, static_choices, tight_bound_of
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +79,119 @@ def test_no_simulated_run_beats_the_bound(name):
     s.table.sweep([c.n_rollout for c in choices])
     runs = [run_static(s, c) for c in choices]
     runs += [run_dynamic(s, False), run_dynamic(s, False, naive=True), run_dynamic(s, False, greedy=True)]
+    tb = tight_bound_of(s)
+    # never below the work-conserving bound's work (it decodes at most as fast); its chain can be below that bound's,
+    # which prices a batch's training at N eff(N) and leaves the gradient helpers' rate out (docs/simulator.md)
+    assert tb.total_s >= b.work_s * (1 - 1e-12) and tb.work_s >= b.work_s * (1 - 1e-12)
     for r in runs:
         assert r.total_s >= b.total_s, f"{name}: {r.name} {r.total_s:.1f} s < bound {b.total_s:.1f} s"
+        assert r.total_s >= tb.total_s, f"{name}: {r.name} {r.total_s:.1f} s < tight bound {tb.total_s:.1f} s"
     assert oracle_total(s) >= b.total_s
+
+
+# --- the tight bound (dynaresize/sim/bound.py tight_bound; docs/simulator.md "The tight bound") ---------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+from dynaresize.policy import Topology  # noqa: E402
+from dynaresize.schedule import Mechanisms  # noqa: E402
+from dynaresize.sim.bound import tight_bound, train_options  # noqa: E402
+from dynaresize.sim.compare import run_samples  # noqa: E402
+
+
+def test_train_options_by_hand():
+    # N = 2, eff(2) = 0.8, o = 1 s, c = 0.5 s, helper at 0.5 with a 2 s cost; work 8 single-GPU seconds
+    cfg = tiny(2, "cluster.initial_train=1", "sim.train.scaling_per_doubling=0.8", "sim.command_latency_s=0.5", "sim.pipeline.helper_rate=0.5",
+               "sim.pipeline.helper_cost_s=2")
+    walls, gpus = train_options(8.0, 2, cfg.sim)
+    # alone: 1 trainer 1 + 8 + 1 = 10 s, 9 GPU-s; 2 trainers 1 + 8 / 1.6 + 1 = 7 s, 10 + 2 = 12 GPU-s
+    assert walls[:2] == pytest.approx([10.0, 7.0]) and gpus[:2] == pytest.approx([9.0, 12.0])
+    # 1 trainer + 1 helper: all on the helper 1 + (2 + 16) + 1 = 20 s; the kink wh = (8 - 2) / 3 = 2: 1 + 6 + 1 = 8 s,
+    # 6 + 4 + 2 + 1 = 13 GPU-s
+    assert walls[2:] == pytest.approx([10.0, 20.0, 8.0]) and gpus[2:] == pytest.approx([11.0, 19.0, 13.0])
+
+
+def test_tight_bound_by_hand_and_against_the_work_bound():
+    cfg = tiny(4)  # scaling 1: every trainer count trains at eff 1, so no weighting beats the plain work
+    s = setup(cfg)
+    b, tb = bound_total(s.table, cfg.sim, 4, 1), tight_bound(s.table, cfg.sim, 4, 1)
+    # 8 sequences of one version at most: 8 >= a = 4, so decode at a, as the work-conserving bound
+    assert tb.rollout_gpu_s == pytest.approx(b.rollout_gpu_s) and tb.work_s == pytest.approx(b.work_s)
+    # ... but the optimizer step occupies every trainer (n x o GPU-s): the fewer trainers that spares, the longer
+    # the training chain, so the weighting of the two lies above the plain work: here the 4-GPU split of 1 + 3
+    # (n = 1: 11 s a step, 11 GPU-s) against 4 trainers (3.5 s, 14 GPU-s) binds
+    assert tb.binding == "efficiency" and b.total_s < tb.total_s < 1.05 * b.total_s
+    # one version's sequences under the cap: 2 prompts x 4 on a GPU that could hold 16 decode at 4 x 2 (versions 0
+    # holds batches 0 and 1: 16 sequences) and at 8 (each later batch alone): R' = 8000 x (0.006 + 8 x 0.001) / 8 + 0.2
+    big = tiny(4, "sim.rollout.max_seqs_per_gpu=64")
+    tb2 = tight_bound(setup(big).table, big.sim, 4, 1)
+    assert tb2.rollout_gpu_s == pytest.approx([8000 * 0.022 / 16 + 0.2] * 2 + [8000 * 0.014 / 8 + 0.2])
+    # data-parallel efficiency 0.5 per doubling: 4 trainers are at a quarter; the work bound prices training at eff 1,
+    # the tight one cannot get the training chain and the GPU-seconds both that low
+    lossy = tiny(4, "sim.train.scaling_per_doubling=0.6", "sim.steps=12", "sim.pipeline.helper_rate=0.6")
+    sl = setup(lossy)
+    assert tight_bound(sl.table, lossy.sim, 4, 1).total_s > 1.02 * bound_total(sl.table, lossy.sim, 4, 1).total_s
+    # a control-plane latency only lengthens the chain: 4 commands on a chain-bound 16-GPU run
+    lat = tiny(16, "sim.command_latency_s=0.25")
+    b16, t16 = tight_bound(setup(tiny(16)).table, tiny(16).sim, 16, 1), tight_bound(setup(lat).table, lat.sim, 16, 1)
+    assert t16.total_s > b16.total_s
+
+
+WORLD = st.fixed_dictionaries(dict(
+    gpus=st.integers(2, 6), prompts=st.integers(1, 4), group=st.integers(1, 4), steps=st.integers(2, 6),
+    mean=st.floats(20, 400), sigma=st.floats(0, 1.5), cap=st.integers(50, 2000), cap_share=st.sampled_from([0.0, 0.2]),
+    slots=st.integers(1, 16), staleness=st.integers(0, 2), scaling=st.floats(0.6, 1.0), overhead=st.floats(0, 2),
+    helper_rate=st.floats(0.3, 1.0), helper_cost=st.floats(0, 1), gen_cost=st.floats(0, 2), latency=st.sampled_from([0.0, 0.01, 0.2]),
+    sync=st.floats(0, 1), train_frac=st.floats(0, 1), mech=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 3),
+))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(WORLD)
+def test_no_schedule_of_a_random_world_beats_either_bound(w):
+    """Random small worlds (cluster, lengths, cap, slots, staleness, efficiency, helpers, latency, sync, split and
+    mechanisms): neither bound is beaten by the sample-level run nor by the step-level static and dynamic ones."""
+    init = max(1, min(w["gpus"] - 1, round(w["train_frac"] * w["gpus"])))
+    mean = min(w["mean"], w["cap"])
+    cfg = load_config(ROOT / "configs/sim/paper_8gpu.yaml", [
+        f"cluster.gpus={w['gpus']}", f"cluster.initial_train={init}", f"sim.steps={w['steps']}", f"run.seed={w['seed']}",
+        f"sim.workload.prompts_per_step={w['prompts']}", f"sim.workload.responses_per_prompt={w['group']}",
+        f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}",
+        f"sim.workload.response_sigma={w['sigma']}", f"sim.workload.max_response_tokens={w['cap']}",
+        f"sim.workload.cap_share={w['cap_share']}", f"sim.rollout.max_seqs_per_gpu={w['slots']}",
+        f"pipeline.staleness_bound={w['staleness']}", f"sim.train.scaling_per_doubling={w['scaling']}",
+        f"sim.train.step_overhead_s={w['overhead']}", f"sim.pipeline.helper_rate={w['helper_rate']}",
+        f"sim.pipeline.helper_cost_s={w['helper_cost']}", f"sim.pipeline.trainer_gen_cost_s={w['gen_cost']}",
+        f"sim.command_latency_s={w['latency']}", f"switching.costs.override_s={{weight_sync: {w['sync']}}}",
+        "sim.write_events=false"])
+    s = setup(cfg)
+    N, stale = w["gpus"], w["staleness"]
+    sync = min(s.costs.weight_sync_s(), s.naive_costs.weight_sync_s())
+    b = bound_total(s.table, cfg.sim, N, stale)
+    tb = tight_bound(s.table, cfg.sim, N, stale, sync)
+    m = Mechanisms(*w["mech"][:2], w["mech"][2], *w["mech"][3:])
+    runs = [run_samples(s, s.initial, m), run_samples(s, Topology(N - init, init), Mechanisms(*w["mech"][:2], False)),
+            run_static(s, s.initial), run_dynamic(s, False)]
+    for r in runs:
+        assert r.total_s >= tb.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < tight bound {tb.total_s:.4f} s ({tb.binding})"
+        assert r.total_s >= b.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < bound {b.total_s:.4f} s ({b.binding})"
+
+
+def test_trainer_count_intervals_stay_below_every_count_and_close(monkeypatch):
+    """Above EXACT_TRAINERS GPUs the training options go in intervals of trainer counts: never above the bound with
+    every count an option of its own (so still a lower bound), and within 0.1% of it."""
+    import dynaresize.sim.bound as bound
+
+    cfg = load_config(ROOT / "configs/sim/scale_512gpu.yaml", ["sim.steps=20"])
+    s = setup(cfg)
+    grid = tight_bound_of(s)
+    monkeypatch.setattr(bound, "EXACT_TRAINERS", 10**9)
+    exact = tight_bound_of(s)
+    assert grid.total_s <= exact.total_s * (1 + 1e-12) and grid.total_s >= 0.999 * exact.total_s
+    for work in (0.0, 3.0, 5000.0):  # every option of the interval version is below an exact one's
+        walls, gpus = bound.train_options(work, 512, cfg.sim)
+        monkeypatch.setattr(bound, "EXACT_TRAINERS", 256)
+        gw, gg = bound.train_options(work, 512, cfg.sim)
+        monkeypatch.setattr(bound, "EXACT_TRAINERS", 10**9)
+        for lam in (0.0, 0.01, 0.3, 1.0):
+            assert (lam * gw + (1 - lam) * gg).min() <= (lam * walls + (1 - lam) * gpus).min() * (1 + 1e-12)

@@ -177,3 +177,57 @@ def test_bad_task_mix_is_named(tmp_path):
         load_config(f)
     with pytest.raises(ConfigError, match=r"sim\.workload\.task_weights\.150.*3 weights"):
         load_config(ROOT / "configs/sim/taskmix_64gpu.yaml", ["sim.workload.task_weights={0: [1, 1, 1], 150: [1, 2]}"])
+
+
+# --- long-CoT drivers: an S-shaped length growth and a growing share at the cap (configs/sim/longcot_64gpu.yaml) ---
+
+from dynaresize.sim.workload import cap_share, logistic_share, mean_response  # noqa: E402
+
+
+def test_logistic_growth_starts_and_ends_on_its_means_and_grows_fastest_at_its_midpoint():
+    K = 101
+    w = WorkloadConfig(response_tokens_start=1000, response_tokens_end=7000, drift="logistic", drift_midpoint=0.3,
+                       drift_width=0.1, max_response_tokens=16384)
+    m = np.array([mean_response(w, k, K) for k in range(K)])
+    assert m[0] == pytest.approx(1000) and m[-1] == pytest.approx(7000)
+    assert (np.diff(m) > 0).all()  # monotone
+    assert int(np.argmax(np.diff(m))) in (29, 30)  # the steepest step at 30% of the run
+    assert m[10] < 1000 + 0.15 * 6000 and m[60] > 1000 + 0.9 * 6000  # slow start, flattening end (an S, not a line)
+    # symmetric about a midpoint of 0.5: exactly half-way there
+    assert logistic_share(0.5, 0.5, 0.2) == pytest.approx(0.5) and logistic_share(0.0, 0.5, 0.2) == 0.0
+    # the draws follow the curve
+    b = make_batch(w.model_copy(update=dict(prompts_per_step=512, response_sigma=0.3)), 0, 60, K)
+    assert b.lengths.mean() == pytest.approx(m[60], rel=0.03)
+
+
+def test_the_share_at_the_cap_moves_linearly_from_cap_share_to_cap_share_end():
+    K = 11
+    w = WorkloadConfig(prompts_per_step=1024, responses_per_prompt=8, response_tokens_start=300, response_tokens_end=300,
+                       response_sigma=0.3, cap_share=0.01, cap_share_end=0.2, max_response_tokens=8192)
+    assert [cap_share(w, k, K) for k in (0, 5, 10)] == pytest.approx([0.01, 0.105, 0.2])
+    for k, want in ((0, 0.01), (5, 0.105), (10, 0.2)):  # 8192 draws a step: sd <= 0.0045
+        assert (make_batch(w, 0, k, K).lengths == 8192).mean() == pytest.approx(want, abs=0.015)
+    # an end equal to the start is the constant share: the very same draws
+    same = w.model_copy(update=dict(cap_share_end=0.01))
+    const = w.model_copy(update=dict(cap_share_end=None))
+    assert np.array_equal(make_batch(same, 0, 7, K).lengths, make_batch(const, 0, 7, K).lengths)
+
+
+def test_the_longcot_scenario_grows_several_fold_with_more_responses_at_the_cap():
+    cfg = load_config(ROOT / "configs/sim/longcot_64gpu.yaml")
+    w, K = cfg.sim.workload, cfg.sim.steps
+    first, last = make_batch(w, cfg.run.seed, 0, K), make_batch(w, cfg.run.seed, K - 1, K)
+    assert last.lengths.mean() > 4 * first.lengths.mean()
+    cap = w.max_response_tokens
+    assert (last.lengths == cap).mean() > 10 * (first.lengths == cap).mean() > 0
+    check_accounting(last, w)
+
+
+def test_cap_share_end_is_checked_and_excludes_a_trace(tmp_path):
+    with pytest.raises(ConfigError, match="cap_share_end"):
+        load_config(ROOT / "configs/sim/paper_8gpu.yaml", ["sim.workload.cap_share_end=1.5"])
+    with pytest.raises(ConfigError, match="drift"):
+        load_config(ROOT / "configs/sim/paper_8gpu.yaml", ["sim.workload.drift=sigmoid"])
+    with pytest.raises(ConfigError, match="cap_share_end"):
+        load_config(ROOT / "configs/sim/paper_8gpu.yaml", [f"sim.workload.trace={ROOT / 'tests/fixtures/real_cpu_run'}",
+                                                           "sim.workload.cap_share_end=0.1", "sim.steps=2"])
