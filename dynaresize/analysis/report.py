@@ -96,7 +96,7 @@ def mismatch_rows(m: dict) -> list[list[str]]:
         if f"{p}tokens" in m:
             rows.append([f"rollout/trainer |dlogp| mean / max, k3 ({what})",
                          f"{small(m[f'{p}abs_mean'])} / {small(m[f'{p}abs_max'])}, {small(m[f'{p}k3'])} "
-                         f"({m[f'{p}tokens']} tokens, {m[f'{p}steps']} steps)"])
+                         f"({m[f'{p}tokens']} tokens, {m[f'{p}steps']} step{'' if m[f'{p}steps'] == 1 else 's'})"])
     if "tis_weight_mean" in m:
         rows.append(["TIS weight mean, capped fraction", f"{small(m['tis_weight_mean'])}, {small(m['tis_capped_frac'])}"])
     return rows
