@@ -23,6 +23,11 @@ Loss normalisation (``loss_norm``): ``token`` (the default, and DAPO's "token-le
 3.3) sums the per-token loss over every response token of the whole batch and divides by that batch's token
 count (``loss_denominator``, set by the trainer ranks to the global count); ``sequence`` averages per sequence,
 then over sequences (the original GRPO). The options of this module change neither.
+
+Truncated importance sampling (``tis_cap``, ``algorithm.tis``): the ratio is taken against this forward's own
+logprobs (detached) instead of the rollout's, and each token's surrogate is weighted by ``min(pi_train /
+pi_rollout, tis_cap)``; worked example and sources in ``dynaresize.rl.mismatch``. Off (the default) the loss is the
+one above, bit for bit. Either way the metrics carry the rollout/trainer mismatch sums of the tokens.
 """
 
 from __future__ import annotations
