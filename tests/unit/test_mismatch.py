@@ -22,7 +22,7 @@ from dynaresize.analysis.reader import load_run
 from dynaresize.analysis.report import render, write_files
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.events import EventLog
-from dynaresize.metrics import mismatch_metrics
+from dynaresize.metrics import mismatch_metrics, trainer_metrics
 from dynaresize.rl.grpo import GrpoLoss
 from dynaresize.rl.mismatch import Mismatch, figures, mismatch, mismatch_stats, reduce_stats, tis_weights
 
@@ -85,6 +85,7 @@ def test_trainers_reduce_by_sum_and_max():
     assert m["mismatch/abs_mean"] == pytest.approx(0.15, abs=1e-7)
     assert m["mismatch/abs_max"] == pytest.approx(0.3, abs=1e-7)  # rank 1's max
     assert m["mismatch/k3"] == pytest.approx(sum(K3) / 4, rel=1e-5)
+    assert {k: v for k, v in trainer_metrics(acks).items() if k.startswith("mismatch/")} == m  # what the loggers get
     # an ack without the figures (an old rank, a token-NLL loss) makes no partial figure
     assert mismatch_metrics([acks[0], {"metrics": {"loss": 1.0}}]) == {}
     assert reduce_stats([]) == {} and mismatch_metrics([]) == {}
