@@ -21,7 +21,9 @@ Event types and their required keys (types in brackets; optional keys after ``|`
   | config [dict], train_ranks [str], rollout_ranks [str]
 - ``run_end``: status ["completed"|"interrupted"|"failed"], steps [int]
 - ``step_start``: step [int]
-- ``step_end``: step [int], samples [int] | tokens_generated, tokens_trained [int], reward_mean [float], loss [float]
+- ``step_end``: step [int], samples [int] | tokens_generated, tokens_trained [int], reward_mean [float], loss [float],
+  mismatch_abs_mean, mismatch_abs_max, mismatch_k3 [float], mismatch_tokens [int] (the training-inference mismatch,
+  ``dynaresize.rl.mismatch``; the same with ``mismatch_same_version_``), tis_weight_mean, tis_capped_frac [float]
 - ``stage``: step [int], stage [:class:`Stage`], ranks [str], start [float], end [float]
   | tokens [int], samples [int], version [int] (policy version used by a rollout)
   One busy interval of a set of ranks. Idle time is derived (run time minus busy time), never logged.

@@ -44,6 +44,11 @@ class StepRow:
     samples: int
     tokens: int | None
     switches: str  # ids of switches that started in this step
+    # training-inference mismatch over the step's trained tokens (step_end's mismatch_*; None: not reported)
+    dlogp_mean: float | None = None  # mean |log pi_train - log pi_rollout|
+    dlogp_max: float | None = None  # max |log pi_train - log pi_rollout|
+    mismatch_k3: float | None = None  # mean k3 = r - 1 - log r, r = pi_train / pi_rollout
+    mismatch_tokens: int | None = None
 
 
 @dataclass
@@ -90,6 +95,11 @@ class Summary:
 
 def _f(x: float) -> float:
     return float(round(x, 6))
+
+
+def _g(x: float) -> float:
+    """6 significant digits (mismatch figures are ~1e-7 on CPU in fp32: fixed decimals would make them 0)."""
+    return float(f"{x:.6g}")
 
 
 def analyze(rd: RunData, views: Views | None = None) -> Summary:
@@ -161,6 +171,9 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
             bubble=_f(idle[i].sum() / (world * win)) if i is not None and win > 0 and world else None,
             samples=s.samples, tokens=tokens,
             switches=",".join(sw_by_step.get(s.step, [])),
+            dlogp_mean=s.mismatch.get("mismatch_abs_mean"), dlogp_max=s.mismatch.get("mismatch_abs_max"),
+            mismatch_k3=s.mismatch.get("mismatch_k3"),
+            mismatch_tokens=int(s.mismatch["mismatch_tokens"]) if "mismatch_tokens" in s.mismatch else None,
         ))
 
     samples = sum(s.samples for s in done)
@@ -191,6 +204,7 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
         "switch_critical_fraction_of_span": _f(crit / span) if span > 0 else 0.0,
         "gpu_s_by_kind": kind_gpu,
         "decisions": dict(rd.decisions),
+        "mismatch": run_mismatch([s.mismatch for s in done]),
     }
     roles = {}
     for j, name in enumerate(ROLE_NAMES):
@@ -215,6 +229,29 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
     if v.roles_inferred:
         notes.append("no topology events: roles inferred from each rank's dominant stage")
     return Summary(run, totals, roles, ops, sw_rows, rows, read, notes)
+
+
+def run_mismatch(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """The run's training-inference mismatch from the steps' figures: means weighted by each step's tokens, the
+    largest maximum, the tokens; over every trained token (``mismatch_``) and for the trainer's own version
+    (``mismatch_same_version_``). Keys as in ``step_end``; a set no step reported is left out."""
+    out: dict[str, float] = {}
+    for p in ("mismatch_", "mismatch_same_version_"):
+        steps = [m for m in per_step if m.get(f"{p}tokens", 0) > 0 and all(f"{p}{k}" in m for k in ("abs_mean", "abs_max", "k3"))]
+        tokens = sum(m[f"{p}tokens"] for m in steps)
+        if not steps:
+            continue
+        out[f"{p}abs_mean"] = _g(sum(m[f"{p}abs_mean"] * m[f"{p}tokens"] for m in steps) / tokens)
+        out[f"{p}abs_max"] = max(m[f"{p}abs_max"] for m in steps)
+        out[f"{p}k3"] = _g(sum(m[f"{p}k3"] * m[f"{p}tokens"] for m in steps) / tokens)
+        out[f"{p}tokens"] = int(tokens)
+        out[f"{p}steps"] = len(steps)
+    tis = [m for m in per_step if "tis_weight_mean" in m and m.get("mismatch_tokens", 0) > 0]
+    if tis:
+        tokens = sum(m["mismatch_tokens"] for m in tis)
+        out["tis_weight_mean"] = _g(sum(m["tis_weight_mean"] * m["mismatch_tokens"] for m in tis) / tokens)
+        out["tis_capped_frac"] = _g(sum(m.get("tis_capped_frac", 0.0) * m["mismatch_tokens"] for m in tis) / tokens)
+    return out
 
 
 def _switches(rd: RunData, v: Views) -> tuple[list[OpCost], list[SwitchRow]]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from dynaresize.events import EVENTS_FILE, Event, EventType, ReadStats, Role, Stage, count_ranks, read_events
 
+MISMATCH_KEYS = ("mismatch_", "tis_")  # step_end's training-inference mismatch figures (dynaresize.rl.mismatch)
+
 # Interval kinds: the stages first, then one kind per switch operation ("op:<name>").
 STAGE_KINDS = [s.value for s in Stage]
 
@@ -33,6 +35,7 @@ class StepRec:
     tokens_trained: int | None = None
     reward_mean: float | None = None
     loss: float | None = None
+    mismatch: dict[str, float] = field(default_factory=dict)  # step_end's mismatch_* / tis_* figures
 
 
 @dataclass
@@ -257,6 +260,8 @@ def _ingest(rd: RunData, ev: Event) -> None:
         for k in ("reward_mean", "loss"):
             if isinstance(ev.get(k), (int, float)):
                 setattr(s, k, float(ev[k]))
+        s.mismatch = {k: float(v) for k, v in ev.data.items() if k.startswith(MISMATCH_KEYS)
+                      and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     elif et is EventType.TOPOLOGY:
         tr, ro = _rs(rd, ev, "train_ranks"), _rs(rd, ev, "rollout_ranks")
         if tr is not None and ro is not None:

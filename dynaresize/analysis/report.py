@@ -37,7 +37,17 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 STEP_COLS = [("step", "step"), ("duration_s", "step_s"), ("rollout_s", "rollout_s"), ("train_s", "train_s"),
              ("idle_rollout_gpu_s", "idle_ro_gpu_s"), ("idle_train_gpu_s", "idle_tr_gpu_s"), ("bubble", "bubble"),
-             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("switches", "switch")]
+             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("switches", "switch"),
+             ("dlogp_mean", "dlogp_mean"), ("dlogp_max", "dlogp_max"), ("mismatch_k3", "k3")]
+SMALL_COLS = {"dlogp_mean", "dlogp_max", "mismatch_k3"}  # ~1e-7 on CPU: 3 significant digits, not 2 decimals
+
+
+def small(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _cell(key: str, x: Any) -> Any:
+    return small(x) if key in SMALL_COLS else x
 
 
 def render(s: Summary, max_steps: int = 20) -> str:
@@ -54,7 +64,7 @@ def render(s: Summary, max_steps: int = 20) -> str:
     if len(steps) > max_steps:
         h = max_steps // 2
         shown = steps[:h] + [None] + steps[-h:]
-    rows = [[getattr(x, k) for k, _ in STEP_COLS] if x else ["..."] * len(STEP_COLS) for x in shown]
+    rows = [[_cell(k, getattr(x, k)) for k, _ in STEP_COLS] if x else ["..."] * len(STEP_COLS) for x in shown]
     out += ["", "per step (full table in steps.csv):", table([h for _, h in STEP_COLS], rows)]
     out += ["", "totals:", table(["metric", "value"], [
         ["throughput samples/s", t["samples_per_s"]], ["throughput tokens/s", t["tokens_per_s"]],
@@ -64,6 +74,7 @@ def render(s: Summary, max_steps: int = 20) -> str:
         ["switch overhead critical / hidden s", f"{fmt(t['switch_critical_s'])} / {fmt(t['switch_hidden_s'])}"
          + (f" ({fmt(100 * t['switch_hidden_fraction'], 1)}% hidden)" if t["switch_hidden_fraction"] is not None else "")],
         ["critical switch time / span", fmt(t["switch_critical_fraction_of_span"], 4)],
+        *mismatch_rows(t.get("mismatch") or {}),
     ])]
     out += ["", "utilisation per role (busy / available GPU-s while in the role):", table(
         ["role", "gpu_s", "busy_gpu_s", "idle_gpu_s", "utilisation"],
@@ -75,6 +86,20 @@ def render(s: Summary, max_steps: int = 20) -> str:
         sw = s.switches if len(s.switches) <= max_steps else s.switches[:max_steps]
         out += ["", f"switches ({len(s.switches)}):", table([f.name for f in fields(SwitchRow)], [list(asdict(o).values()) for o in sw])]
     return "\n".join(out)
+
+
+def mismatch_rows(m: dict) -> list[list[str]]:
+    """The totals' training-inference mismatch lines (docs/analysis.md): every trained token, then the samples of
+    the trainer's own version (the same weights on both sides), then TIS; none when the run reported no figures."""
+    rows = []
+    for p, what in (("mismatch_", "all trained tokens"), ("mismatch_same_version_", "same-version samples")):
+        if f"{p}tokens" in m:
+            rows.append([f"rollout/trainer |dlogp| mean / max, k3 ({what})",
+                         f"{small(m[f'{p}abs_mean'])} / {small(m[f'{p}abs_max'])}, {small(m[f'{p}k3'])} "
+                         f"({m[f'{p}tokens']} tokens, {m[f'{p}steps']} step{'' if m[f'{p}steps'] == 1 else 's'})"])
+    if "tis_weight_mean" in m:
+        rows.append(["TIS weight mean, capped fraction", f"{small(m['tis_weight_mean'])}, {small(m['tis_capped_frac'])}"])
+    return rows
 
 
 def _csv(path: Path, cls, rows) -> None:

@@ -12,7 +12,7 @@ generate        :class:`GeneratePayload` (step, version, sampling,    :class:`Ge
                 prompts or the pull loop)                              prompts)
 train           :class:`TrainPayload` (step, batch key, topology)      :class:`TrainResult` (loss, metrics, busy)
 train_chunk     :class:`TrainChunkPayload` (step, chunk key,           :class:`TrainChunkResult` (loss sum, tokens,
-                topology, version)                                     samples, busy)
+                topology, version)                                     samples, busy, mismatch sums)
 optimizer_step  :class:`OptimizerStepPayload` (step, topology,         :class:`OptimizerStepResult` (version, metrics,
                 version after, denominator, publish)                   busy, published bytes)
 sync_weights    :class:`SyncPayload` (version, topology)               :class:`SyncResult` (bytes, seconds, version)
@@ -133,6 +133,7 @@ class TrainChunkResult(_Msg):
     samples: int  # samples of the whole chunk
     busy_s: float
     version: int
+    metrics: dict[str, float] = {}  # this rank's mismatch and TIS sums over its part (dynaresize.rl.mismatch)
 
 
 class OptimizerStepPayload(_Payload):

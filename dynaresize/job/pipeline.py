@@ -51,6 +51,7 @@ from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
 from dynaresize.policy.types import Action as PolicyAction
 from dynaresize.policy.types import Decision, Observation
+from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
     Extend, Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate, ValidationDone,
@@ -97,6 +98,7 @@ class Tally:
     chunks: int = 0
     train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
     loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
+    chunk_stats: dict[int, list] = field(default_factory=dict)  # trainer -> its chunks' mismatch/TIS sums
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
     mixed: bool = False  # a switch ran while this batch was generated or trained
 
@@ -254,6 +256,7 @@ class ContinuousSchedule:
                 t.train_s += max(float(x.get("busy_s", 0.0)) for x in res.values())
                 for r, x in res.items():
                     t.loss_sum[r] = t.loss_sum.get(r, 0.0) + float(x.get("loss_sum", 0.0))
+                    t.chunk_stats.setdefault(r, []).append(x.get("metrics") or {})
                 self.feed(TrainChunkDone(sent.batch))
             case "optimizer_step":
                 self.stepped(sent.batch, res)
@@ -281,7 +284,9 @@ class ContinuousSchedule:
         job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
             float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=0.0, tokens_generated=t.tokens_generated,
             tokens_trained=t.tokens)
-        results = [{"loss": t.loss_sum.get(r, 0.0) / den, "metrics": x.get("metrics") or {}, "version": x.get("version")}
+        # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
+        results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
+                    "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, []))}}
                    for r, x in sorted(res.items())]
         trained = TrainResult(sum(x["loss"] for x in results), results)
         st.step, st.version = k + 1, k + 1

@@ -39,10 +39,12 @@ class Reporter:
         st.samples += len(batch.keys)
         st.tokens += batch.tokens
         stats = built.stats.as_dict() if built.stats is not None else {}
+        mismatch = mismatch_fields(trained.results)
         job.events.emit("step_end", step=k, samples=len(batch.keys), tokens_generated=last.tokens_generated,
                         tokens_trained=batch.tokens, reward_mean=round(reward, 6), loss=round(trained.loss, 8),
                         rollout_s=round(last.rollout_s, 4), train_s=round(last.train_s, 4), sync_s=round(last.sync_s, 4),
-                        **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items() if n != "reward_mean"})
+                        **{n: (round(v, 6) if isinstance(v, float) else v) for n, v in stats.items() if n != "reward_mean"},
+                        **mismatch)
         self._log_metrics(k, built, trained, stats)
         with open(job.run_dir / "batches.jsonl", "a") as f:
             # per sample, in the order of ``keys``: its prompt's and its response's token counts (the what-if's trace:
@@ -50,7 +52,8 @@ class Reporter:
             f.write(json.dumps({"step": k, "keys": batch.keys, "versions": batch.versions, "rewards": batch.rewards,
                                 "prompt_tokens": [len(p) for p in batch.prompt_ids],
                                 "response_tokens": [len(r) for r in batch.response_ids],
-                                "loss": trained.loss, "n_train": st.n_train}, separators=(",", ":")) + "\n")
+                                "loss": trained.loss, "n_train": st.n_train, "mismatch": mismatch},
+                               separators=(",", ":")) + "\n")
         if self.on_step:
             self.on_step({"step": k, "reward": reward, "roles": job.roles(), "switches": len(st.switches),
                           "rollout_s": last.rollout_s, "train_s": last.train_s})
@@ -64,6 +67,20 @@ class Reporter:
             self.svc.metrics.log(k, step_metrics(built.batch, trained.results, job.last, job.state, n_rollout=len(job.rollouts()),
                                                  max_tokens=job.cfg.rollout.max_tokens, eos_id=self.svc.tokenizer.eos_token_id,
                                                  stats=stats))
+
+
+def mismatch_fields(results: list[dict]) -> dict[str, float | int]:
+    """The step's training-inference mismatch figures as flat event keys (``mismatch_abs_mean``,
+    ``mismatch_abs_max``, ``mismatch_k3``, ``mismatch_tokens``, ``mismatch_same_version_*``, ``tis_weight_mean``,
+    ``tis_capped_frac``; absent when the trainers reported none), 6 significant digits: on CPU in fp32 they are
+    around 1e-7, which a fixed number of decimals would round to 0."""
+    from dynaresize.metrics import mismatch_metrics
+
+    out: dict[str, float | int] = {}
+    for name, v in mismatch_metrics(results).items():
+        key = name.replace("/", "_")
+        out[key] = int(v) if key.endswith("tokens") else float(f"{v:.6g}")
+    return out
 
 
 def hidden_by_switch(run_dir: Path) -> dict[str, float]:

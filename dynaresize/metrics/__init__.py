@@ -2,7 +2,8 @@
 
 The coordinator calls ``log(step, {name: value})`` once per RL step and ``close()`` at the end; names are
 ``group/name`` (``reward/mean``, ``loss/kl``, ``response/length_mean``, ``throughput/tokens_per_s``,
-``roles/n_train``, ``switches/count``, ``dynamic_sampling/groups_dropped`` ...; ``step_metrics`` builds them).
+``roles/n_train``, ``switches/count``, ``dynamic_sampling/groups_dropped``, ``mismatch/abs_mean``, ``mismatch/k3``
+...; ``step_metrics`` builds them).
 
 - JSONL (always): ``<run_dir>/metrics.jsonl``, one ``{"step": k, "metrics": {...}}`` per step.
 - TensorBoard (``metrics.tensorboard: true``): event files under ``<run_dir>/tensorboard/``, written with
@@ -185,7 +186,18 @@ def trainer_metrics(results: list[dict]) -> dict[str, float]:
     norms = [float(m["grad_norm"]) for m in ms if "grad_norm" in m]
     if norms:
         out["loss/grad_norm"] = max(norms)
+    out.update(mismatch_metrics(results))
     return out
+
+
+def mismatch_metrics(results: list[dict]) -> dict[str, float]:
+    """The training-inference mismatch of the step from the trainers' acks (``dynaresize.rl.mismatch``): each
+    trainer's sums over the tokens it trained, added (and maxima maxed) over the trainers, then divided:
+    ``mismatch/abs_mean``, ``mismatch/abs_max``, ``mismatch/k3``, ``mismatch/tokens``, the same over the samples of
+    the trainer's own version (``mismatch/same_version_*``), and ``tis/weight_mean``, ``tis/capped_frac`` with TIS."""
+    from dynaresize.rl.mismatch import figures, reduce_stats
+
+    return figures(reduce_stats([r.get("metrics") or {} for r in results])) if results else {}
 
 
 def response_metrics(response_ids: list[list[int]], max_tokens: int, eos_id: int | None) -> dict[str, float]:

@@ -5,7 +5,8 @@ The loss-function contract (what a training engine, e.g. the DeepSpeed adapter, 
     loss_fn(model, batch) -> (loss, metrics)
     loss_fn = GrpoLoss.from_config(cfg.train, temperature=cfg.rollout.temperature)
 
-``loss`` is a scalar tensor to backpropagate; ``metrics`` a dict of floats (loss, clip_frac, ratio_mean, kl, tokens).
+``loss`` is a scalar tensor to backpropagate; ``metrics`` a dict of floats (loss, clip_frac, ratio_mean, kl, tokens,
+and the training-inference mismatch sums ``mismatch_*`` / ``tis_*`` of ``dynaresize.rl.mismatch``).
 ``batch`` is a dict of tensors on the model's device, built by ``collate`` (right-padded, N sequences, width L):
 
 =================  ==========  ===========================================================================
@@ -20,6 +21,8 @@ ref_logprobs       [N, L] f32  reference policy's logprobs; required when kl_coe
                                in ``dynaresize.rl.reference`` fills them from the initial policy)
 loss_denominator   [] f32      optional: the GLOBAL count (tokens for loss_norm=token, sequences for
                                loss_norm=sequence) replacing the local one, so micro-batches and ranks add up
+version_lag        [N] long    optional: trainer version - the sample's version (0: the mismatch figures of
+                               that sample compare the same weights; ``dynaresize.rl.mismatch``)
 =================  ==========  ===========================================================================
 
 Batch-size invariance: with ``loss_denominator`` set to the global batch's count, the sum over micro-batches (and

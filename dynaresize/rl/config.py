@@ -1,6 +1,7 @@
 """Config of the RL algorithm's options beyond the loss (section ``algorithm``): DAPO's dynamic sampling and
-overlong reward shaping (arXiv 2503.14476, sections 3.2 and 3.4; see ``dynaresize.rl.dapo``). The loss's own
-options (clip, KL, normalisation) are in ``train``."""
+overlong reward shaping (arXiv 2503.14476, sections 3.2 and 3.4; see ``dynaresize.rl.dapo``) and truncated
+importance sampling on the rollout/trainer ratio (``dynaresize.rl.mismatch``). The loss's own options (clip, KL,
+normalisation) are in ``train``."""
 
 from __future__ import annotations
 
@@ -40,8 +41,29 @@ class OverlongConfig(Section):
     factor: float = Field(1.0, ge=0, description="Penalty at the full length (the reward added is -factor x the fraction of the interval used)")
 
 
+class TisConfig(Section):
+    enabled: bool = Field(
+        False, description="Truncated importance sampling (Yao et al. 2025; verl rollout_is, slime --use-tis): weight "
+        "each token's policy-gradient loss by min(pi_train / pi_rollout, cap), detached, with the PPO ratio taken "
+        "against the trainer's own logprobs (decoupled PPO); corrects the rollout engine's mismatch and the samples' "
+        "staleness. Off: the loss is unchanged (the ratio against the rollout's logprobs)"
+    )
+    cap: float = Field(
+        2.0, ge=1, allow_inf_nan=False, description="C: the largest importance weight (the blog and verl's examples "
+        "use 2.0 at token level); at least 1, since a cap below 1 would shrink the tokens on which both sides agree"
+    )
+    level: Literal["token", "sequence"] = Field(
+        "token", description="token: one weight per token (TIS); sequence: one per response, "
+        "min(prod_t pi_train / pi_rollout, cap) (verl's rollout_is_level: sequence)"
+    )
+
+
 class AlgorithmConfig(Section):
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling (group filtering with over-sampling)"
     )
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="DAPO overlong reward shaping")
+    tis: TisConfig = Field(
+        default_factory=TisConfig, description="Truncated importance sampling on the rollout/trainer logprob ratio "
+        "(the training-inference mismatch correction; off by default)"
+    )

@@ -23,6 +23,11 @@ Loss normalisation (``loss_norm``): ``token`` (the default, and DAPO's "token-le
 3.3) sums the per-token loss over every response token of the whole batch and divides by that batch's token
 count (``loss_denominator``, set by the trainer ranks to the global count); ``sequence`` averages per sequence,
 then over sequences (the original GRPO). The options of this module change neither.
+
+Truncated importance sampling (``tis_cap``, ``algorithm.tis``): the ratio is taken against this forward's own
+logprobs (detached) instead of the rollout's, and each token's surrogate is weighted by ``min(pi_train /
+pi_rollout, tis_cap)``; worked example and sources in ``dynaresize.rl.mismatch``. Off (the default) the loss is the
+one above, bit for bit. Either way the metrics carry the rollout/trainer mismatch sums of the tokens.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from dynaresize.rl.mismatch import TisLevel, mismatch_stats, tis_stats, tis_weights
 
 Batch = dict[str, torch.Tensor]
 
@@ -94,12 +101,18 @@ class GrpoLoss:
     temperature: float = 1.0
     clip_eps_low: float | None = None  # lower clip: ratio >= 1 - clip_eps_low (None: clip_eps)
     clip_eps_high: float | None = None  # upper clip: ratio <= 1 + clip_eps_high (None: clip_eps)
+    tis_cap: float | None = None  # truncated importance sampling on pi_train / pi_rollout, capped here (None: off)
+    tis_level: TisLevel = "token"  # TIS weight per token or per sequence (dynaresize.rl.mismatch)
 
     @classmethod
-    def from_config(cls, train, temperature: float = 1.0) -> "GrpoLoss":
-        """From a ``TrainConfig`` (and the rollout temperature, so logprobs match the sampling distribution)."""
+    def from_config(cls, train, temperature: float = 1.0, algorithm=None) -> "GrpoLoss":
+        """From a ``TrainConfig`` (and the rollout temperature, so logprobs match the sampling distribution) and,
+        for TIS, the ``AlgorithmConfig`` (``algorithm.tis``)."""
+        tis = getattr(algorithm, "tis", None)
+        on = tis is not None and tis.enabled
         return cls(clip_eps=train.clip_eps, kl_coef=train.kl_coef, loss_norm=train.loss_norm, temperature=temperature,
-                   clip_eps_low=train.clip_eps_low, clip_eps_high=train.clip_eps_high)
+                   clip_eps_low=train.clip_eps_low, clip_eps_high=train.clip_eps_high,
+                   tis_cap=float(tis.cap) if on else None, tis_level=tis.level if on else "token")
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -118,11 +131,18 @@ class GrpoLoss:
         mask = batch["response_mask"].float()
         adv = batch["advantages"].float()
         adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-        log_ratio = (logp - batch["old_logprobs"]) * mask
+        behaviour = batch["old_logprobs"]
+        if self.tis_cap is not None:  # decoupled PPO: the ratio against pi_train (this forward), TIS on the rest
+            weights = tis_weights(logp, behaviour, mask, self.tis_cap, self.tis_level)
+            log_ratio = (logp - logp.detach()) * mask
+        else:
+            log_ratio = (logp - behaviour) * mask
         ratio = torch.exp(log_ratio)
         lo, hi = self.clip_range
         clipped = torch.clamp(ratio, lo, hi)
         per_token = -torch.minimum(ratio * adv, clipped * adv)
+        if self.tis_cap is not None:
+            per_token = per_token * weights
         clip_frac = ((ratio * adv > clipped * adv).float() * mask).sum() / mask.sum().clamp(min=1)
         kl = torch.zeros((), dtype=per_token.dtype)
         if self.kl_coef > 0:
@@ -139,5 +159,8 @@ class GrpoLoss:
             "ratio_mean": float((ratio.detach() * mask).sum() / mask.sum().clamp(min=1)),
             "kl": float(kl),
             "tokens": float(mask.sum()),
+            **mismatch_stats(logp, behaviour, mask, batch.get("version_lag")),
         }
+        if self.tis_cap is not None:
+            metrics.update(tis_stats(logp, behaviour, mask, weights, self.tis_cap, self.tis_level))
         return loss, metrics

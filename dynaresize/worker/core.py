@@ -93,6 +93,7 @@ class WorkerSetup:
     hooks: Hooks = field(default_factory=Hooks)  # fault points and extra commands: no-ops in production (worker.hooks)
     weights_dir: Path | None = None  # published weights, <weights_dir>/v<version> (optimizer_step publish, fetch_weights)
     emulator: Any = None  # dynaresize.emulation.engine.Emulator when cluster.device is emulated: work lasts modelled time
+    algorithm_cfg: Any = None  # AlgorithmConfig: the loss's truncated importance sampling (algorithm.tis); None: off
 
 
 @dataclass
@@ -357,8 +358,10 @@ class Worker:
         self.setup.hooks.point(self.rank, "train_chunk.accumulated", f"step-{step}")
         tokens, samples = self._tokens(batch), int(batch["input_ids"].shape[0])
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
+        from dynaresize.rl.mismatch import reduce_stats
+
         return {"loss_sum": float(stats["loss_sum_local"]), "tokens": tokens, "samples": samples, "busy_s": t1 - t0,
-                "version": self.version}
+                "version": self.version, "metrics": reduce_stats([stats])}
 
     def _cmd_optimizer_step(self, step: int, n_train: int, version_after: int, denominator: float,
                             publish: bool = False) -> dict[str, Any]:
@@ -391,7 +394,7 @@ class Worker:
         if "advantages" in batch:
             from dynaresize.rl.grpo import GrpoLoss
 
-            loss = GrpoLoss.from_config(self.setup.train_cfg, self.setup.rollout_cfg.temperature)
+            loss = GrpoLoss.from_config(self.setup.train_cfg, self.setup.rollout_cfg.temperature, self.setup.algorithm_cfg)
             if loss.kl_coef > 0:  # KL to the initial policy (dynaresize.rl.reference)
                 from dynaresize.rl.reference import WithReference
 
@@ -414,6 +417,9 @@ class Worker:
         from dynaresize.rl.batch import collate
 
         batch = collate(tb.prompt_ids, tb.response_ids, self.setup.pad_id, tb.logprobs, tb.advantages)
+        # how many updates each sample's policy version is behind the weights this rank trains from (the mismatch
+        # figures of lag 0 compare the same weights: dynaresize.rl.mismatch)
+        batch["version_lag"] = torch.tensor([self.version - int(v) for v in tb.versions], dtype=torch.long)
         if self.setup.train_cfg.loss_norm == "token":
             batch["loss_denominator"] = batch["response_mask"].sum()
         else:

@@ -89,6 +89,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
         events=EventLog(spec["events"]) if spec.get("events") else None,
         hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(), data=data,
         weights_dir=Path(spec["weights_dir"]) if spec.get("weights_dir") else None,
+        algorithm_cfg=cfg.algorithm,
     )
     try:
         worker = Worker.start(setup)

@@ -257,6 +257,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
         model_dir=str(model_dir), hooks=hooks or Hooks(), weights_dir=run_dir / "weights",
         emulator=Emulator(cfg, world) if cfg.cluster.device == "emulated" else None,
+        algorithm_cfg=cfg.algorithm,
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))

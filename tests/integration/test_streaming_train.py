@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dynaresize.metrics import mismatch_metrics
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 N, L, P = 8, 12, 5  # samples (2 GRPO groups of 4), sequence length, prompt length
@@ -41,6 +43,7 @@ def _batch(seed: int) -> dict[str, torch.Tensor]:
 def _worker(rank: int, rdzv: str, out: str, stage: int, norm: str, chunks: list[int]) -> None:
     from dynaresize.engines.trainer_deepspeed import TrainerError, ZeroTrainer, warm_backend
     from dynaresize.rl.grpo import GrpoLoss
+    from dynaresize.rl.mismatch import reduce_stats
 
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE="2")  # what DeepSpeed asks of a launcher
     torch.set_num_threads(1)
@@ -52,18 +55,21 @@ def _worker(rank: int, rdzv: str, out: str, stage: int, norm: str, chunks: list[
     result: dict = {"init": [p.detach().clone().tolist() for p in _module().parameters()]}
     for mode in ("whole", "stream", "wrong"):  # wrong: streamed, divided by twice the count (the test can fail)
         t = ZeroTrainer(_module(), cfg, group, (0, 1), global_batch=N)
-        norms = []
+        norms, stats = [], []  # stats: this rank's mismatch sums per step (reduce_stats over its chunks)
         for step in range(2):
             b = _batch(10 + step)
             den = b["response_mask"].sum() if norm == "token" else torch.tensor(float(N))
             if mode == "whole":
-                norms.append(t.train_step({**b, "loss_denominator": den}, loss)["grad_norm"])
+                res = t.train_step({**b, "loss_denominator": den}, loss)
+                norms.append(res["grad_norm"])
+                stats.append(reduce_stats([res]))
             else:
                 edges = [0, *chunks]
-                for lo, hi in zip(edges, edges[1:]):
-                    t.accumulate({k: v[lo:hi] for k, v in b.items()}, loss)
+                parts = [t.accumulate({k: v[lo:hi] for k, v in b.items()}, loss) for lo, hi in zip(edges, edges[1:])]
                 norms.append(t.step(float(den) * (2.0 if mode == "wrong" else 1.0))["grad_norm"])
-        result[mode] = {"params": [p.detach().clone().tolist() for p in t.module.parameters()], "norms": norms}
+                stats.append(reduce_stats(parts))
+        result[mode] = {"params": [p.detach().clone().tolist() for p in t.module.parameters()], "norms": norms,
+                        "stats": stats}
         if mode == "wrong":
             errors = []
             for bad in (lambda: t.step(1.0), lambda: t.accumulate({k: v[:1] for k, v in _batch(0).items()}, loss)):
@@ -78,16 +84,17 @@ def _worker(rank: int, rdzv: str, out: str, stage: int, norm: str, chunks: list[
                 errors.append(str(e))
             result["errors"] = errors
         t.destroy()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(result, f)
     dist.destroy_process_group()
 
 
 def _run(tmp_path, stage: int, norm: str, chunks: list[int]) -> dict:
     out, rdzv = tmp_path / "out.json", tmp_path / "rdzv"
     mp.spawn(_worker, args=(str(rdzv), str(out), stage, norm, chunks), nprocs=2, join=True)
-    return json.loads(out.read_text())
+    r = json.loads((tmp_path / "out.json.0").read_text())
+    r["ranks"] = [r, json.loads((tmp_path / "out.json.1").read_text())]
+    return r
 
 
 def _max_diff(a, b) -> float:
@@ -107,6 +114,15 @@ def test_chunks_then_one_step_equal_the_whole_batch_step(tmp_path, stage, norm, 
     # a wrong normaliser (twice the count) halves the first step's norm and moves the weights elsewhere
     assert r["wrong"]["norms"][0] == pytest.approx(r["whole"]["norms"][0] / 2, rel=1e-4)
     assert _max_diff(r["whole"]["params"], r["wrong"]["params"]) > 0.1 * moved
+    # the rollout/trainer mismatch figures: the same for the whole batch and its chunks (each trainer's chunks
+    # summed, then the trainers), at step 0 (same weights) and step 1 (after one update, on both paths)
+    for step in range(2):
+        whole = mismatch_metrics([{"metrics": rk["whole"]["stats"][step]} for rk in r["ranks"]])
+        stream = mismatch_metrics([{"metrics": rk["stream"]["stats"][step]} for rk in r["ranks"]])
+        assert whole["mismatch/tokens"] == float(_batch(10 + step)["response_mask"].sum())
+        assert whole["mismatch/abs_mean"] > 0.1 and set(stream) == set(whole)  # made-up logprobs of -3: far off
+        for name, v in whole.items():
+            assert stream[name] == pytest.approx(v, rel=1e-6), (step, name)
     assert any("smaller than the 2 trainers" in e for e in r["errors"])
     assert any("without any accumulated chunk" in e for e in r["errors"])
     assert any("streamed chunks wait" in e for e in r["errors"])

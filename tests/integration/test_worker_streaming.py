@@ -15,6 +15,8 @@ from dynaresize.contract.batch import TrainBatch
 from dynaresize.contract.workqueue import RolloutQueue, WorkItem
 from dynaresize.control.server import connect
 from dynaresize.events import read_events
+from dynaresize.metrics import mismatch_metrics
+from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.worker.local import LocalCluster, LocalWorkerError
 from tests.support.hooks import HOOKS
 
@@ -75,6 +77,16 @@ def test_streamed_training_publishes_weights_that_a_rollout_rank_fetches_and_ins
         tokens = sum(ch[0]["tokens"] for ch in chunks)
         assert tokens == whole[0]["tokens"]  # the chunks' tokens add up to the batch's: the token normaliser
         assert all(ch[r]["loss_sum"] != 0.0 for ch in chunks for r in trainers)
+        # the same rollout/trainer mismatch figures either way: the whole batch's per-trainer sums, and each
+        # trainer's chunks reduced as the continuous schedule reduces them (job.pipeline), then over the trainers
+        fig_whole = mismatch_metrics([whole[r] for r in trainers])
+        fig_stream = mismatch_metrics([{"metrics": reduce_stats([ch[r]["metrics"] for ch in chunks])} for r in trainers])
+        assert fig_whole["mismatch/tokens"] == fig_stream["mismatch/tokens"] == tokens
+        assert fig_whole["mismatch/same_version_tokens"] == tokens  # every sample of version 0, trained from 0
+        assert fig_whole["mismatch/abs_mean"] > 0.1  # the batch's made-up logprobs are far from the model's
+        assert set(fig_stream) == set(fig_whole)
+        for name, v in fig_whole.items():
+            assert fig_stream[name] == pytest.approx(v, rel=1e-6), name
         with pytest.raises(LocalWorkerError, match="at version 0; the update would make it 2"):
             c.call("optimizer_step", {"step": 0, "n_train": 2, "version_after": 2, "denominator": float(tokens)}, ranks=trainers)
         opt = c.call("optimizer_step", {"step": 0, "n_train": 2, "version_after": 1, "denominator": float(tokens),
