@@ -59,7 +59,8 @@ from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.predictor import efficiency
-from dynaresize.policy.types import PolicyState
+from dynaresize.policy.types import Action as PolicyAction
+from dynaresize.policy.types import Decision, PolicyState
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
@@ -281,6 +282,8 @@ class PipelineScheduler:
                 self._step_done(batch, out)
             case WeightsArrived(rank, version):
                 r = self.ranks[rank]
+                if version not in r.sending:
+                    return  # sent before the rank switched roles (a switch drops what was on its way)
                 r.sending.discard(version)
                 if not r.lost and r.role is Role.ROLLOUT:
                     r.versions.add(version)
@@ -937,6 +940,31 @@ class PipelineScheduler:
         if rank in self.grow_ready:
             self.grow_ready.discard(rank)
             self._collective_grow(out)  # the other movers of its resize may go now
+        self._rescue(out)
+
+    def _rescue(self, out: list[Action]) -> None:
+        """The last rollout rank was lost and work is left to generate: the border trainer moves to rollout (a resize
+        the core makes itself, like a policy's; with one trainer left nothing can move and the driver restarts)."""
+        if self.n_rollout > 0 or any(x.to is Role.ROLLOUT and not x.lost for x in self.ranks):
+            return
+        if all(b.complete for b in self.batches) and all(b.complete for b in self.vals.values()):
+            return
+        movable = [i for i in self.trainers() if not self.ranks[i].leaving]
+        if len(movable) < 2:
+            self.restarting = True
+            out.append(Restart(movable[0] if movable else 0, "no rollout rank is left and one trainer cannot be "
+                               "split: every rank restarts from the newest checkpoint"))
+            return
+        sid = self.switch_id
+        self.switch_id += 1
+        dec = Decision(PolicyAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
+        out.append(Decided(max(0, self.produced - 1), dec, sid))
+        rank = movable[-1]
+        r = self.ranks[rank]
+        r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+        self.switching.add(rank)
+        if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+            self._start_switch(rank, out)
 
 
 def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:

@@ -493,6 +493,25 @@ def test_lost_rank_groups_go_to_another_rank_first():
     assert core.handle(GroupsDone(1, 0, (0,))) == []  # the fenced rank's late report is ignored
 
 
+def test_losing_the_last_rollout_rank_moves_a_trainer_to_rollout():
+    core = PipelineScheduler(SchedulerConfig(4, 3, (2, 2), mechanisms=Mechanisms(True, True)))
+    core.start()
+    assert core.handle(RankReady(3, 2)) == [Assign(3, 0, (0, 1), 0)]
+    out = core.handle(RankLost(3))
+    assert [a for a in out if isinstance(a, Switch)] == [Switch(2, Role.ROLLOUT, 0)]
+    (d,) = [a for a in out if isinstance(a, Decided)]
+    assert d.decision.target == Topology(2, 1) and "no rollout rank left" in d.decision.reason
+    core.handle(SwitchDone(2))
+    assert core.handle(RankReady(2, 2)) == [Assign(2, 0, (0, 1), 0)]  # the lost rank's groups, on the new rollout rank
+
+
+def test_losing_the_last_rollout_rank_with_one_trainer_asks_for_a_restart():
+    core = PipelineScheduler(SchedulerConfig(2, 1, (2,), mechanisms=Mechanisms(True, True)))
+    core.start()
+    core.handle(RankReady(1, 2))
+    assert [type(a) for a in core.handle(RankLost(1))] == [Restart]
+
+
 def test_a_lost_trainer_asks_for_a_restart():
     core = PipelineScheduler(SchedulerConfig(3, 1, (2, 2)))
     core.start()
