@@ -61,7 +61,7 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
     if run_dir is None:
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
-    from dynaresize.control.commands import FencedError
+    from dynaresize.control.commands import EpochTaken, FencedError
     from dynaresize.job.coordinator import Coordinator
     from dynaresize.job.errors import JobError
     from dynaresize.job.state import StateError
@@ -83,10 +83,13 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
         print(f"dynaresize run: {e}", file=sys.stderr)
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
-    except FencedError as e:
-        print(f"dynaresize run: {e}: another coordinator took this run over (dynaresize run --resume); this one "
-              "stops without touching its ranks or its Redis", file=sys.stderr)
+    except FencedError as e:  # the message says who took the epoch and how (the job's owner record)
+        print(f"dynaresize run: {e}; this coordinator stops without touching the ranks or the Redis of the run",
+              file=sys.stderr)
         return 3
+    except EpochTaken as e:  # a fresh start found the job's epoch taken: nothing was started
+        print(f"dynaresize run: {e}", file=sys.stderr)
+        return 2
     finally:
         if bar:
             bar.close()

@@ -140,7 +140,7 @@ class Coordinator:
             prepared = bootstrap.prepare(job)
             planner = Planner(job)
             with bootstrap.redis_server(job, self.stop_requested) as srv:
-                svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready)
+                svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready, resume=self.resume)
                 p = self.parts = bootstrap.wire(job, svc, planner, self.launcher_factory, self.stop_requested, self.on_step)
                 attached = self._take_over(p)
                 try:
@@ -178,7 +178,7 @@ class Coordinator:
     def _announce(self) -> None:
         job, st = self.job, self.job.state
         if not self.resume:
-            job.events.emit("run_start", run_id=job.job_id, source="runtime", world_size=job.world, wall_time=job.events.t0,
+            job.events.emit("run_start", run_id=job.run_dir.name, job_id=job.job_id, source="runtime", world_size=job.world, wall_time=job.events.t0,
                             train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
             job.events.emit("topology", step=0, train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
         else:

@@ -29,6 +29,8 @@ import pytest
 
 from test_job import B, G, SEED, batches, run, run_dir_of  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
+from dynaresize.rundir import job_id
+
 pytestmark = pytest.mark.integration
 
 
@@ -94,7 +96,7 @@ def holding_claims(run_dir: Path, rank: int):
     """True while ``rank`` holds claimed, unfinished samples (it is generating them)."""
     try:
         r = redis_of(run_dir)
-        keys = list(r.scan_iter(match=f"dr:{run_dir.name}:wq:*:inflight:{rank}", count=100))
+        keys = list(r.scan_iter(match=f"dr:{job_id(run_dir)}:wq:*:inflight:{rank}", count=100))
         return any(r.hlen(k) for k in keys)
     except Exception:  # noqa: BLE001 - Redis not up yet
         return False
