@@ -114,7 +114,8 @@ def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable
     from dynaresize.contract.workqueue import RolloutQueue
 
     cfg = job.cfg
-    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis)
+    # while the watchdog brings a crashed server back (a full disk waited out included) the coordinator waits too
+    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis, outage=srv.reviving.is_set)
     if on_redis_ready is not None:
         on_redis_ready(srv)
     owner = owner_record("resume" if resume else "start", str(job.run_dir.resolve()), incarnation=job.state.incarnation)
