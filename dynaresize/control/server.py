@@ -221,9 +221,34 @@ def refusal_cause(err: BaseException) -> str | None:
         return REFUSALS["READONLY"]
     if not isinstance(err, redis.ResponseError):
         return None
-    # a plain reply ("MISCONF ..."), or Redis 6.2's refusal inside a script ("Error running script ...: -OOM ...")
-    m = re.search(r"(?:^|-)(OOM|MISCONF|READONLY)\b", str(err))
+    return refusal_in_text(str(err))
+
+
+def refusal_in_text(text: str) -> str | None:
+    """The cause in words when ``text`` (an error's message, e.g. a rank's ack) is Redis refusing a write."""
+    # a plain reply ("MISCONF ..."), Redis 6.2's refusal inside a script ("Error running script ...: -OOM ..."),
+    # Redis 7's from a script's pcall ("user_script:3: OOM command not allowed ...")
+    m = re.search(r"(?:^|-|: )(OOM|MISCONF|READONLY)\b", text)
     return REFUSALS[m.group(1)] if m else None
+
+
+_SCRIPT_NOISE = re.compile(
+    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script:\d+: |,? ?script: [0-9a-f]{40}, on @user_script:\d+\.?")
+
+
+def redis_error_text(err: BaseException | str) -> str:
+    """A Redis error in words for a user: a refused write names its cause; a failed Lua script of the control plane
+    loses the script's hash and line (``Error running script (call to f_a26a...): @user_script:25: ...``), which
+    say nothing to a user, and says that a Redis script failed."""
+    text = str(err)
+    cause = refusal_in_text(text)
+    if cause is not None:
+        return f"Redis refused a write: {cause}"
+    cleaned = _SCRIPT_NOISE.sub("", text).strip()
+    if cleaned != text.strip():
+        cleaned = re.sub(r"^(ResponseError|RedisError|NoScriptError): ", "", cleaned)
+        return f"a Redis script of the control plane failed: {cleaned or 'no message'}"
+    return text
 
 
 class SafeRetry(Retry):

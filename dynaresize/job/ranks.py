@@ -94,7 +94,7 @@ class Ranks:
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):
                 try:
-                    tag = checkpointer.checkpoint(at)
+                    tag = checkpointer.final(at)  # the final weights: a full disk is waited out
                     if stop is not None and tag is not None:
                         stop.checkpoint = tag
                 except KeyboardInterrupt:
