@@ -232,3 +232,45 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, no_
     assert_every_step_once(run_dir)
     assert state(run_dir)["checkpoint"] == "checkpoints/step-4"
     assert sorted(p.name for p in (ck / "damaged").iterdir()) == ["step-4.1", "step-4.2"]
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "continuous"])
+def test_redis_on_a_full_disk_is_waited_out_and_the_run_completes(tmp_path, tmpfs, no_strays, model_cache, schedule):
+    """The run's redis/ directory on a real 16 MiB tmpfs, filled by a file after step 1: redis-server exits on its
+    failed append-only-file write; the watchdog names the full disk and waits (redis.write_wait_s) instead of
+    dying; the coordinator and the ranks wait for it; 5 s later the operator frees the space, Redis comes back
+    from its append-only file, and the run completes with every step once."""
+    import time
+
+    from dynaresize.disk import free_bytes
+
+    run_dir = tmp_path / "run"
+    rd = tmpfs(run_dir / "redis", 16 << 20)
+    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else []
+    p = subprocess.Popen(_driver(run_dir, model_cache, "redis.write_wait_s=120", *extra), cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    no_strays.append(p)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and p.poll() is None:
+        if (run_dir / "batches.jsonl").exists() and len(batches(run_dir)) >= 1:
+            break
+        time.sleep(0.1)
+    assert p.poll() is None, p.stdout.read()[-4000:]
+    filler = rd / "filler"
+    with open(filler, "wb") as f:  # leave ~32 KiB: the next writes of the append-only file fail
+        f.write(b"\0" * max(0, (free_bytes(rd) or 0) - (32 << 10)))
+    log = rd / "redis.log"
+    while time.monotonic() < deadline and p.poll() is None:
+        if log.exists() and "Short write while writing to the AOF file" in log.read_text(errors="replace"):
+            break
+        time.sleep(0.1)
+    time.sleep(5)  # the disk stays full a while
+    assert p.poll() is None, p.stdout.read()[-4000:]
+    filler.unlink()  # the operator frees space
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-5000:]
+    assert "disk full (ENOSPC)" in out and "waiting for space to start it again" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert controls(run_dir, "redis_restarted"), "the watchdog brought Redis back"
+    assert not controls(run_dir, "restart") and not controls(run_dir, "rank_lost"), "nobody lost: Redis was down"
+    assert_every_step_once(run_dir)

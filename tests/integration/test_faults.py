@@ -186,7 +186,8 @@ def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_o
         os.kill(a.pid, signal.SIGCONT)  # the old one comes back
     out_a, _ = a.communicate(timeout=120)
     assert a.returncode == 3, out_a[-3000:]
-    assert "another coordinator took this run over" in out_a
+    assert "another coordinator took this run over with `dynaresize run --resume`" in out_a, out_a[-3000:]
+    assert "Traceback" not in out_a
     out_b, _ = b.communicate(timeout=600)
     assert b.returncode == 0, out_b[-4000:]
     got = assert_nothing_lost(rd, steps)
