@@ -190,9 +190,10 @@ class Config(Section):
             raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule does not run dynamic sampling "
                             "(its extra rounds depend on the whole batch); set algorithm.dynamic_sampling.enabled: false "
                             "or pipeline.schedule: lockstep")
-        if self.task.dataset.val_every > 0:
-            raise RuleError(("pipeline", "schedule"), "continuous", "validation passes need every rollout rank on one "
-                            "version (a step barrier); set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
+        if self.task.dataset.val_every > 0 and self.task.dataset.val_files:  # a run without val_files validates nothing
+            raise RuleError(("pipeline", "schedule"), "continuous", "validation passes (task.dataset.val_files, every "
+                            f"{self.task.dataset.val_every} steps) need every rollout rank on one version (a step "
+                            "barrier); set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
         if self.rollout.engine == "vllm":
             raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule's background weight load "
                             "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: lockstep")

@@ -104,13 +104,20 @@ def test_shipped_configs_validate(path):
 
 @pytest.mark.parametrize("override, says", [
     ("algorithm.dynamic_sampling.enabled=true", "the continuous schedule does not run dynamic sampling"),
-    ("task.dataset.val_every=2", "validation passes need every rollout rank on one version"),
+    ("task.dataset.val_every=2 task.dataset.val_files=[val.parquet]",
+     r"validation passes \(task.dataset.val_files, every 2 steps\) need every rollout rank on one version"),
 ])
 def test_the_continuous_schedule_refuses_what_it_does_not_run(override, says):
     base = ["pipeline.schedule=continuous", "task.dataset.val_every=0"]
     assert load_config("configs/quickstart.yaml", base).pipeline.schedule == "continuous"
     with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'continuous': " + says):
-        load_config("configs/quickstart.yaml", [*base, override])
+        load_config("configs/quickstart.yaml", [*base, *override.split()])
+
+
+def test_the_continuous_schedule_does_not_name_validation_a_config_does_not_run():
+    """The quickstart has no validation files: its default val_every does not refuse the continuous schedule."""
+    cfg = load_config("configs/quickstart.yaml", ["pipeline.schedule=continuous"])
+    assert cfg.task.dataset.val_every > 0 and not cfg.task.dataset.val_files
 
 
 def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
