@@ -123,7 +123,7 @@ class Checkpointer:
     def _claim(self, step: int) -> str | None:
         """A fresh checkpoint directory for this attempt, owned by this coordinator (``checkpoints.claim_tag``)."""
         try:
-            self.in_progress = ckpt.claim_tag(self.job.run_dir, step, {"epoch": self.svc.bus.epoch, "run_id": self.job.job_id,
+            self.in_progress = ckpt.claim_tag(self.job.run_dir, step, {"epoch": self.svc.bus.epoch, "job_id": self.job.job_id,
                                                                        "incarnation": self.job.state.incarnation})
         except OSError as e:
             from dynaresize.staging import os_error_text
