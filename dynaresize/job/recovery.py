@@ -32,6 +32,7 @@ class Recovery:
         """Fence the lost ranks off (a hung process that comes back is refused), put their claimed samples back,
         and re-plan over the live ranks."""
         job, svc = self.job, self.svc
+        svc.bus.check_epoch()  # a fenced coordinator fences no rank: they may be its successor's (FencedError)
         for r in ranks:
             inc = svc.registry.fence(r)
             job.events.emit("control", what="rank_lost", reason=why, rank=r, epoch=svc.bus.epoch)

@@ -312,3 +312,56 @@ def test_a_job_id_collision_and_a_fresh_start_on_a_taken_job_are_named(client, c
     CommandBus(client(), job_id, cfg, owner=dict(owner_record("resume", str(tmp_path / "b")), pid=1))
     with pytest.raises(FencedError, match=f"job-name collision: the run in {tmp_path / 'b'}"):
         a.check_epoch()
+
+
+def test_the_automatic_restart_of_a_fenced_coordinator_stops_no_rank_and_writes_nothing(client, cfg, tmp_path):
+    """``Recovery.restart`` after another coordinator took the run over (the case where the first one's restart
+    used to take a new epoch and fence its successor): FencedError before any rank is stopped, any file of the run
+    written or any epoch taken. The launcher is a stand-in that records whether it was told to stop the ranks."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.control.commands import CommandBus, FencedError, owner_record
+    from dynaresize.job.errors import RanksLost
+    from dynaresize.job.recovery import Recovery
+    from dynaresize.job.runtime import Job, Services
+    from dynaresize.job.state import JobState
+
+    job_cfg = load_config("configs/quickstart.yaml", ["faults.max_restarts=2"])
+    job = Job(job_cfg, tmp_path, JobState(n_train=2, step=5))
+    mine = CommandBus(client(), job.job_id, cfg, owner=owner_record("start", str(tmp_path)), fresh=True)
+
+    class StandInLauncher:  # the first coordinator's rank processes (already killed by the takeover)
+        relaunchable, stopped = True, False
+
+        def stop(self, grace_s: float = 0.0) -> None:
+            self.stopped = True
+
+    svc = Services(srv=None, redis=client(), bus=mine, registry=None, queue=None, task=None, model_dir=tmp_path,
+                   tokenizer=None, assembler=None, metrics=None, launcher=StandInLauncher())
+    theirs = CommandBus(client(), job.job_id, cfg, owner=dict(owner_record("resume", str(tmp_path)), pid=1))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(FencedError, match="took this run over with `dynaresize run --resume`"):
+        Recovery(job, svc, planner=None).restart(RanksLost([2, 3], "generate 5", "process exited"), None, lambda: None)
+    assert not svc.launcher.stopped, "no rank stopped"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "no file of the run written"
+    assert theirs.current_epoch() == theirs.epoch and svc.bus is mine, "no epoch taken"
+
+
+def test_a_fenced_coordinator_fences_no_rank_of_its_successor(client, cfg, tmp_path):
+    """``Recovery.shrink`` (a rollout rank lost) by a coordinator whose epoch is gone: FencedError, and the rank,
+    which may be its successor's, stays unfenced."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.control.commands import CommandBus, FencedError, owner_record
+    from dynaresize.control.registry import Registry
+    from dynaresize.job.recovery import Recovery
+    from dynaresize.job.runtime import Job, Services
+    from dynaresize.job.state import JobState
+
+    job = Job(load_config("configs/quickstart.yaml"), tmp_path, JobState(n_train=2, step=5))
+    mine = CommandBus(client(), job.job_id, cfg, owner=owner_record("start", str(tmp_path)), fresh=True)
+    registry = Registry(client(), job.job_id, cfg)
+    svc = Services(srv=None, redis=client(), bus=mine, registry=registry, queue=None, task=None, model_dir=tmp_path,
+                   tokenizer=None, assembler=None, metrics=None)
+    CommandBus(client(), job.job_id, cfg, owner=dict(owner_record("resume", str(tmp_path)), pid=1))
+    with pytest.raises(FencedError):
+        Recovery(job, svc, planner=None).shrink([3], "no heartbeat for 9.0 s")
+    assert registry.fenced() == set() and job.state.lost == []

@@ -4,10 +4,10 @@
   same second), on ONE external redis-server: each has its own job id, so its own keys, ranks and epochs; both
   complete and train exactly what a job alone trains (same seed: the same samples, rewards and losses as each
   other). Before, both got the same job id, the first was fenced and the second trained on the first's ranks.
-- A second coordinator (``--resume``) on the continuous schedule: the first hangs (SIGSTOP), the second takes the
-  run over (its ranks restart from the checkpoint: the continuous schedule does not attach), the first comes back
-  and finds its ranks gone: it restarts nothing, takes no epoch, says who took over, exits 3; the second completes
-  with every step once. (The lockstep case: ``test_faults.py::test_a_new_coordinator_takes_over_...``.)
+- A second coordinator (``--resume``) that restarts the ranks, on both schedules: the first hangs (SIGSTOP), the
+  second takes the run over (its ranks restart from the checkpoint), the first comes back and finds its ranks
+  gone: it restarts nothing, takes no epoch, says who took over, exits 3; the second completes with every step
+  once. (A takeover of the live ranks on lockstep: ``test_faults.py::test_a_new_coordinator_takes_over_...``.)
 """
 
 from __future__ import annotations
@@ -93,15 +93,23 @@ def test_two_jobs_of_one_name_on_one_redis_keep_their_keys_ranks_and_epochs_apar
         r.close()
 
 
-def test_a_second_coordinator_on_the_continuous_schedule_fences_the_first_for_good(tmp_path, model_cache):
+@pytest.mark.parametrize("schedule", ["lockstep", "continuous"])
+def test_a_second_coordinator_that_restarts_the_ranks_fences_the_first_for_good(tmp_path, model_cache, schedule):
+    """The second coordinator restarts the ranks (the continuous schedule never attaches; on lockstep the resume
+    goes through the test-side entry, whose own launcher never attaches either), so the first one, continued, has
+    its ranks dead under it. Whichever it meets first (its next send, or the lost ranks and so its automatic
+    restart or a shrink) it must leave the run alone: no restart, no epoch, no rank fenced, and it says who took
+    over. Which path a run takes is timing; each is proved on its own by ``tests/contract/test_commands.py``
+    (``test_the_automatic_restart_of_a_fenced_coordinator_...``, ``test_a_fenced_coordinator_fences_no_rank_...``)."""
     steps = 8
-    cont = ["pipeline.schedule=continuous", "task.dataset.val_every=0", "run.checkpoint_every=2"]
-    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", *cont, wait=False)
+    sched = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else []
+    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
+            "run.checkpoint_every=2", *sched, wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 3, "step 3", a)
     os.kill(a.pid, signal.SIGSTOP)  # the first coordinator hangs; its ranks and Redis live on
     try:
-        b = run(tmp_path, model_cache, resume=rd, wait=False)
+        b = run(tmp_path, model_cache, resume=rd, wait=False, faults={} if schedule == "lockstep" else None)
         wait_for(lambda: len(controls(rd, "resume")) >= 1 and n_batches(rd) >= 5, "the second coordinator to train", b)
     finally:
         os.kill(a.pid, signal.SIGCONT)  # the first comes back: its ranks were replaced by the second's
@@ -113,5 +121,6 @@ def test_a_second_coordinator_on_the_continuous_schedule_fences_the_first_for_go
     assert b.returncode == 0, out_b[-4000:]
     assert_nothing_lost(rd, steps)
     assert not controls(rd, "restart"), "the fenced coordinator restarted no rank and took no epoch"
+    assert not controls(rd, "rank_lost") and not controls(rd, "shrink"), "nor fenced a rank of the second one's"
     ends = [e for e in events(rd) if e.get("type") == "run_end"]
     assert len(ends) == 1 and ends[0]["status"] == "completed"
