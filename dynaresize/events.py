@@ -17,7 +17,8 @@ rank-set strings such as ``"0-3,6,8-11"`` (see :func:`format_ranks`), so a 4096-
 
 Event types and their required keys (types in brackets; optional keys after ``|``):
 
-- ``run_start``: run_id [str], source ["runtime"|"sim"], world_size [int], wall_time [float, Unix time of t=0]
+- ``run_start``: run_id [str], source ["runtime"|"sim"], world_size [int], wall_time [float, Unix time of t=0] | job_id [str: the
+  run's Redis namespace, ``dynaresize.rundir.job_id``]
   | config [dict], train_ranks [str], rollout_ranks [str]
 - ``run_end``: status ["completed"|"interrupted"|"failed"], steps [int]
 - ``step_start``: step [int]

@@ -6,11 +6,21 @@ time): ``dynaresize run --resume DIR`` accepts only a directory that has it (:fu
 never writes into a folder the project did not create (a user's own config folder, a home directory). Run
 directories made before the marker existed are recognised by their event log, whose first record is the
 ``run_start`` of a run named like the directory.
+
+The marker also holds the run's **job id** (:func:`job_id`): the namespace of its keys in Redis (``dr:<job id>:``),
+its ranks' registrations and its coordinators' epochs. It is the directory's name plus a random suffix drawn when
+the directory is created, so two runs with the same ``run.name`` started in the same second in two output
+directories, on one shared Redis, never share a key, a rank or a fencing epoch; a directory without one (made by
+an older version, or by a test) gets the name plus a digest of its absolute path. Only ``--resume`` of the same
+directory reaches the same job again.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import secrets
 import time
 from pathlib import Path
 
@@ -43,7 +53,29 @@ def write_marker(run_dir: Path) -> Path:
     from dynaresize import __version__
 
     path = Path(run_dir) / MARKER
-    return atomic.write_json(path, {"run_id": Path(run_dir).name, "dynaresize": __version__, "created": time.time()})
+    name = Path(run_dir).name
+    return atomic.write_json(path, {"run_id": name, "job_id": _job_id(name, secrets.token_hex(4)),
+                                    "dynaresize": __version__, "created": time.time()})
+
+
+def _job_id(name: str, suffix: str) -> str:
+    """``<name>-<suffix>`` within the key namespace's rules (1-64 of ``A-Za-z0-9._-``)."""
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', name)[:55]}-{suffix}"
+
+
+def job_id(run_dir: str | Path) -> str:
+    """The run's job id: the one its marker holds, else the directory's name plus a digest of its absolute path
+    (never the name alone: two output directories can hold runs of the same name and second)."""
+    run_dir = Path(run_dir)
+    try:
+        info = json.loads((run_dir / MARKER).read_text())
+        jid = info.get("job_id") if isinstance(info, dict) else None
+        if isinstance(jid, str) and re.fullmatch(r"[A-Za-z0-9._-]{1,64}", jid):
+            return jid
+    except (OSError, ValueError):
+        pass
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]
+    return _job_id(run_dir.name, digest)
 
 
 def _legacy_run(run_dir: Path) -> bool:

@@ -120,6 +120,11 @@ class FaultsConfig(Section):
         2, ge=0, description="Automatic restarts of every rank from the last checkpoint after a loss the job cannot "
         "absorb (a trainer, rank 0, or any rank in a collective); local runs only: under Slurm the job requeues itself",
     )
+    disk_full_wait_s: float = Field(
+        60.0, ge=0, description="How long the run's final checkpoint (its final weights) waits for space after it "
+        "failed on a full disk (ENOSPC/EDQUOT), trying again once space came back; past it the run ends 'incomplete' "
+        "(never 'completed'), naming the path, the space left and the resume command. 0: no wait",
+    )
 
 
 # Keys that moved to another place: an old config that still sets one fails naming the key and where it lives now.

@@ -282,6 +282,18 @@ class RolloutQueue:
         return int(self._release(keys=[self._k(step, f"inflight:{rank}"), self._k(step, "pending"), self._k(step, "results"),
                                        self._k(step, f"lastclaim:{rank}")]))
 
+    def release_all(self) -> int:
+        """Put back every claim of every step of this queue (returns the items put back). For a new launch of the
+        ranks: a claim is bound to the process that made it, and no process of an earlier launch works on any more,
+        whichever step it was (a schedule that ran ahead leaves claims of steps a resume reaches only later)."""
+        n = 0
+        for raw in self.r.scan_iter(match=f"{self.ns}:{self.name}:*:inflight:*", count=500):
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            step, what, rank = key.rsplit(":", 3)[1:]
+            if what == "inflight" and step.isdigit() and rank.isdigit():
+                n += self.release(int(step), int(rank))
+        return n
+
     def total(self, step: int) -> int:
         v = self.r.hget(self._k(step, "meta"), "total")
         return int(v) if v is not None else 0

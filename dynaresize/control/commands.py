@@ -115,8 +115,66 @@ return v
 """
 
 
+# Take the job's next epoch, atomically with the owner record that says who took it and how. ARGV[1]: the epoch
+# the caller holds now ('' : none; a restart passes its own, so that a fenced coordinator never takes a new one),
+# ARGV[2]: '1' when the job must have no epoch yet (a fresh start: a takeover goes through --resume only).
+_TAKE_EPOCH = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '0')
+if ARGV[1] ~= '' and cur ~= tonumber(ARGV[1]) then return {-1, cur} end
+if ARGV[2] == '1' and cur ~= 0 then return {-2, cur} end
+local e = redis.call('INCR', KEYS[1])
+redis.call('HSET', KEYS[2], 'epoch', e, 'm', ARGV[3])
+return {e, cur}
+"""
+
+
 class FencedError(RuntimeError):
-    """This coordinator's epoch is no longer the job's epoch: a newer coordinator took over."""
+    """This coordinator's epoch is no longer the job's epoch: a newer coordinator took over (the message says who
+    and how, from the job's owner record)."""
+
+
+class EpochTaken(RuntimeError):
+    """A fresh start found the job's epoch already taken: a run directory is taken over only by ``--resume``."""
+
+
+def owner_record(how: str, run_dir: str | None = None, **extra: Any) -> dict[str, Any]:
+    """Who takes an epoch: this process (pid, host), the run directory, and ``how`` (``start``: a fresh run,
+    ``resume``: ``dynaresize run --resume``, ``restart``: an automatic restart of the ranks)."""
+    import os
+    import socket
+
+    return {"pid": os.getpid(), "host": socket.gethostname(), "run_dir": run_dir, "how": how, **extra}
+
+
+def why_fenced(client: redis.Redis, keys: Keys, epoch: int, run_dir: str | None = None) -> str:
+    """Why coordinator ``epoch`` is fenced, in words, from the owner record of the epoch that replaced it."""
+    import os
+    import socket
+
+    try:
+        raw = client.hgetall(keys.owner)
+    except redis.RedisError as e:
+        return f"(who took over could not be read: {e})"
+    try:
+        owner = json.loads(raw[b"m"]) if raw.get(b"m") else {}
+        cur = int(raw.get(b"epoch") or 0)
+    except (ValueError, TypeError):
+        owner, cur = {}, 0
+    if not owner:
+        return "(no owner record: an older version took it, or Redis lost its data)"
+    who = f"pid {owner.get('pid')} on {owner.get('host')}"
+    same_process = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
+    theirs = owner.get("run_dir")
+    if run_dir is not None and theirs is not None and os.path.realpath(theirs) != os.path.realpath(run_dir):
+        return (f"a job-name collision: the run in {theirs} ({who}) uses the same job id {keys.job_id} on this Redis "
+                f"and took epoch {cur}; give each run its own job id (a run directory made by this version has one)")
+    if same_process:
+        return f"this coordinator's own restart took epoch {cur} (a stale handle of an earlier epoch)"
+    if owner.get("how") == "resume":
+        return f"another coordinator took this run over with `dynaresize run --resume` ({who}, epoch {cur})"
+    if owner.get("how") == "restart":
+        return f"coordinator {who} restarted the ranks with epoch {cur} (its automatic restart after lost ranks)"
+    return f"coordinator {who} started with epoch {cur}"
 
 
 class AckResult(NamedTuple):
@@ -136,14 +194,35 @@ class CommandBus:
     """Coordinator side: send commands to ranks, await their acks."""
 
     def __init__(self, client: redis.Redis, job_id: str, cfg: RedisConfig, events: EventLog | None = None,
-                 epoch: int | None = None):
+                 epoch: int | None = None, owner: dict[str, Any] | None = None, after: int | None = None,
+                 fresh: bool = False):
+        """Takes the job's next epoch (unless ``epoch`` is given: a second handle of one coordinator's epoch),
+        recording ``owner`` (:func:`owner_record`). ``after``: the epoch the caller holds; if it is not the job's
+        any more, :class:`FencedError` and no epoch is taken (a fenced coordinator never takes a new one).
+        ``fresh``: the job must have no epoch yet, else :class:`EpochTaken` (a takeover is a ``--resume``)."""
         self.r = client
         self.job_id = job_id
         self.keys = Keys(job_id)
         self.cfg = cfg
         self.events = events
+        self.run_dir = (owner or {}).get("run_dir")
         self._send = client.register_script(_SEND)
-        self.epoch = int(epoch if epoch is not None else client.incr(self.keys.epoch))
+        if epoch is not None:
+            self.epoch = int(epoch)
+            return
+        got, cur = (int(x) for x in client.register_script(_TAKE_EPOCH)(
+            keys=[self.keys.epoch, self.keys.owner],
+            args=["" if after is None else int(after), "1" if fresh else "0", json.dumps(owner or owner_record("start"))]))
+        if got == -1:
+            self.epoch = int(after)
+            _emit(events, "fenced", f"epoch {after} superseded by {cur}: no new epoch taken", epoch=after)
+            raise FencedError(f"job {job_id}: coordinator epoch {after} was fenced out by epoch {cur}: "
+                              f"{why_fenced(client, self.keys, int(after), self.run_dir)}")
+        if got == -2:
+            raise EpochTaken(f"job {job_id}: this Redis already holds epoch {cur} of this job (taken by: "
+                             f"{why_fenced(client, self.keys, 0, self.run_dir)}); nothing was started: a run is "
+                             "taken over only with `dynaresize run --resume RUN_DIR`")
+        self.epoch = got
 
     def current_epoch(self) -> int:
         return int(self.r.get(self.keys.epoch) or 0)
@@ -176,14 +255,16 @@ class CommandBus:
             if n == 0:
                 raise FencedError(f"job {self.job_id}: the job's epoch key {self.keys.epoch} is gone (Redis lost its data?); "
                                   f"coordinator epoch {cmd.epoch} cannot send")
-            raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}")
+            raise FencedError(f"job {self.job_id}: coordinator epoch {cmd.epoch} was fenced out by epoch {-n}: "
+                              f"{why_fenced(self.r, self.keys, cmd.epoch, self.run_dir)}")
 
     def check_epoch(self) -> None:
         """Raise :class:`FencedError` if a newer coordinator took over (call before writing files of the run)."""
         cur = self.current_epoch()
         if cur != self.epoch:
             _emit(self.events, "fenced", f"epoch {self.epoch} superseded by {cur}", epoch=self.epoch)
-            raise FencedError(f"job {self.job_id}: coordinator epoch {self.epoch} was fenced out by epoch {cur}")
+            raise FencedError(f"job {self.job_id}: coordinator epoch {self.epoch} was fenced out by epoch {cur}: "
+                              f"{why_fenced(self.r, self.keys, self.epoch, self.run_dir)}")
 
     def await_acks(self, command_id: str, ranks: Iterable[int], timeout: float) -> AckResult:
         """Collect acks of ``command_id`` from ``ranks`` until all answered or ``timeout`` seconds passed."""

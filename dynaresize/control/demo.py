@@ -25,6 +25,7 @@ from pathlib import Path
 
 from dynaresize.config.loader import load_config, write_resolved
 from dynaresize.rundir import create_run_dir
+from dynaresize.rundir import job_id as rundir_job_id
 from dynaresize.events import EventLog, Role, format_ranks
 
 log = logging.getLogger("dynaresize.control.demo")
@@ -100,10 +101,10 @@ def main(args: argparse.Namespace) -> int:
         return 2
     run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     write_resolved(cfg, run_dir)
-    job_id = run_dir.name
+    job_id = rundir_job_id(run_dir)
     rcfg = cfg.redis
     events = EventLog(run_dir / "events.jsonl")
-    events.emit("run_start", run_id=job_id, source="runtime", world_size=n, wall_time=events.t0)
+    events.emit("run_start", run_id=run_dir.name, job_id=job_id, source="runtime", world_size=n, wall_time=events.t0)
     n_train = min(cfg.cluster.initial_train, n - 1)
     status = "failed"
     ranks: dict[int, SimRank] = {}

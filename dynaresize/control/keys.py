@@ -7,6 +7,8 @@ key layout can be read here in one screen:
 key                            type      meaning
 =============================  ========  =====================================================================
 ``dr:<job>:epoch``             string    job epoch counter; INCR by each coordinator incarnation (fencing)
+``dr:<job>:owner``             hash      who took the current epoch: ``epoch``, ``m`` (JSON: pid, host, run
+                                         directory, how: start/resume/restart); written with the INCR
 ``dr:<job>:live``              zset      rank -> server time (s) of its last heartbeat; dead = too old
 ``dr:<job>:rank:<r>``          hash      registration of rank r: ``inc`` (incarnation), ``m`` (JSON); PEXPIRE TTL
 ``dr:<job>:inc:<r>``           string    incarnation counter of rank r (INCR on every register)
@@ -60,6 +62,10 @@ class Keys:
     @property
     def epoch(self) -> str:
         return f"{self.ns}:epoch"
+
+    @property
+    def owner(self) -> str:
+        return f"{self.ns}:owner"
 
     @property
     def live(self) -> str:

@@ -34,6 +34,7 @@ write of the control plane is idempotent or de-duplicated by the reader (see ``c
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import json
 import logging
@@ -57,6 +58,7 @@ from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
 from dynaresize import atomic
+from dynaresize.disk import SpaceWatch, describe, free_bytes, is_disk_full, size_text
 from dynaresize.control.config import LOOPBACK, RedisConfig
 from dynaresize.net import free_port
 
@@ -219,9 +221,34 @@ def refusal_cause(err: BaseException) -> str | None:
         return REFUSALS["READONLY"]
     if not isinstance(err, redis.ResponseError):
         return None
-    # a plain reply ("MISCONF ..."), or Redis 6.2's refusal inside a script ("Error running script ...: -OOM ...")
-    m = re.search(r"(?:^|-)(OOM|MISCONF|READONLY)\b", str(err))
+    return refusal_in_text(str(err))
+
+
+def refusal_in_text(text: str) -> str | None:
+    """The cause in words when ``text`` (an error's message, e.g. a rank's ack) is Redis refusing a write."""
+    # a plain reply ("MISCONF ..."), Redis 6.2's refusal inside a script ("Error running script ...: -OOM ..."),
+    # Redis 7's from a script's pcall ("user_script:3: OOM command not allowed ...")
+    m = re.search(r"(?:^|-|: )(OOM|MISCONF|READONLY)\b", text)
     return REFUSALS[m.group(1)] if m else None
+
+
+_SCRIPT_NOISE = re.compile(
+    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script:\d+: |,? ?script: [0-9a-f]{40}, on @user_script:\d+\.?")
+
+
+def redis_error_text(err: BaseException | str) -> str:
+    """A Redis error in words for a user: a refused write names its cause; a failed Lua script of the control plane
+    loses the script's hash and line (``Error running script (call to f_a26a...): @user_script:25: ...``), which
+    say nothing to a user, and says that a Redis script failed."""
+    text = str(err)
+    cause = refusal_in_text(text)
+    if cause is not None:
+        return f"Redis refused a write: {cause}"
+    cleaned = _SCRIPT_NOISE.sub("", text).strip()
+    if cleaned != text.strip():
+        cleaned = re.sub(r"^(ResponseError|RedisError|NoScriptError): ", "", cleaned)
+        return f"a Redis script of the control plane failed: {cleaned or 'no message'}"
+    return text
 
 
 class SafeRetry(Retry):
@@ -232,9 +259,18 @@ class SafeRetry(Retry):
     as safe as the first try) is retried for up to ``write_wait_s`` seconds (backoff to 1 s, a warning every
     10 s), then :class:`RedisRefusesWrites` names the cause. 0: raise the refusal at once."""
 
-    def __init__(self, backoff, retries, supported_errors=(), write_wait_s: float = 0.0):
+    def __init__(self, backoff, retries, supported_errors=(), write_wait_s: float = 0.0,
+                 outage: Callable[[], bool] | None = None):
         super().__init__(backoff, retries, supported_errors)
         self.write_wait_s = write_wait_s
+        self.outage = outage  # true while the server is being brought back (its watchdog): connection errors wait
+
+    def __deepcopy__(self, memo):  # redis-py copies its retry: the outage callable (a server's event) is shared
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, v if k == "outage" else copy.deepcopy(v, memo))
+        return new
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         def retryable(err: Exception) -> bool:
@@ -247,6 +283,10 @@ class SafeRetry(Retry):
         while True:
             try:
                 return super().call_with_retry(do, fail, retryable, with_failure_count)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if isinstance(e, redis.AuthenticationError) or self.outage is None or not self.outage():
+                    raise
+                time.sleep(0.2)  # the watchdog brings the server back (or gives up, then outage() is false)
             except redis.ResponseError as e:
                 cause = refusal_cause(e)
                 if cause is None or self.write_wait_s <= 0:
@@ -263,7 +303,8 @@ class SafeRetry(Retry):
                 pause = min(1.0, pause * 2)
 
 
-def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None) -> redis.Redis:
+def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None,
+               outage: Callable[[], bool] | None = None) -> redis.Redis:
     """A redis-py client with explicit timeouts, a bounded exponential-backoff retry on connection errors, and a
     bounded wait (``redis.write_wait_s``) while Redis refuses writes (:class:`SafeRetry`)."""
     return redis.Redis(
@@ -276,14 +317,15 @@ def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", passw
         health_check_interval=cfg.health_check_s,
         socket_keepalive=True,
         retry=SafeRetry(ExponentialBackoff(cap=BACKOFF_CAP_S, base=0.05), cfg.retries, (redis.ConnectionError, redis.TimeoutError),
-                        write_wait_s=cfg.write_wait_s),
+                        write_wait_s=cfg.write_wait_s, outage=outage),
         retry_on_error=[redis.ConnectionError, redis.TimeoutError],
         client_name=f"dr-{role}"[:64].replace(" ", "_"),
         decode_responses=False,
     )
 
 
-def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = None) -> redis.Redis:
+def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = None,
+            outage: Callable[[], bool] | None = None) -> redis.Redis:
     """Client for ``target``: a ``redis://`` URL, an endpoint file (``redis.json``), or a run directory.
 
     ``role`` names the connection (``CLIENT LIST`` shows ``dr-<role>``). Timeouts and retries come from ``cfg``.
@@ -293,8 +335,8 @@ def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = 
     if t.startswith(("redis://", "rediss://", "unix://")):
         u = urlparse(t)
         ep = Endpoint(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=int((u.path or "/0").lstrip("/") or 0))
-        return client_for(ep, cfg, role, password=unquote(u.password) if u.password else None)
-    return client_for(Endpoint.load(t), cfg, role)
+        return client_for(ep, cfg, role, password=unquote(u.password) if u.password else None, outage=outage)
+    return client_for(Endpoint.load(t), cfg, role, outage=outage)
 
 
 class RedisServer:
@@ -326,6 +368,8 @@ class RedisServer:
         self.owner_stopping = owner_stopping  # true while the owner stops (a clean exit then is not a crash)
         self.restarts = 0  # restarts done by the watchdog
         self.failure: str | None = None  # why the watchdog gave up (None while it has not)
+        self.waiting_for_disk: str | None = None  # set while the watchdog waits out a full disk (what, where, free)
+        self.reviving = threading.Event()  # set while the watchdog brings the server back (clients may wait for it)
         self._lock = threading.RLock()  # start/stop/restart of the process: one at a time
         self._stopping = threading.Event()  # set by stop() and detach(): the watchdog must not bring the server back
         self._detached = threading.Event()
@@ -369,7 +413,13 @@ class RedisServer:
             port = self.port or earlier or free_port(self.cfg.bind)
             earlier = None
             conf = self.dir / CONF_FILE
-            _write_private(conf, self._conf_text(port, password))
+            text = self._conf_text(port, password)
+            try:
+                same = conf.read_text() == text
+            except OSError:
+                same = False
+            if not same:  # a restart on a full disk writes nothing it does not need to
+                _write_private(conf, text)
             logpath = self.dir / LOG_FILE
             log_from = logpath.stat().st_size if logpath.exists() else 0
             logf = open(logpath, "ab")
@@ -550,7 +600,16 @@ class RedisServer:
         was called, start it again.
 
         After stop() it still lives until the server is gone (the server it started dies with it); after detach()
-        until this process ends."""
+        until this process ends. An unexpected error ends supervision with its reason in :attr:`failure` (never a
+        thread that dies with a traceback while the job waits for a server nobody restarts)."""
+        try:
+            self._watch_loop()
+        except Exception as e:  # noqa: BLE001 - recorded for the owner (check()), then supervision ends
+            self.failure = f"the redis-server watchdog failed: {type(e).__name__}: {e}"
+            log.error("%s", self.failure)
+            self.reviving.clear()
+
+    def _watch_loop(self) -> None:
         while True:
             if self._detached.is_set():
                 threading.Event().wait()  # idle for good (a daemon thread: it ends with the process)
@@ -623,25 +682,64 @@ class RedisServer:
         t0 = time.monotonic()
         attempts = self.cfg.restart_attempts
         err = ""
-        for attempt in range(1, attempts + 1):
-            if self._stopping.is_set():
-                return None
-            try:
-                self._spawn()
-            except RedisServerError as e:
-                err = str(e)
-                log.warning("restart %d/%d of redis-server on port %d failed: %s", attempt, attempts, self.port, err)
-                if attempt < attempts:
-                    self._stopping.wait(min(RESTART_BACKOFF_CAP_S, self.cfg.restart_backoff_s * 2 ** (attempt - 1)))
-                continue
-            self.restarts += 1
-            reason = (f"{cause}; restarted on the same port in {time.monotonic() - t0:.2f} s "
-                      f"(attempt {attempt}, append-only file replayed, appendfsync {self.cfg.appendfsync})")
-            log.warning("%s", reason)
-            return reason
-        self.failure = (f"{cause}; gave up after {attempts} restart attempts in {time.monotonic() - t0:.1f} s "
-                        f"(redis.restart_attempts): {err}")
-        log.error("%s", self.failure)
+        attempt = 0
+        self.reviving.set()
+        try:
+            disk = self._wait_for_disk(cause, t0) if is_disk_full(self._log_tail(5)) else None
+            if disk is not None:
+                return None  # the disk stayed full: self.failure says so
+            while attempt < attempts:
+                attempt += 1
+                if self._stopping.is_set():
+                    return None
+                try:
+                    self._spawn()
+                except (RedisServerError, OSError) as e:  # OSError: a file of the server's could not be written
+                    err = str(e)
+                    if is_disk_full(e) or is_disk_full(self._log_tail(5)):
+                        attempt -= 1  # not the server's fault: wait for space, then try again
+                        if self._wait_for_disk(cause, t0, e) is not None:
+                            return None
+                        continue
+                    log.warning("restart %d/%d of redis-server on port %d failed: %s", attempt, attempts, self.port, err)
+                    if attempt < attempts:
+                        self._stopping.wait(min(RESTART_BACKOFF_CAP_S, self.cfg.restart_backoff_s * 2 ** (attempt - 1)))
+                    continue
+                self.restarts += 1
+                self.waiting_for_disk = None
+                reason = (f"{cause}; restarted on the same port in {time.monotonic() - t0:.2f} s "
+                          f"(attempt {attempt}, append-only file replayed, appendfsync {self.cfg.appendfsync})")
+                log.warning("%s", reason)
+                return reason
+            self.failure = (f"{cause}; gave up after {attempts} restart attempts in {time.monotonic() - t0:.1f} s "
+                            f"(redis.restart_attempts): {err}")
+            log.error("%s", self.failure)
+            return None
+        finally:
+            self.reviving.clear()
+
+    def _wait_for_disk(self, cause: str, t0: float, err: BaseException | None = None) -> str | None:
+        """The server died of, or cannot start on, a full disk (its append-only file, its config): wait until its
+        filesystem has space again, at most ``redis.write_wait_s`` since the crash (like a refused write). None:
+        space is back (start it); else the failure, also in :attr:`failure`."""
+        watch = SpaceWatch(self.dir)
+        self.waiting_for_disk = f"{cause}: {describe(self.dir, err)}"
+        log.error("%s; waiting for space to start it again (up to %.0f s, redis.write_wait_s)", self.waiting_for_disk,
+                  self.cfg.write_wait_s)
+        last_log = time.monotonic()
+        while not watch.back():
+            now = time.monotonic()
+            if now - t0 >= self.cfg.write_wait_s:
+                self.failure = (f"{cause}: the disk of its append-only file stayed full for {now - t0:.0f} s "
+                                f"(redis.write_wait_s): {describe(self.dir, err)}")
+                log.error("%s", self.failure)
+                return self.failure
+            if now - last_log >= 10.0:
+                last_log = now
+                log.warning("still waiting for space on %s (%s)", self.dir, describe(self.dir, err))
+            if self._stopping.wait(0.2):
+                return "stopped"
+        log.warning("space is back on %s (%s free): starting redis-server again", self.dir, size_text(free_bytes(self.dir)))
         return None
 
     def _port_in_use(self, log_from: int) -> bool:

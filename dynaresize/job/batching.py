@@ -92,7 +92,12 @@ def ordered_samples(step: int, items: list[WorkItem], samples: list[SampleResult
     by_key = {s.key: s for s in samples}
     missing = [it.key for it in items if it.key not in by_key]
     if missing:
-        raise RuntimeError(f"batch {step}: {len(missing)} samples missing, e.g. {missing[:5]}")
+        from dynaresize.job.errors import JobError
+
+        raise JobError(f"batch {step} cannot be built: {len(missing)} of its {len(items)} samples have no result "
+                       f"(e.g. {', '.join(missing[:3])}); the run stopped before training it. Every sample generated "
+                       "so far stays in the run's Redis, and a resume puts back the claims of the stopped processes, "
+                       "so the missing ones are generated then")
     return [by_key[it.key] for it in items]
 
 

@@ -104,18 +104,22 @@ def shielded(srv):
         srv.stop()
 
 
-def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable[[Any], None] | None) -> Services:
-    """The coordinator's clients of the run's Redis; taking the command bus fences off any older coordinator."""
-    from dynaresize.control.commands import CommandBus
+def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable[[Any], None] | None,
+            resume: bool = False) -> Services:
+    """The coordinator's clients of the run's Redis; taking the command bus fences off any older coordinator. Only a
+    ``resume`` may take over a job that has an epoch already (a fresh start there is refused: ``EpochTaken``)."""
+    from dynaresize.control.commands import CommandBus, owner_record
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import connect as connect_redis
     from dynaresize.contract.workqueue import RolloutQueue
 
     cfg = job.cfg
-    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis)
+    # while the watchdog brings a crashed server back (a full disk waited out included) the coordinator waits too
+    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis, outage=srv.reviving.is_set)
     if on_redis_ready is not None:
         on_redis_ready(srv)
-    bus = CommandBus(r, job.job_id, cfg.redis, events=job.events)  # fences any older one
+    owner = owner_record("resume" if resume else "start", str(job.run_dir.resolve()), incarnation=job.state.incarnation)
+    bus = CommandBus(r, job.job_id, cfg.redis, events=job.events, owner=owner, fresh=not resume)  # fences any older one
     return Services(srv=srv, redis=r, bus=bus, registry=Registry(r, job.job_id, cfg.redis), queue=RolloutQueue(r, job.job_id),
                     task=prepared.task, model_dir=prepared.model_dir, tokenizer=prepared.tokenizer,
                     assembler=prepared.assembler, metrics=metrics)

@@ -12,7 +12,8 @@ from pathlib import Path
 from dynaresize import atomic
 from dynaresize.events import EventLog, format_ranks
 from dynaresize.job import checkpoints as ckpt
-from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.disk import SpaceWatch, describe, is_disk_full
+from dynaresize.job.errors import JobError, RanksLost, resume_plan
 from dynaresize.job.runtime import Job, Services
 from dynaresize.job.state import JobState, save_state
 from dynaresize.job.transport import Phase, Transport
@@ -24,6 +25,8 @@ class Checkpointer:
     def __init__(self, job: Job, svc: Services, tx: Transport):
         self.job, self.svc, self.tx = job, svc, tx
         self.in_progress: str | None = None  # the checkpoint directory claimed and not complete yet
+        self.last_failure: str | None = None  # why the last checkpoint attempt failed (None: it did not)
+        self.disk_full = False  # the last attempt failed on a full disk (ENOSPC/EDQUOT)
 
     def due(self, step: int) -> bool:
         """Whether the step boundary before ``step`` takes a checkpoint (``run.checkpoint_every``; the end of the
@@ -43,6 +46,7 @@ class Checkpointer:
         checkpoint stays the resume point, the run goes on. A lost rank (dead, silent) is handled as before."""
         job, run_dir = self.job, self.job.run_dir
         step = job.state.step
+        self.last_failure, self.disk_full = None, False
         done = Path(job.state.checkpoint).name if job.state.checkpoint else None
         if done and ckpt.tag_step(done) == step and (run_dir / "checkpoints" / "coordinator.json").exists():
             return done  # this step is checkpointed already
@@ -84,10 +88,42 @@ class Checkpointer:
                         start=job.events.now() - (time.monotonic() - t0), end=job.events.now())
         return tag
 
+    def final(self, at: Phase) -> str | None:
+        """The run's last checkpoint, which holds its final weights. One that failed on a full disk is waited out:
+        once space comes back on ``checkpoints/`` it is taken again, for up to ``faults.disk_full_wait_s``."""
+        tag = self.checkpoint(at)
+        wait_s = self.job.cfg.faults.disk_full_wait_s
+        deadline = time.monotonic() + wait_s
+        while tag is None and self.disk_full and time.monotonic() < deadline:
+            where = self.job.run_dir / "checkpoints"
+            watch = SpaceWatch(where)
+            log.warning("the final checkpoint failed on a full disk (%s): waiting up to %.0f s for space "
+                        "(faults.disk_full_wait_s), then it is taken again", describe(where), wait_s)
+            while not watch.back() and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if not watch.back():
+                break
+            tag = self.checkpoint(at)
+        return tag
+
+    def unsaved(self) -> str | None:
+        """Why the run's end is not on disk: its last checkpoint (the final weights) is not of the step the run
+        reached, with the reason it failed; None when it is."""
+        st = self.job.state
+        try:
+            at = ckpt.tag_step(Path(st.checkpoint).name) if st.checkpoint else None
+        except ValueError:
+            at = None
+        if at == st.step:
+            return None
+        why = self.last_failure or "it was not taken"
+        return (f"the final checkpoint of step {st.step} (the run's final weights) was not written: {why}; "
+                f"{resume_plan(st.step, st.checkpoint)}")
+
     def _claim(self, step: int) -> str | None:
         """A fresh checkpoint directory for this attempt, owned by this coordinator (``checkpoints.claim_tag``)."""
         try:
-            self.in_progress = ckpt.claim_tag(self.job.run_dir, step, {"epoch": self.svc.bus.epoch, "run_id": self.job.job_id,
+            self.in_progress = ckpt.claim_tag(self.job.run_dir, step, {"epoch": self.svc.bus.epoch, "job_id": self.job.job_id,
                                                                        "incarnation": self.job.state.incarnation})
         except OSError as e:
             from dynaresize.staging import os_error_text
@@ -130,6 +166,9 @@ class Checkpointer:
     def failed(self, tag: str, failures: dict[int | None, str], discard: bool = True) -> None:
         """Log why checkpoint ``tag`` was not written; remove it when it is this coordinator's (``discard``)."""
         keep = self.job.state.checkpoint or "none (a resume starts from scratch)"
+        first = sorted(failures.items(), key=lambda x: -1 if x[0] is None else x[0])[0]
+        self.last_failure = f"{tag}: {'' if first[0] is None else f'rank {first[0]}: '}{first[1]}"
+        self.disk_full = self.disk_full or any(is_disk_full(err) for err in failures.values())
         for r, err in sorted(failures.items(), key=lambda x: -1 if x[0] is None else x[0]):
             reason = f"{tag} not written: {err}; resume point stays {keep}"
             log.warning("checkpoint %s failed%s: %s", tag, "" if r is None else f" on rank {r}", reason)

@@ -61,11 +61,13 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
     if run_dir is None:
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second
-    from dynaresize.control.commands import FencedError
+    from dynaresize.control.commands import EpochTaken, FencedError
     from dynaresize.job.coordinator import Coordinator
     from dynaresize.job.errors import JobError
     from dynaresize.job.state import StateError
 
+    if args.quiet or not cfg.run.progress:
+        quiet_progress()  # no library's progress bar either (transformers' "Writing model shards" on a model build)
     bar = _progress(cfg.run.steps, enabled=cfg.run.progress and not args.quiet)
     try:
         coord = Coordinator(cfg, run_dir, resume=bool(args.resume), on_step=bar.update if bar else None,
@@ -83,18 +85,38 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
         print(f"dynaresize run: {e}", file=sys.stderr)
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
-    except FencedError as e:
-        print(f"dynaresize run: {e}: another coordinator took this run over (dynaresize run --resume); this one "
-              "stops without touching its ranks or its Redis", file=sys.stderr)
+    except FencedError as e:  # the message says who took the epoch and how (the job's owner record)
+        print(f"dynaresize run: {e}; this coordinator stops without touching the ranks or the Redis of the run",
+              file=sys.stderr)
         return 3
+    except EpochTaken as e:  # a fresh start found the job's epoch taken: nothing was started
+        print(f"dynaresize run: {e}", file=sys.stderr)
+        return 2
     finally:
         if bar:
             bar.close()
     _print_summary(summary)
     stop = summary.get("operator_stop")
+    if summary.get("incomplete"):  # every step trained, but the final checkpoint (the weights) is not on disk
+        print(f"dynaresize run: {summary['incomplete']}\nresume with: dynaresize run --resume {run_dir}", file=sys.stderr)
+        return 1
     if stop and summary["status"] != "completed":  # the real cause of the early end, and the way on
         print(f"stopped: {stop['text']}\nresume with: dynaresize run --resume {run_dir}", file=sys.stderr)
     return 0 if summary["status"] == "completed" else 130
+
+
+def quiet_progress() -> None:
+    """No progress bars of the libraries a run uses (huggingface_hub's, and transformers' own switch, which it reads
+    once at import): set before they are imported, switched off if they already are."""
+    import os
+
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
 
 
 class _Bar:

@@ -54,12 +54,13 @@ import redis
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
 from dynaresize.control.commands import FencedError
-from dynaresize.control.server import RedisRefusesWrites
+from dynaresize.control.server import RedisRefusesWrites, redis_error_text
+from dynaresize.disk import describe, is_disk_full
 from dynaresize.events import EventLog, format_ranks
 from dynaresize.job import bootstrap
 from dynaresize.job.bootstrap import Parts
 from dynaresize.job.checkpointing import next_incarnation, resume_state, rewind_batches
-from dynaresize.job.errors import JobError, OperatorStop, RanksLost
+from dynaresize.job.errors import JobError, OperatorStop, RanksLost, where_stopped
 from dynaresize.job.pipeline import ContinuousSchedule
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import kill_leftovers
@@ -134,13 +135,13 @@ class Coordinator:
         write_resolved(self.cfg, self.run_dir)
         job.events = EventLog(self.run_dir / "events.jsonl")
         self._announce()
-        status, fenced, metrics = "failed", False, None
+        status, fenced, metrics, incomplete = "failed", False, None, None
         try:
             metrics = open_metrics(job)
             prepared = bootstrap.prepare(job)
             planner = Planner(job)
             with bootstrap.redis_server(job, self.stop_requested) as srv:
-                svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready)
+                svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready, resume=self.resume)
                 p = self.parts = bootstrap.wire(job, svc, planner, self.launcher_factory, self.stop_requested, self.on_step)
                 attached = self._take_over(p)
                 try:
@@ -153,32 +154,51 @@ class Coordinator:
                         self.operator_stop.abandoned = "a second signal stopped it at once, without a checkpoint"
                 except RedisRefusesWrites as e:  # a Redis problem, not a rank's: stop cleanly, say why and how to go on
                     checkpoint, p.tx.writes_refused = False, True
-                    raise JobError(f"{e}; the run stopped at step {job.state.step} (the last checkpoint is where a "
-                                   "resume starts; fix Redis first)") from None
+                    raise JobError(f"{e}; {self._where_stopped()}; fix Redis first") from None
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
                     raise
                 except BaseException as e:  # a rank died or a command failed: the last checkpoint stays the resume point
                     checkpoint = False
+                    if isinstance(e, redis.ConnectionError) and srv.failure is not None:
+                        # the watchdog gave up restarting Redis: why, not the client's symptom
+                        raise JobError(f"the run's Redis is gone: {srv.failure}; {self._where_stopped()}") from None
                     if isinstance(e, redis.ConnectionError):
-                        srv.check()  # the watchdog gave up restarting Redis: raise why, not the client's symptom
+                        raise JobError(f"the run's Redis does not answer ({e}); {self._where_stopped()}") from None
+                    if is_disk_full(e):  # a file of the run could not be written: named, with the space left
+                        what = describe(e.filename, e) if isinstance(e, OSError) else str(e)
+                        raise JobError(f"{what}; {self._where_stopped()}; free space first") from None
+                    if isinstance(e, redis.ResponseError):  # never a raw Lua error
+                        raise JobError(f"{redis_error_text(e)}; {self._where_stopped()}") from None
                     raise
                 finally:
                     if not fenced:
                         p.ranks.shut_down(self.at, checkpoint, p.checkpointer, self.operator_stop)
+                if status == "completed":  # never 'completed' while the final checkpoint (its weights) is not on disk
+                    incomplete = p.checkpointer.unsaved()
+                    if incomplete is not None:
+                        status = "incomplete"
+                        log.error("%s", incomplete)
+                        job.events.emit("control", what="incomplete", reason=incomplete)
         finally:
             if metrics is not None:
                 metrics.close()
-            if not fenced:
-                job.events.emit("run_end", status=status, steps=job.state.step)
-            job.events.close()
-        return summary(job, status, self.operator_stop)
+            try:
+                if not fenced:
+                    job.events.emit("run_end", status=status, steps=job.state.step)
+                job.events.close()
+            except OSError as e:  # the run directory's disk may be the full one: the error above says what happened
+                log.warning("could not log the run's end: %s", e)
+        return summary(job, status, self.operator_stop, incomplete)
+
+    def _where_stopped(self) -> str:
+        return where_stopped(self.job.state.step, self.job.state.checkpoint)
 
     def _announce(self) -> None:
         job, st = self.job, self.job.state
         if not self.resume:
-            job.events.emit("run_start", run_id=job.job_id, source="runtime", world_size=job.world, wall_time=job.events.t0,
+            job.events.emit("run_start", run_id=job.run_dir.name, job_id=job.job_id, source="runtime", world_size=job.world, wall_time=job.events.t0,
                             train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
             job.events.emit("topology", step=0, train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
         else:

@@ -35,12 +35,23 @@ def worker_env(device: str) -> dict[str, str]:
 
 
 def worker_argv(run_dir: Path, rank: int, world: int, master_port: int, job_id: str, master_addr: str = "127.0.0.1",
-                module: str = "dynaresize.worker.main") -> list[str]:
+                module: str = "dynaresize.worker.main", launch: int | None = None) -> list[str]:
+    """``launch``: the launch the process belongs to (it registers as that launch whatever ``launch.json`` says
+    by the time it reads it: a slow process of an earlier launch is refused as what it is)."""
     return [
         sys.executable, "-m", module,
         "--run-dir", str(run_dir), "--rank", str(rank), "--world", str(world),
         "--master-addr", master_addr, "--master-port", str(master_port), "--job-id", job_id,
+        *(["--launch", str(int(launch))] if launch is not None else []),
     ]
+
+
+def launch_of(run_dir: Path) -> int | None:
+    """The launch number in ``<run_dir>/launch.json`` (written by the coordinator just before it starts ranks)."""
+    try:
+        return int(json.loads((Path(run_dir) / "launch.json").read_text())["incarnation"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def log_tail(run_dir: Path, rank: int, lines: int = 20) -> str:
@@ -77,6 +88,7 @@ class LocalLauncher:
 
     def start(self) -> None:
         self.master_port = self.master_port or free_port()
+        launch_no = launch_of(self.run_dir)
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         env = worker_env(self.device)
@@ -84,7 +96,7 @@ class LocalLauncher:
             for r in range(self.world):
                 out = open(logs / f"rank{r}.log", "ab")
                 self.procs[r] = subprocess.Popen(
-                    worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module),
+                    worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module, launch=launch_no),
                     stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                 )
                 out.close()
@@ -96,7 +108,8 @@ class LocalLauncher:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
             )
         for r in range(self.world):  # read once its imports are done
-            argv = worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module)[3:]
+            argv = worker_argv(self.run_dir, r, self.world, self.master_port, self.job_id, module=self.module,
+                               launch=launch_no)[3:]
             self._parent.stdin.write((json.dumps({"rank": r, "argv": argv, "log": str(logs / f"rank{r}.log")}) + "\n").encode())
         self._parent.stdin.flush()
         threading.Thread(target=launch.read, args=(self._parent.stdout,), name="zygote-reader", daemon=True).start()

@@ -47,9 +47,14 @@ class Ranks:
             self.planner.rebuild()
         for r in range(world):  # heartbeats of an earlier launch's processes must not count as this one's
             svc.registry.forget(r)
-        for j in job.live_steps():
-            for r in range(world):  # claims of the processes of an earlier launch are void
-                svc.queue.release(j, r)
+        # claims are bound to the launch that made them: every claim of an earlier launch's processes is void, of
+        # every step (the continuous schedule runs ahead of the checkpoint), training batches and validation alike
+        from dynaresize.contract.workqueue import RolloutQueue
+
+        back = svc.queue.release_all() + RolloutQueue(svc.redis, job.job_id, name="vq").release_all()
+        if back:
+            job.events.emit("control", what="reclaimed", reason=f"{back} sample(s) claimed by processes of an earlier "
+                            f"launch put back for launch {job.state.incarnation}")
         write_launch_file(job, svc.model_dir)
         factory = self.launcher_factory or (lambda run_dir, world, job_id, device: LocalLauncher(
             run_dir, world, job_id, device, zygote=job.cfg.cluster.fork_ranks))
@@ -89,7 +94,7 @@ class Ranks:
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):
                 try:
-                    tag = checkpointer.checkpoint(at)
+                    tag = checkpointer.final(at)  # the final weights: a full disk is waited out
                     if stop is not None and tag is not None:
                         stop.checkpoint = tag
                 except KeyboardInterrupt:

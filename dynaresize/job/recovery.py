@@ -32,6 +32,7 @@ class Recovery:
         """Fence the lost ranks off (a hung process that comes back is refused), put their claimed samples back,
         and re-plan over the live ranks."""
         job, svc = self.job, self.svc
+        svc.bus.check_epoch()  # a fenced coordinator fences no rank: they may be its successor's (FencedError)
         for r in ranks:
             inc = svc.registry.fence(r)
             job.events.emit("control", what="rank_lost", reason=why, rank=r, epoch=svc.bus.epoch)
@@ -49,7 +50,7 @@ class Recovery:
         A new epoch fences off whatever the killed processes had in flight. ``stopping``: why the run stops, if it
         does (then nothing is started again); ``forget`` drops what the rollout planned since the checkpoint.
         Returns False when no restart is possible (the caller raises ``e``); True: the caller starts the ranks."""
-        from dynaresize.control.commands import CommandBus
+        from dynaresize.control.commands import CommandBus, owner_record
 
         job, svc, cfg = self.job, self.svc, self.job.cfg
         if stopping is not None:  # never start ranks again while the run stops
@@ -57,6 +58,9 @@ class Recovery:
         relaunch = getattr(svc.launcher, "relaunchable", False)
         if not relaunch or self.restarts >= cfg.faults.max_restarts:
             return False
+        # a fenced coordinator (another one took the run over, which is likely why its ranks are gone) restarts
+        # nothing and takes no epoch: FencedError, before any rank is stopped or any file written
+        svc.bus.check_epoch()
         self.restarts += 1
         old = resume_state(job.run_dir, job.world) or JobState(n_train=cfg.cluster.initial_train)  # the newest intact checkpoint
         where = f"checkpoint {old.checkpoint} (step {old.step})" if old.checkpoint else "the start"
@@ -70,6 +74,8 @@ class Recovery:
         rewind_batches(job.run_dir, job.state.step, job.events)
         forget()
         job.last = StepTimes()
-        svc.bus = CommandBus(svc.redis, job.job_id, cfg.redis, events=job.events)  # new epoch
+        owner = owner_record("restart", str(job.run_dir.resolve()), incarnation=job.state.incarnation)
+        # the new epoch only while this coordinator's is still the job's (one script: no takeover slips in between)
+        svc.bus = CommandBus(svc.redis, job.job_id, cfg.redis, events=job.events, owner=owner, after=svc.bus.epoch)
         self.planner.reset()
         return True

@@ -95,7 +95,9 @@ def hidden_by_switch(run_dir: Path) -> dict[str, float]:
     return hidden
 
 
-def summary(job: Job, status: str, stop: OperatorStop | None) -> dict[str, Any]:
+def summary(job: Job, status: str, stop: OperatorStop | None, incomplete: str | None = None) -> dict[str, Any]:
+    """The run's ``summary.json`` (returned too). ``incomplete``: why a run that trained every step is not
+    ``completed`` (its final checkpoint did not reach the disk)."""
     st, run_dir = job.state, job.run_dir
     hidden = hidden_by_switch(run_dir)
     for sw in st.switches:
@@ -124,11 +126,19 @@ def summary(job: Job, status: str, stop: OperatorStop | None) -> dict[str, Any]:
     }
     if stop is not None:
         out["operator_stop"] = {**asdict(stop), "text": stop.describe(st.step, st.checkpoint)}
+    if incomplete is not None:
+        out["incomplete"] = incomplete
     if job.cfg.cluster.device == "emulated":  # the emulation's faithfulness, from the ranks' pacing records
         from dynaresize.emulation.report import emulation_summary
 
         out["emulation"] = emulation_summary(run_dir)
-    atomic.write_json(run_dir / "summary.json", out, indent=1)
+    try:
+        atomic.write_json(run_dir / "summary.json", out, indent=1)
+    except OSError as e:  # a full disk: the summary is printed all the same, and says it is not on disk
+        from dynaresize.staging import os_error_text
+
+        out["summary_not_written"] = f"{run_dir / 'summary.json'}: {os_error_text(e)}"
+        log.warning("%s", out["summary_not_written"])
     return out
 
 

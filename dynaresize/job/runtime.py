@@ -35,6 +35,13 @@ class Job:
     switched_last: bool = False  # the last step switched roles (the policy's observation says so; journaled)
     t_start: float = field(default_factory=time.monotonic)
     elapsed_before: float | None = None  # state.elapsed_s when this process first measured it
+    job_id: str = ""  # the run's Redis namespace and fencing identity (dynaresize.rundir.job_id; filled in)
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            from dynaresize.rundir import job_id
+
+            self.job_id = job_id(self.run_dir)
 
     @property
     def world(self) -> int:
@@ -43,10 +50,6 @@ class Job:
     @property
     def bound(self) -> int:
         return self.cfg.pipeline.staleness_bound
-
-    @property
-    def job_id(self) -> str:
-        return self.run_dir.name
 
     def elapsed(self) -> float:
         if self.elapsed_before is None:

@@ -9,9 +9,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from dynaresize.control.server import RedisRefusesWrites
+from dynaresize.control.server import RedisRefusesWrites, redis_error_text
+from dynaresize.disk import is_disk_full
 from dynaresize.events import format_ranks
-from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.errors import JobError, RanksLost, where_stopped
 from dynaresize.job.runtime import Job, Services
 
 
@@ -100,11 +101,15 @@ class Transport:
         bad = {r: a.error for r, a in res.acks.items() if not a.ok}
         if bad:
             r, err = next(iter(sorted(bad.items())))
+            st = self.job.state
             if (err or "").startswith(RedisRefusesWrites.__name__):  # the rank's Redis writes were refused: not the rank's fault
                 self.writes_refused = True
-                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); the run stopped at step "
-                               f"{self.job.state.step} (the last checkpoint is where a resume starts; fix Redis first)")
-            raise JobError(f"{what} failed on rank {r}: {err}")
+                raise JobError(f"{err.split(': ', 1)[-1]} (while rank {r} ran {what}); "
+                               f"{where_stopped(st.step, st.checkpoint)}; fix Redis first")
+            if is_disk_full(err):  # the rank's disk is full (a staging failure is handled where it can be)
+                raise JobError(f"{what} failed on rank {r} on a full disk: {err}; {where_stopped(st.step, st.checkpoint)}; "
+                               "free space first")
+            raise JobError(f"{what} failed on rank {r}: {redis_error_text(err or 'no error text')}")
 
     def failures(self, sent: InFlight, marker: str) -> dict[int, str]:
         """After ``sent`` failed: the ranks whose ack error names ``marker``, with its text; empty when any rank did

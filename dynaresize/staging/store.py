@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynaresize import atomic
+from dynaresize.disk import DISK_FULL_ERRNOS, free_bytes, size_text
 from typing import Any
 
 import torch
@@ -66,7 +67,10 @@ def os_error_text(e: OSError) -> str:
     """``ENOSPC (No space left on device) on <file>``: the symbolic errno first, so logs and events can be grepped."""
     name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno is not None else type(e).__name__
     text = f"{name} ({e.strerror or e})"
-    return f"{text} on {e.filename}" if e.filename else text
+    text = f"{text} on {e.filename}" if e.filename else text
+    if e.errno in DISK_FULL_ERRNOS:  # a full disk: how much its filesystem has left
+        text += f", a full disk ({size_text(free_bytes(e.filename))} free on its filesystem)" if e.filename else ", a full disk"
+    return text
 
 
 def default_dir(job_id: str) -> Path:

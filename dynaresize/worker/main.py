@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master-addr", default="127.0.0.1", help="rendezvous host of the world process group")
     p.add_argument("--master-port", type=int, required=True, help="rendezvous port of the world process group")
     p.add_argument("--job-id", required=True, help="job id (Redis namespace)")
+    p.add_argument("--launch", type=int, default=None, help="the launch this process belongs to (default: the one "
+                   "launch.json names when it is read; the local launcher passes it)")
 
 
 def _validated(kind: str, payload: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +57,8 @@ def main(args: argparse.Namespace, hooks=None) -> int:
     run_dir = Path(args.run_dir)
     endpoint = run_dir / "redis" / "redis.json"
     _defer_stop_signals(run_dir, endpoint)
-    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port, hooks=hooks)
+    return serve(run_dir, args.rank, args.world, args.job_id, endpoint, args.master_addr, args.master_port, hooks=hooks,
+                 launch_no=getattr(args, "launch", None))
 
 
 def _defer_stop_signals(run_dir: Path, endpoint_file: Path) -> None:
@@ -162,7 +165,7 @@ def preload_rank_imports() -> None:
 
 
 def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,
-          local_rank: int | None = None, hooks=None) -> int:
+          local_rank: int | None = None, hooks=None, launch_no: int | None = None) -> int:
     """Run one worker rank until ``shutdown``: see the module docstring for the order of things."""
     # The imports below create millions of objects that live as long as the process (torch, transformers,
     # DeepSpeed): cycle collections during them rescan those again and again (~1 s of CPU per rank). None runs
@@ -178,6 +181,8 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         launch = json.loads((run_dir / "launch.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"{run_dir / 'launch.json'}: unreadable launch file ({e})") from None
+    if launch_no is None:  # started by srun: the launch file of this restart (run_worker waited for it)
+        launch_no = int(launch.get("incarnation", 0))
 
     import torch
 
@@ -208,7 +213,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         node=os.environ.get("SLURMD_NODENAME"), gpu=os.environ.get("CUDA_VISIBLE_DEVICES"),
         local_id=int(os.environ["SLURM_LOCALID"]) if os.environ.get("SLURM_LOCALID", "").isdigit() else None,
         het_group=int(os.environ["DYNARESIZE_HET_GROUP"]) if os.environ.get("DYNARESIZE_HET_GROUP", "").isdigit() else None,
-        launch=int(launch.get("incarnation", 0)),
+        launch=launch_no,  # its own launch, never a later one's launch.json (a slow start is refused as what it is)
     )
     hb = Heartbeater(Registry(client, job_id, cfg.redis), reg, events=events)
     try:
@@ -234,7 +239,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     gc.freeze()
     gc.enable()
     if master_addr is None:
-        master_addr = _master_addr(client, job_id, rank, launch.get("incarnation", 0))
+        master_addr = _master_addr(client, job_id, rank, launch_no)
     if cfg.cluster.device == "cuda" and os.environ.get("DYNARESIZE_CUDA_DEVICE"):
         local_rank = int(os.environ["DYNARESIZE_CUDA_DEVICE"])
     device = torch_device(cfg.cluster.device)  # an emulated accelerator computes on the CPU

@@ -274,3 +274,94 @@ def test_a_commit_lost_while_the_coordinator_was_replaced_is_acked_under_the_new
     assert len(h.seen) == 1, "applied once"
     ack = new.await_acks(cmd.command_id, [0], 1).acks[0]
     assert ack.ok and ack.epoch == new.epoch and ack.result == {"n": 1}
+
+
+# --- who owns the job's epoch: a fenced coordinator takes none, a fresh start takes over nothing, the reason said ---
+
+def test_a_fenced_coordinator_never_takes_a_new_epoch_and_is_told_who_took_over(client, cfg, job_id, tmp_path):
+    """``Recovery.restart`` takes its new epoch with ``after=<its own>``: once a second coordinator took the run
+    over with --resume, the first one's automatic restart raises FencedError, takes no epoch (the second keeps
+    the job) and says who fenced it and how."""
+    from dynaresize.control.commands import CommandBus, FencedError, owner_record
+
+    run = str(tmp_path)
+    first = CommandBus(client(), job_id, cfg, owner=owner_record("start", run), fresh=True)
+    second = CommandBus(client(), job_id, cfg, owner=dict(owner_record("resume", run), pid=1), after=None)
+    assert second.epoch == first.epoch + 1
+    with pytest.raises(FencedError) as e:
+        CommandBus(client(), job_id, cfg, owner=owner_record("restart", run), after=first.epoch)
+    assert "took this run over with `dynaresize run --resume`" in str(e.value) and f"epoch {second.epoch}" in str(e.value)
+    assert second.current_epoch() == second.epoch  # no epoch taken: the second coordinator still owns the job
+    second.send("ping", [0])  # and can send
+    with pytest.raises(FencedError, match="took this run over with `dynaresize run --resume`"):
+        first.send("ping", [0])
+    # the owner's own restart (after its own epoch) takes the next one
+    third = CommandBus(client(), job_id, cfg, owner=owner_record("restart", run), after=second.epoch)
+    assert third.epoch == second.epoch + 1
+    with pytest.raises(FencedError, match="own restart took epoch"):
+        second.check_epoch()  # same pid and host as the owner record: a stale handle of this very process
+
+
+def test_a_job_id_collision_and_a_fresh_start_on_a_taken_job_are_named(client, cfg, job_id, tmp_path):
+    from dynaresize.control.commands import CommandBus, EpochTaken, FencedError, owner_record
+
+    a = CommandBus(client(), job_id, cfg, owner=owner_record("start", str(tmp_path / "a")), fresh=True)
+    with pytest.raises(EpochTaken, match="taken over only with `dynaresize run --resume RUN_DIR`"):
+        CommandBus(client(), job_id, cfg, owner=owner_record("start", str(tmp_path / "b")), fresh=True)
+    assert a.current_epoch() == a.epoch  # the refused start took nothing
+    CommandBus(client(), job_id, cfg, owner=dict(owner_record("resume", str(tmp_path / "b")), pid=1))
+    with pytest.raises(FencedError, match=f"job-name collision: the run in {tmp_path / 'b'}"):
+        a.check_epoch()
+
+
+def test_the_automatic_restart_of_a_fenced_coordinator_stops_no_rank_and_writes_nothing(client, cfg, tmp_path):
+    """``Recovery.restart`` after another coordinator took the run over (the case where the first one's restart
+    used to take a new epoch and fence its successor): FencedError before any rank is stopped, any file of the run
+    written or any epoch taken. The launcher is a stand-in that records whether it was told to stop the ranks."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.control.commands import CommandBus, FencedError, owner_record
+    from dynaresize.job.errors import RanksLost
+    from dynaresize.job.recovery import Recovery
+    from dynaresize.job.runtime import Job, Services
+    from dynaresize.job.state import JobState
+
+    job_cfg = load_config("configs/quickstart.yaml", ["faults.max_restarts=2"])
+    job = Job(job_cfg, tmp_path, JobState(n_train=2, step=5))
+    mine = CommandBus(client(), job.job_id, cfg, owner=owner_record("start", str(tmp_path)), fresh=True)
+
+    class StandInLauncher:  # the first coordinator's rank processes (already killed by the takeover)
+        relaunchable, stopped = True, False
+
+        def stop(self, grace_s: float = 0.0) -> None:
+            self.stopped = True
+
+    svc = Services(srv=None, redis=client(), bus=mine, registry=None, queue=None, task=None, model_dir=tmp_path,
+                   tokenizer=None, assembler=None, metrics=None, launcher=StandInLauncher())
+    theirs = CommandBus(client(), job.job_id, cfg, owner=dict(owner_record("resume", str(tmp_path)), pid=1))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    with pytest.raises(FencedError, match="took this run over with `dynaresize run --resume`"):
+        Recovery(job, svc, planner=None).restart(RanksLost([2, 3], "generate 5", "process exited"), None, lambda: None)
+    assert not svc.launcher.stopped, "no rank stopped"
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before, "no file of the run written"
+    assert theirs.current_epoch() == theirs.epoch and svc.bus is mine, "no epoch taken"
+
+
+def test_a_fenced_coordinator_fences_no_rank_of_its_successor(client, cfg, tmp_path):
+    """``Recovery.shrink`` (a rollout rank lost) by a coordinator whose epoch is gone: FencedError, and the rank,
+    which may be its successor's, stays unfenced."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.control.commands import CommandBus, FencedError, owner_record
+    from dynaresize.control.registry import Registry
+    from dynaresize.job.recovery import Recovery
+    from dynaresize.job.runtime import Job, Services
+    from dynaresize.job.state import JobState
+
+    job = Job(load_config("configs/quickstart.yaml"), tmp_path, JobState(n_train=2, step=5))
+    mine = CommandBus(client(), job.job_id, cfg, owner=owner_record("start", str(tmp_path)), fresh=True)
+    registry = Registry(client(), job.job_id, cfg)
+    svc = Services(srv=None, redis=client(), bus=mine, registry=registry, queue=None, task=None, model_dir=tmp_path,
+                   tokenizer=None, assembler=None, metrics=None)
+    CommandBus(client(), job.job_id, cfg, owner=dict(owner_record("resume", str(tmp_path)), pid=1))
+    with pytest.raises(FencedError):
+        Recovery(job, svc, planner=None).shrink([3], "no heartbeat for 9.0 s")
+    assert registry.fenced() == set() and job.state.lost == []

@@ -106,10 +106,11 @@ def _run_dir(tmp_path: Path, redis_binary: str, job_id: str, launch: int) -> tup
     return run, srv
 
 
-def _rank_process(run: Path, rank: int, job_id: str) -> subprocess.Popen:
+def _rank_process(run: Path, rank: int, job_id: str, launch: int | None = None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    own = ["--launch", str(launch)] if launch is not None else []
     return subprocess.Popen([sys.executable, "-m", "dynaresize.worker.main", "--run-dir", str(run), "--rank", str(rank),
-                             "--world", "2", "--master-port", "1", "--job-id", job_id],
+                             "--world", "2", "--master-port", "1", "--job-id", job_id, *own],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -145,9 +146,16 @@ def test_real_rank_processes_of_an_earlier_launch_or_a_held_rank_exit_at_once(tm
             p = _rank_process(run, 1, job_id)  # a process that still reads launch 2's file
             code, err = _finish(p, 60)
             assert code == REFUSED_EXIT and "belongs to launch 2, an earlier launch" in err and "Traceback" not in err
+
+            # a slow process of launch 2 that reads the launch file only after launch 3 rewrote it: it registers
+            # as what it is (the launcher passes --launch), never as launch 3
+            (run / "launch.json").write_text((run / "launch.json").read_text().replace('"incarnation": 2', '"incarnation": 3'))
+            p = _rank_process(run, 1, job_id, launch=2)
+            code, err = _finish(p, 60)
+            assert code == REFUSED_EXIT and "launch 2) refused: it belongs to launch 2, an earlier launch" in err, err[-2000:]
         finally:
             holder.stop()
         refused = [e for e in read_events(run / "events.jsonl") if e.get("what") == "refused"]
-        assert len(refused) == 2
+        assert len(refused) == 3
     finally:
         srv.stop()

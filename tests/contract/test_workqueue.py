@@ -168,3 +168,24 @@ def test_results_of_reads_the_named_samples_in_the_order_given(queue):
     res = queue.results_of(4, ["4.1.3", "4.0.0", "4.2.0", "4.1.0"])
     assert [s.key for s in res] == ["4.1.3", "4.0.0", "4.1.0"]  # the unfinished one left out
     assert queue.results_of(4, []) == []
+
+
+def test_a_new_launch_puts_back_every_claim_of_every_step(queue):
+    """Claims are bound to the launch that made them: the continuous schedule runs ahead of its checkpoint, so a
+    process stopped at step 5 can hold claims of step 7 and 9 that a resume from step 2 reaches only later; if they
+    stayed claimed, the prompts would never be claimed again (the old "batch 31: 32 samples missing" on every
+    --resume). ``release_all`` puts back every step's claims and leaves finished samples alone."""
+    for step in (2, 7, 9):
+        queue.publish(step, items(step))
+    held = {(2, 1): queue.claim(2, rank=1, n=4), (7, 2): queue.claim_prompts(7, 2, [0, 1]), (9, 3): queue.claim(9, rank=3, n=12)}
+    queue.complete(9, 3, [result(it, 3) for it in held[(9, 3)][:5]])  # finished before the stop: kept
+    assert queue.pending(7) == 4 and queue.pending(9) == 0
+    assert queue.release_all() == 4 + 8 + 7
+    assert (queue.pending(2), queue.pending(7), queue.pending(9)) == (12, 12, 7)
+    # the new launch's rank 1 can claim the groups the old rank 2 held at step 7, and nothing is claimed twice
+    got = queue.claim_prompts(7, 1, [0, 1])
+    assert sorted(it.key for it in got) == sorted(it.key for it in held[(7, 2)])
+    rest = queue.claim(9, rank=1, n=100)
+    assert sorted(it.key for it in rest) == sorted(it.key for it in held[(9, 3)][5:])
+    assert queue.release_all() == len(got) + len(rest)  # the same again: idempotent, nothing duplicated
+    assert queue.pending(7) == 12 and queue.done(9) == 5

@@ -42,7 +42,7 @@ from dynaresize.config.loader import load_config
 from dynaresize.job.coordinator import Coordinator
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 s = Coordinator(load_config("configs/quickstart.yaml", sys.argv[2:]), Path(sys.argv[1])).run()
-print(json.dumps({"status": s["status"], "steps": s["steps"]}))
+print(json.dumps({"status": s["status"], "steps": s["steps"], "incomplete": s.get("incomplete")}))
 sys.exit(0 if s["status"] == "completed" else 1)
 """
 
@@ -72,17 +72,21 @@ def _env() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
 
 
-def _run(argv: list[str], started: list) -> str:
+def _run(argv: list[str], started: list, expect: int = 0) -> str:
     p = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True)
     started.append(p)
     out, _ = p.communicate(timeout=900)
-    assert p.returncode == 0, out[-5000:]
+    assert p.returncode == expect, out[-5000:]
     return out
 
 
-def fresh_run(run_dir: Path, cache: str, started: list, *overrides: str) -> str:
-    return _run([sys.executable, "-c", DRIVER, str(run_dir), *BASE, f"model.cache_dir={cache}", *overrides], started)
+def _driver(run_dir: Path, cache: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-c", DRIVER, str(run_dir), *BASE, f"model.cache_dir={cache}", *overrides]
+
+
+def fresh_run(run_dir: Path, cache: str, started: list, *overrides: str, expect: int = 0) -> str:
+    return _run(_driver(run_dir, cache, *overrides), started, expect)
 
 
 def resume(run_dir: Path, started: list) -> str:
@@ -117,12 +121,13 @@ def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs,
     run_dir = tmp_path / "run"
     # one checkpoint of this job is ~15 MB (3 ranks' weights, 2 trainers' ZeRO partitions): 20 MiB holds one
     ck = tmpfs(run_dir / "checkpoints", 20 << 20)
-    fresh_run(run_dir, model_cache, no_strays)
+    out = fresh_run(run_dir, model_cache, no_strays, "faults.disk_full_wait_s=0", expect=1)
 
     failed = controls(run_dir, "checkpoint_failed")
     assert failed, "the second checkpoint should not have fit"
     assert all("step-4 not written" in e["reason"] and "ENOSPC" in e["reason"] and "StagingError" in e["reason"]
                and "resume point stays checkpoints/step-2" in e["reason"] for e in failed), failed
+    assert all("a full disk (" in e["reason"] and "free on its filesystem)" in e["reason"] for e in failed), failed
     assert {e["rank"] for e in failed} <= {0, 1, 2}
     assert not (ck / "step-4").exists()  # the failed tag is gone: no manifest, no partial data
     assert sorted(p.relative_to(ck).parts[0] for p in ck.rglob("manifest.json")) == ["step-2"] * 5
@@ -130,7 +135,17 @@ def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs,
     st = state(run_dir)
     assert st["checkpoint"] == "checkpoints/step-2" and st["step"] == 2
     assert [b["step"] for b in batches(run_dir)] == list(range(STEPS))  # the run went on to its end
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    # ... but it is not 'completed': its final weights are not on disk, and it says what a resume does
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "incomplete", summary
+    why = summary["incomplete"]
+    assert why.startswith("the final checkpoint of step 4 (the run's final weights) was not written: step-4: rank "), why
+    assert "ENOSPC" in why and "free on its filesystem" in why, why
+    assert why.endswith("the last checkpoint is checkpoints/step-2 (step 2): a resume starts there and trains 2 "
+                        "step(s) again (steps 2..3)"), why
+    assert json.loads(out.strip().splitlines()[-1])["incomplete"] == why
+    ends = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if '"run_end"' in l]
+    assert [e["status"] for e in ends] == ["incomplete"]
 
     # the operator frees space; the run resumes from step 2, trains steps 2 and 3 again, checkpoints at its end
     subprocess.run(["mount", "-o", "remount,size=64m", str(ck)], check=True)
@@ -140,6 +155,34 @@ def test_disk_full_while_staging_keeps_the_last_good_checkpoint(tmp_path, tmpfs,
     st = state(run_dir)
     assert st["checkpoint"] == "checkpoints/step-4" and st["step"] == STEPS
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]  # keep 2
+
+
+def test_a_final_checkpoint_on_a_full_disk_waits_for_space_and_the_run_completes(tmp_path, tmpfs, no_strays, model_cache):
+    """The final checkpoint fails on the full disk; the coordinator waits (faults.disk_full_wait_s); the operator
+    frees space (a bigger tmpfs); the checkpoint is taken again and the run completes with its final weights."""
+    import time
+
+    run_dir = tmp_path / "run"
+    ck = tmpfs(run_dir / "checkpoints", 20 << 20)
+    p = subprocess.Popen(_driver(run_dir, model_cache, "faults.disk_full_wait_s=300"), cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    no_strays.append(p)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and p.poll() is None:
+        if (run_dir / "events.jsonl").exists() and any("step-4 not written" in e["reason"]
+                                                       for e in controls(run_dir, "checkpoint_failed")):
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.stdout.read()[-4000:]  # waiting for space, not ended
+    time.sleep(2)
+    assert p.poll() is None, p.stdout.read()[-4000:]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(ck)], check=True)  # the operator frees space
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-4000:]
+    assert "waiting up to 300 s for space (faults.disk_full_wait_s)" in out, out[-4000:]
+    assert state(run_dir)["checkpoint"] == "checkpoints/step-4"
+    assert (ck / "step-4" / "coordinator.json").exists()
+    assert_every_step_once(run_dir)
 
 
 def _flip_byte(path: Path, offset: int) -> None:
@@ -189,3 +232,45 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, no_
     assert_every_step_once(run_dir)
     assert state(run_dir)["checkpoint"] == "checkpoints/step-4"
     assert sorted(p.name for p in (ck / "damaged").iterdir()) == ["step-4.1", "step-4.2"]
+
+
+@pytest.mark.parametrize("schedule", ["lockstep", "continuous"])
+def test_redis_on_a_full_disk_is_waited_out_and_the_run_completes(tmp_path, tmpfs, no_strays, model_cache, schedule):
+    """The run's redis/ directory on a real 16 MiB tmpfs, filled by a file after step 1: redis-server exits on its
+    failed append-only-file write; the watchdog names the full disk and waits (redis.write_wait_s) instead of
+    dying; the coordinator and the ranks wait for it; 5 s later the operator frees the space, Redis comes back
+    from its append-only file, and the run completes with every step once."""
+    import time
+
+    from dynaresize.disk import free_bytes
+
+    run_dir = tmp_path / "run"
+    rd = tmpfs(run_dir / "redis", 16 << 20)
+    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else []
+    p = subprocess.Popen(_driver(run_dir, model_cache, "redis.write_wait_s=120", *extra), cwd=ROOT, env=_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    no_strays.append(p)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and p.poll() is None:
+        if (run_dir / "batches.jsonl").exists() and len(batches(run_dir)) >= 1:
+            break
+        time.sleep(0.1)
+    assert p.poll() is None, p.stdout.read()[-4000:]
+    filler = rd / "filler"
+    with open(filler, "wb") as f:  # leave ~32 KiB: the next writes of the append-only file fail
+        f.write(b"\0" * max(0, (free_bytes(rd) or 0) - (32 << 10)))
+    log = rd / "redis.log"
+    while time.monotonic() < deadline and p.poll() is None:
+        if log.exists() and "Short write while writing to the AOF file" in log.read_text(errors="replace"):
+            break
+        time.sleep(0.1)
+    time.sleep(5)  # the disk stays full a while
+    assert p.poll() is None, p.stdout.read()[-4000:]
+    filler.unlink()  # the operator frees space
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-5000:]
+    assert "disk full (ENOSPC)" in out and "waiting for space to start it again" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert controls(run_dir, "redis_restarted"), "the watchdog brought Redis back"
+    assert not controls(run_dir, "restart") and not controls(run_dir, "rank_lost"), "nobody lost: Redis was down"
+    assert_every_step_once(run_dir)

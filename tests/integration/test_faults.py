@@ -29,6 +29,8 @@ import pytest
 
 from test_job import B, G, SEED, batches, run, run_dir_of  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
+from dynaresize.rundir import job_id
+
 pytestmark = pytest.mark.integration
 
 
@@ -94,7 +96,7 @@ def holding_claims(run_dir: Path, rank: int):
     """True while ``rank`` holds claimed, unfinished samples (it is generating them)."""
     try:
         r = redis_of(run_dir)
-        keys = list(r.scan_iter(match=f"dr:{run_dir.name}:wq:*:inflight:{rank}", count=100))
+        keys = list(r.scan_iter(match=f"dr:{job_id(run_dir)}:wq:*:inflight:{rank}", count=100))
         return any(r.hlen(k) for k in keys)
     except Exception:  # noqa: BLE001 - Redis not up yet
         return False
@@ -184,7 +186,8 @@ def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_o
         os.kill(a.pid, signal.SIGCONT)  # the old one comes back
     out_a, _ = a.communicate(timeout=120)
     assert a.returncode == 3, out_a[-3000:]
-    assert "another coordinator took this run over" in out_a
+    assert "another coordinator took this run over with `dynaresize run --resume`" in out_a, out_a[-3000:]
+    assert "Traceback" not in out_a
     out_b, _ = b.communicate(timeout=600)
     assert b.returncode == 0, out_b[-4000:]
     got = assert_nothing_lost(rd, steps)

@@ -109,7 +109,7 @@ def test_a_stop_signal_to_every_process_checkpoints_cleanly_and_the_resume_train
     done = len(batches(rd))
     assert 2 <= state["step"] == done < steps, (state, done)
     tag = Path(state["checkpoint"]).name
-    assert f"stopped: {name} (an operator's stop) during step " in out and f"checkpoint {tag} written" in out, out[-3000:]
+    assert f"stopped: {name} (an operator's stop) " in out and f"checkpoint {tag} written" in out, out[-3000:]
     assert f"resume with: dynaresize run --resume {rd}" in out
     [stop] = controls(rd, "operator_stop")
     assert f"stopped before step {done}, checkpoint {tag} written" in stop["reason"], stop
@@ -172,7 +172,8 @@ def test_a_second_signal_abandons_the_stops_checkpoint_cleanly(tmp_path, model_c
     assert "abandoned (a second stop signal cut it short); resume point stays none" in ab["reason"], ab
     tag = ab["reason"].split()[1]
     assert not (rd / "checkpoints" / tag).exists(), "the abandoned checkpoint's directory is removed"
-    assert "stopped: SIGTERM (an operator's stop)" in out and "a resume starts from the start" in out, out[-3000:]
+    assert "stopped: SIGTERM (an operator's stop)" in out, out[-3000:]
+    assert "no checkpoint was written yet: a resume starts from step 0 and trains" in out, out[-3000:]
     assert not controls(rd, "restart") and not controls(rd, "redis_restarted")
     gone = time.monotonic() + 30
     while any(alive(pid) for pid in procs) and time.monotonic() < gone:

@@ -96,6 +96,10 @@ def test_redis_refusing_writes_past_the_bound_stops_with_one_message(tmp_path, m
     assert "Traceback" not in out, out[-4000:]
     errors = [l for l in out.splitlines() if l.startswith("dynaresize run:")]
     assert len(errors) == 1 and "maxmemory" in errors[0] and "Redis refused writes" in errors[0], out[-4000:]
+    # which checkpoint a resume starts from and how many steps it trains again (checkpoint_every=0: none yet)
+    assert "no checkpoint was written yet: a resume starts from step 0 and trains" in errors[0], errors[0]
+    assert "step(s) again (step" in errors[0] and "fix Redis first" in errors[0], errors[0]
+    assert "user_script" not in out and "Error running script" not in out
     assert f"resume with: dynaresize run --resume {rd}" in out
     assert not _events(rd, "restart"), "a Redis problem must not restart the ranks"
     assert time.monotonic() - t0 < 300

@@ -363,10 +363,25 @@ def test_an_operator_stop_names_its_signal_where_it_ended_and_what_a_resume_does
 
     done = OperatorStop("SIGTERM", 3, checkpoint="step-4")
     assert done.describe(4, "checkpoints/step-4") == (
-        "SIGTERM (an operator's stop) during step 3: stopped before step 4, checkpoint step-4 written, ranks shut "
-        "down; a resume continues at step 4 and trains no step twice")
+        "SIGTERM (an operator's stop) during step 3: step 3 finished, stopped before step 4, checkpoint step-4 "
+        "written, ranks shut down; a resume continues at step 4 and trains no step twice")
     cut = OperatorStop("SIGINT", 3, abandoned="checkpoint step-4 abandoned (a second stop signal cut it short)")
     assert cut.describe(4, "checkpoints/step-2").endswith(
-        "ranks shut down; checkpoint step-4 abandoned (a second stop signal cut it short); a resume starts from "
-        "checkpoints/step-2 (the steps after it are trained again)")
-    assert "a resume starts from the start" in OperatorStop("SIGTERM", 0).describe(0, None)
+        "ranks shut down; checkpoint step-4 abandoned (a second stop signal cut it short); the last checkpoint is "
+        "checkpoints/step-2 (step 2): a resume starts there and trains 2 step(s) again (steps 2..3)")
+    assert "no checkpoint was written yet: a resume continues at step 0" in OperatorStop("SIGTERM", 0).describe(0, None)
+    # a stop between two steps never says "during step 8: stopped before step 8"
+    between = OperatorStop("SIGTERM", 8, checkpoint="step-8").describe(8, "checkpoints/step-8")
+    assert between.startswith("SIGTERM (an operator's stop) after step 7: stopped before step 8, checkpoint step-8")
+    assert "during step 8" not in between
+    ahead = OperatorStop("SIGTERM", 5, checkpoint="step-7").describe(7, "checkpoints/step-7")
+    assert "during step 5: the steps in flight finished (5..6), stopped before step 7" in ahead
+
+
+def test_where_a_stop_leaves_the_run_says_the_checkpoint_and_the_steps_trained_again():
+    from dynaresize.job.errors import where_stopped
+
+    assert where_stopped(12, None) == ("the run stopped before step 12; no checkpoint was written yet: a resume "
+                                       "starts from step 0 and trains 12 step(s) again (steps 0..11)")
+    assert where_stopped(12, "checkpoints/step-11.2").endswith("(step 11): a resume starts there and trains 1 step(s) again (step 11)")
+    assert where_stopped(12, "checkpoints/step-12").endswith("a resume continues at step 12 and trains no step again")
