@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from dynaresize.control.commands import AckResult
+from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.filtering import UnfilledBatchError
@@ -205,11 +206,14 @@ class ContinuousSchedule:
 
     def stalled(self) -> None:
         """Nothing in flight and the run not done: the core waits for an event no command will bring (a bug). Say
-        so, and where, instead of waiting forever; the last checkpoint is where a resume starts."""
-        k = self.job.state.step
-        raise JobError(f"continuous schedule stalled at step {k}: no command in flight, {len(self.parked)} action(s) "
-                       f"held for a drain to step {self.drain}; the core's trainers {list(self.core.trainers())}, rollout "
-                       f"ranks {list(self.core.rollout_ranks())} (see schedule.jsonl; --resume starts from the last checkpoint)")
+        so, what was kept and how to go on, instead of waiting forever."""
+        from dynaresize.job.errors import where_stopped
+
+        st = self.job.state
+        ranks = f"trainers {format_ranks(self.core.trainers())}, rollout ranks {format_ranks(self.core.rollout_ranks()) or 'none'}"
+        raise JobError(f"the scheduler has no work to hand out and nothing is running ({ranks}); this is a DynaResize "
+                       f"bug: please report it with {self.job.run_dir / 'schedule.jsonl'}. Every finished step is kept: "
+                       f"{where_stopped(st.step, st.checkpoint)} (dynaresize run --resume {self.job.run_dir})")
 
     def wait_for_the_rest(self) -> None:
         """The run's last optimizer step is done: what is still in flight (weight reads) is awaited, not cut."""
@@ -374,9 +378,10 @@ class ContinuousSchedule:
     def check_ranks(self) -> None:
         """A rank lost while commands wait on it: a rollout rank is fenced off and its groups handed out again (the
         core's RankLost); a trainer, or a loss the job cannot absorb, goes to the restart path."""
-        busy = sorted({r for s in self.sent.values() for r in s.flight.ranks if r not in s.acks})
+        busy = {r for s in self.sent.values() for r in s.flight.ranks if r not in s.acks}
+        watched = sorted(busy | set(self.core.rollout_ranks()) - set(self.job.state.lost))  # an idle one too
         try:
-            self.p.tx.check_alive(busy, "continuous schedule")
+            self.p.tx.check_alive(watched, "continuous schedule")
         except RanksLost as e:
             if not self.p.recovery.can_shrink(e.ranks):
                 raise

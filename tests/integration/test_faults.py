@@ -173,8 +173,9 @@ def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_wit
 
 def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_off(tmp_path, model_cache):
     steps = 8
+    # a takeover of the live ranks: the lockstep loop's (the scheduler core's is not built yet, docs/schedule.md)
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", "policy.forced_splits={4: 3}",
-            wait=False)
+            "pipeline.schedule=lockstep", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 3, "step 3", a)
     pids = {r: pid_of(rd, r) for r in range(4)}
@@ -208,7 +209,8 @@ def test_a_killed_coordinator_is_replaced_and_its_ranks_outlive_it(tmp_path, mod
     on, retrying Redis. `--resume` brings Redis back on the same port from its append-only file (journal and
     registry included) and takes the ranks over; a command interrupted by the outage is waited out, not failed."""
     steps = 6
-    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", wait=False)
+    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
+            "pipeline.schedule=lockstep", wait=False)  # a takeover of the live ranks: the lockstep loop's
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 2, "step 2", a)
     pids = {r: pid_of(rd, r) for r in range(4)}
