@@ -30,7 +30,7 @@ The barrier-free schedule (``dynaresize.schedule``) uses four more commands, sti
 
 The weight read is the only work a rank does off its main thread, and it makes no ``torch.distributed`` call.
 
-Continuous batching across commands (``rollout.max_running`` > 0; the transport drives it through :meth:`Worker.begin`,
+Continuous batching across commands (``rollout.max_running`` not 0; the transport drives it through :meth:`Worker.begin`,
 :meth:`Worker.advance` and :meth:`Worker.take_done`): a ``generate`` with ``prompts`` claims its samples and adds
 them to the rollout engine's running decode (:mod:`dynaresize.engines.protocol`), where they enter as KV slots free;
 the command is done, its results completed to the data plane ``pull_batch`` at a time and its ack due, when its own
@@ -226,9 +226,9 @@ class Worker:
 
     @property
     def _slots(self) -> int:
-        """KV slots of the torch engine: ``rollout.max_running``, or one ``pull_batch`` slice without the stream."""
+        """KV slots of the torch engine: ``rollout.max_running``, else (null, or 0: no stream) ``pull_batch``."""
         cfg = self.setup.rollout_cfg
-        return int(getattr(cfg, "max_running", 0) or cfg.pull_batch)
+        return int(getattr(cfg, "max_running", None) or cfg.pull_batch)
 
     @property
     def _dev(self) -> torch.device:
@@ -342,7 +342,7 @@ class Worker:
     def streams(self, kind: str, payload: dict[str, Any] | None) -> bool:
         """Whether this command joins the rollout engine's running decode (a generate of prompts, with slots)."""
         return (kind == "generate" and (payload or {}).get("prompts") is not None and self.rollout is not None
-                and int(getattr(self.setup.rollout_cfg, "max_running", 0)) > 0 and hasattr(self.rollout, "add"))
+                and getattr(self.setup.rollout_cfg, "max_running", None) != 0 and hasattr(self.rollout, "add"))
 
     @property
     def streaming(self) -> bool:
