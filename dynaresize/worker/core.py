@@ -36,7 +36,7 @@ them to the rollout engine's running decode (:mod:`dynaresize.engines.protocol`)
 the command is done, its results completed to the data plane ``pull_batch`` at a time and its ack due, when its own
 samples have ended, while the next command's samples keep decoding. Before a generate of another version installs
 it, the engine finishes what the old version is decoding, so every sample keeps exactly one version; any other
-command but ``fetch_weights`` and ``ping`` first finishes the stream too (a switch, a sync, training: as today);
+command but ``ping`` first finishes the stream too (a fetch, a switch, a sync, training: in stream order, as today);
 ``shutdown`` and a fenced rank (the data plane refuses its results) abort it, their commands failing.
 """
 
@@ -133,7 +133,11 @@ class _Streamed:
     tokens: int = 0
 
 
-CONCURRENT = frozenset({"fetch_weights", "ping"})  # commands that run beside the stream (they change nothing it uses)
+# Commands that run beside the stream (they change nothing it uses). Not fetch_weights: its ack tells the scheduler
+# core the rank may take the new version's groups, and answered ahead of the generates before it the rank moves on
+# to the new version sooner than the core's version bookkeeping allows for (a lost rank's groups of the old version
+# handed back to a rank that already installed the new one: tests/integration/test_continuous_schedule.py).
+CONCURRENT = frozenset({"ping"})
 
 
 @dataclass
@@ -356,7 +360,7 @@ class Worker:
     def begin(self, command_id: str, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Start one command. A generate of prompts joins the running decode and returns None: its result comes
         later from :meth:`take_done`. Any other command first finishes what the stream decodes (``shutdown``
-        aborts it; ``fetch_weights`` and ``ping`` run beside it), then runs as :meth:`handle` does."""
+        aborts it; ``ping`` runs beside it), then runs as :meth:`handle` does."""
         payload = payload or {}
         if not self.streams(kind, payload):
             if kind == "shutdown":

@@ -105,15 +105,15 @@ def test_a_new_version_waits_for_the_old_versions_samples_to_end_then_installs(r
     v1 = {n: (p.detach() + 0.3 * torch.randn(p.shape, generator=g)) for n, p in worker.module.named_parameters()}
     worker.stager.stage(str((tmp_path / "weights" / "v1").resolve()), v1, {"version": 1})
     begins = _record_begins(handler)
+    f = bus.send("fetch_weights", [0], {"version": 1})  # read in the background while version 0 decodes
     a = bus.send("generate", [0], {"step": 1, "version": 0, "prompts": [0, 1, 2, 3], **GEN})
-    f = bus.send("fetch_weights", [0], {"version": 1})
     b = bus.send("generate", [0], {"step": 2, "version": 1, "prompts": [0, 1, 2, 3], **GEN})
     _drive(recv, handler, 3)
     acks = {c.command_id: bus.await_acks(c.command_id, [0], 5).acks[0] for c in (a, f, b)}
     assert all(x.ok for x in acks.values()), [x.error for x in acks.values()]
     assert acks[a.command_id].result["version"] == 0 and acks[b.command_id].result["version"] == 1
-    # the fetch ran beside the decode; the generate of version 1 found version 0 still decoding (and finished it)
-    assert [(k, was) for k, was, _ in begins] == [("generate", False), ("fetch_weights", True), ("generate", True)]
+    # the generate of version 1 found version 0 decoding: it finished it, then installed version 1
+    assert [(k, was) for k, was, _ in begins] == [("fetch_weights", False), ("generate", False), ("generate", True)]
     assert worker.version == 1
     with_v1 = copy.deepcopy(v0)
     TorchRollout(with_v1, EOS, 0).load_weights(v1.items())  # the install's path (tied weights stay tied)
