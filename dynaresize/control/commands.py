@@ -49,7 +49,8 @@ rollout rank's next generate joins the running decode: continuous batching). Suc
 other before it begins; its ack (stored result, ack stream) is written when it finishes, in whatever order the
 commands finish; the cursor moves only over a prefix of entries whose acks are written, so after a crash every
 command not yet answered is read again and answers "interrupted" (at most once, as above), one answered is replayed.
-Entries read past a pending one are handed out once (a read position ahead of the cursor; an id pending here is
+Before a command begins, ``settle`` ends (or aborts) the pending work it must not overlap, and those commands are
+answered first. Entries read past a pending one are handed out once (a read position ahead of the cursor; an id pending here is
 never begun again). A command of a newer epoch aborts the pending ones (``abort``): a fenced coordinator's work.
 
 Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
@@ -86,6 +87,8 @@ PENDING: Any = type("Pending", (), {"__repr__": lambda self: "PENDING"})()  # St
 @runtime_checkable
 class StreamHandler(Protocol):
     """A handler whose commands may finish after later ones began (:meth:`CommandReceiver.run_stream`)."""
+
+    def settle(self, cmd: Command) -> None: ...  # finish (or abort) the pending work that must end before cmd
 
     def begin(self, cmd: Command) -> "dict[str, Any] | None": ...  # the result, or PENDING (raises: an error ack)
 
@@ -579,6 +582,13 @@ class CommandReceiver:
             self._finish(at, cmd.command_id, raw_ack, store=True)
             self._uncommitted.pop(cmd.command_id, None)
             return
+        if stream and handler.busy():  # what must end before this command ends now, and is answered first
+            try:
+                handler.settle(cmd)
+            except Exception as e:  # noqa: BLE001 - the pending commands fail, never the rank
+                log.warning("rank %d: settling before %s failed: %s", self.rank, cmd.command_id, e)
+                handler.abort(f"{e.__class__.__name__}: {e}")
+            self._collect(handler)
         prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:
             self._replay(at, cmd, prev)

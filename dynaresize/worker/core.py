@@ -357,16 +357,25 @@ class Worker:
         """The engine has a free KV slot and nothing waiting for one: the next generate command would decode now."""
         return self.streaming and self.rollout.running < int(getattr(self.rollout, "max_running", self._slots))
 
-    def begin(self, command_id: str, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
-        """Start one command. A generate of prompts joins the running decode and returns None: its result comes
-        later from :meth:`take_done`. Any other command first finishes what the stream decodes (``shutdown``
-        aborts it; ``ping`` runs beside it), then runs as :meth:`handle` does."""
+    def settle(self, kind: str, payload: dict[str, Any] | None = None) -> None:
+        """Before a command begins: finish what the stream decodes when the command must not overlap it (any command
+        but a generate of the version held and ``ping``; a generate of another version installs it), or abort it
+        (``shutdown``). The transport answers the commands that finished here before it begins the next one."""
         payload = payload or {}
-        if not self.streams(kind, payload):
-            if kind == "shutdown":
-                self.abort_stream("the rank shuts down")
-            elif kind not in CONCURRENT:
+        if self.streams(kind, payload):
+            if payload.get("version", self.version) != self.version:
                 self.finish_stream()
+        elif kind == "shutdown":
+            self.abort_stream("the rank shuts down")
+        elif kind not in CONCURRENT:
+            self.finish_stream()
+
+    def begin(self, command_id: str, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Start one command (after :meth:`settle`). A generate of prompts joins the running decode and returns None:
+        its result comes later from :meth:`take_done`. Any other command runs as :meth:`handle` does."""
+        payload = payload or {}
+        self.settle(kind, payload)  # a no-op when the transport settled first
+        if not self.streams(kind, payload):
             return self.handle(kind, payload)
         self._log_reads()
         out = self._begin_generate(command_id, **payload)

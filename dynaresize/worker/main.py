@@ -310,6 +310,9 @@ class RankHandler:
             else:
                 self.hb.update(state=RankState.BUSY if self.worker.streaming else RankState.IDLE, role=self.worker.role)
 
+    def settle(self, cmd) -> None:
+        self.worker.settle(cmd.kind.value, cmd.payload)
+
     def advance(self) -> None:
         self.worker.advance()
 

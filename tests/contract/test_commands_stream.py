@@ -25,6 +25,10 @@ class Scripted:
         self.begun: list[str] = []
         self.aborted: list[str] = []
 
+    def settle(self, cmd):
+        if cmd.kind is CommandKind.SHUTDOWN:  # the rest runs beside what is pending
+            self.abort("shutdown")
+
     def begin(self, cmd):
         self.begun.append(cmd.command_id)
         if cmd.kind is CommandKind.GENERATE:
@@ -119,3 +123,21 @@ def test_a_newer_epoch_aborts_the_pending_commands_of_the_fenced_coordinator(cli
     a = old.await_acks(g.command_id, [0], 1).acks[0]
     assert not a.ok and f"fenced: epoch {new.epoch} took over from {old.epoch}" in a.error
     assert new.await_acks(p.command_id, [0], 1).acks[0].ok
+
+
+def test_what_a_command_settles_is_answered_before_it_begins(client, cfg, job_id):
+    """A command that must not overlap the pending ones (here shutdown, which aborts them) gets them answered first:
+    a rank that dies in the command itself has already written their acks."""
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    h = Scripted()
+    g = bus.send(CommandKind.GENERATE, [0], {"steps": 100})
+    recv.process(h, timeout=0.5)
+    seen = []
+    begin = h.begin
+    h.begin = lambda cmd: seen.append(len(client().xrange(f"dr:{job_id}:ack:{g.command_id}"))) or begin(cmd)
+    s = bus.send(CommandKind.SHUTDOWN, [0])
+    recv.process(h, timeout=0.5)
+    assert seen == [1]  # the aborted generate's ack was written before shutdown began
+    assert not bus.await_acks(g.command_id, [0], 1).acks[0].ok and bus.await_acks(s.command_id, [0], 1).acks[0].ok
+    assert _cursor(client(), job_id) == recv.cursor and not recv._held
