@@ -62,16 +62,22 @@ def _alone(module, item) -> list[int]:
 
 
 def _record_begins(handler: RankHandler) -> list[tuple[str, bool, int]]:
-    """(kind, whether earlier samples were decoding, requests in the engine after it began) of each command."""
-    seen, begin = [], handler.begin
+    """(kind, whether earlier samples were decoding when it arrived, requests in the engine after it began) of each
+    command (the receiver settles a command only while others are pending)."""
+    seen, begin, settle = [], handler.begin, handler.settle
+    arrived: list[bool] = []
+
+    def spy_settle(cmd):
+        arrived.append(handler.worker.streaming)
+        return settle(cmd)
 
     def spy(cmd):
-        was = handler.worker.streaming
+        was = arrived.pop() if arrived else handler.worker.streaming
         out = begin(cmd)
         seen.append((cmd.kind.value, was, handler.worker.rollout.running))
         return out
 
-    handler.begin = spy
+    handler.begin, handler.settle = spy, spy_settle
     return seen
 
 
