@@ -134,9 +134,9 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
 def runtime_admission(cfg: Config) -> dict[str, object]:
     """How the runtime hands out and trains work, as the sample-level simulator's settings. In the continuous
     schedule (``rollout.max_running`` not 0) a rank batches continuously over its KV slots (``max_running``, null:
-    ``pull_batch``, capped by ``sim.rollout.max_seqs_per_gpu``: dynaresize.emulation.engine), a sequence entering as one leaves: a simulated
-    GPU with as many slots that claims one group at a time (its finest grain). Otherwise the torch engine decodes one
-    command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in the lockstep
+    ``pull_batch``, capped by ``sim.rollout.max_seqs_per_gpu``: dynaresize.emulation.engine), a sequence entering as
+    one leaves: a simulated GPU with as many slots that claims one group at a time (its finest grain). Otherwise the
+    torch engine decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in the lockstep
     schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it has drained.
     A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
     p, r = cfg.pipeline, cfg.rollout

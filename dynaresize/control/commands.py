@@ -50,8 +50,9 @@ other before it begins; its ack (stored result, ack stream) is written when it f
 commands finish; the cursor moves only over a prefix of entries whose acks are written, so after a crash every
 command not yet answered is read again and answers "interrupted" (at most once, as above), one answered is replayed.
 Before a command begins, ``settle`` ends (or aborts) the pending work it must not overlap, and those commands are
-answered first. Entries read past a pending one are handed out once (a read position ahead of the cursor; an id pending here is
-never begun again). A command of a newer epoch aborts the pending ones (``abort``): a fenced coordinator's work.
+answered first. Entries read past a pending one are handed out once (a read position ahead of the cursor; an id
+pending here is never begun again). A command of a newer epoch aborts the pending ones (``abort``): a fenced
+coordinator's work.
 
 Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
 harmless: a duplicate command entry is skipped by its id, a duplicate ack is de-duplicated by rank, and
@@ -113,6 +114,8 @@ class _Held:
     store: bool
     epoch: int = 0
     written: bool = False
+
+
 STARTED = b"started"  # prefix of a claim: "started:<receiver token>"
 
 _SEND = """

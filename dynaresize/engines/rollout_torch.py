@@ -236,7 +236,8 @@ class TorchRollout:
             return torch.log_softmax(top_p_filter(logits / temp, top_p), dim=-1).cpu()
         out = torch.empty(logits.shape, dtype=torch.float32)
         for temp, top_p in kinds:
-            idx = torch.tensor([i for i, r in enumerate(rows) if (r.req.params.temperature, r.req.params.top_p) == (temp, top_p)])
+            idx = torch.tensor([i for i, r in enumerate(rows)
+                                if (r.req.params.temperature, r.req.params.top_p) == (temp, top_p)])
             out[idx] = torch.log_softmax(top_p_filter(logits[idx.to(logits.device)] / temp, top_p), dim=-1).cpu()
         return out
 
@@ -301,7 +302,8 @@ class TorchRollout:
         if self.running:
             raise RolloutError(f"generate() while {self.running} streamed requests run (drain or abort them first)")
         keys = [f"generate:{i}" for i in range(len(prompts))]
-        self.add([_protocol.Request(k, tuple(int(t) for t in p), int(s), params) for k, p, s in zip(keys, prompts, seeds)])
+        self.add([_protocol.Request(k, tuple(int(t) for t in p), int(s), params)
+                  for k, p, s in zip(keys, prompts, seeds)])
         got: dict[str, Generation] = {}
         while self.running:
             for f in self.step():
@@ -314,11 +316,12 @@ def _layers(cache) -> list:
     (keys and values ``(batch, heads, columns, head_dim)``, grown by concatenation) that rows can be added to."""
     layers = getattr(cache, "layers", None)
     if layers is None:
-        raise RolloutError(f"continuous batching needs a transformers cache with per-layer tensors; got {type(cache).__name__}")
+        raise RolloutError("continuous batching needs a transformers cache with per-layer tensors; got "
+                           f"{type(cache).__name__}")
     for layer in layers:
         if getattr(layer, "is_sliding", False) or not isinstance(getattr(layer, "keys", None), torch.Tensor):
-            raise RolloutError(f"the torch rollout engine needs full-attention dynamic cache layers (rows are added to and "
-                               f"dropped from the running batch); this model's cache has {type(layer).__name__}")
+            raise RolloutError("the torch rollout engine needs full-attention dynamic cache layers (rows are added to "
+                               f"and dropped from the running batch); this model's cache has {type(layer).__name__}")
     return list(layers)
 
 

@@ -395,7 +395,8 @@ class Worker:
         s = _Streamed(command_id, step, self.version, validation, list(prompts or []), items, pull_batch, t0)
         if not items:
             return self._streamed_result(s, t0)
-        self.rollout.add([Request(f"{command_id}/{i}", tuple(it.prompt_ids), it.seed, params) for i, it in enumerate(items)])
+        self.rollout.add([Request(f"{command_id}/{i}", tuple(it.prompt_ids), it.seed, params)
+                          for i, it in enumerate(items)])
         self.stream[command_id] = s
         return None
 

@@ -32,6 +32,11 @@ GEN = {"pull_batch": 4, "max_tokens": 12, "temperature": 1.0, "top_p": 1.0}
 PARAMS = SamplingParams(max_tokens=12)
 
 
+def _item(step: int, p: int, i: int) -> WorkItem:
+    """Sample ``i`` of prompt ``p`` of ``step``: prompts of 2 to 4 tokens, a seed per sample."""
+    return WorkItem(step, p, i, [1, 6 + p, 7 + step, 9][: 2 + p % 3], seed=1000 * step + 10 * p + i)
+
+
 @pytest.fixture
 def rank(tmp_path, redis_server):
     """(bus, receiver, handler, queue, worker) of job-unique keys; 4 prompts x 3 responses published at steps 1, 2."""
@@ -40,8 +45,7 @@ def rank(tmp_path, redis_server):
     client = connect(redis_server.endpoint_file, role="test", cfg=cfg)
     queue = RolloutQueue(client, job)
     for step in (1, 2):
-        queue.publish(step, [WorkItem(step, p, i, [1, 6 + p, 7 + step, 9][: 2 + p % 3], seed=1000 * step + 10 * p + i)
-                             for p in range(4) for i in range(3)])
+        queue.publish(step, [_item(step, p, i) for p in range(4) for i in range(3)])
     module = tiny_qwen2(TINY_MODEL, seed=1).eval()
     worker = rollout_rank(module, RedisDataPlane(client, job), tmp_path / "stage", tmp_path / "weights",
                           rollout={"max_running": 5, **{k: GEN[k] for k in ("pull_batch", "max_tokens")}}, eos_ids=EOS)
@@ -88,13 +92,14 @@ def test_the_next_commands_samples_join_the_running_decode_with_each_seeds_token
     _drive(recv, handler, 3)
     acks = [bus.await_acks(c.command_id, [0], 5).acks[0] for c in cmds]
     assert all(a.ok for a in acks), [a.error for a in acks]
-    assert [(a.result["samples"], a.result["prompts"], a.result["version"]) for a in acks] == [(6, [0, 1], 0), (3, [2], 0), (3, [3], 0)]
+    got = [(a.result["samples"], a.result["prompts"], a.result["version"]) for a in acks]
+    assert got == [(6, [0, 1], 0), (3, [2], 0), (3, [3], 0)]
     assert [a.result["tokens"] for a in acks] != [0, 0, 0]
     # commands 2 and 3 began while command 1 decoded: their samples queued behind the running ones for free slots
     assert [(k, was) for k, was, _ in begins] == [("generate", False), ("generate", True), ("generate", True)]
     assert begins[-1][2] > worker.rollout.max_running  # more requests than slots: admitted as slots freed
     res = {r.key: r for r in queue.results(1)}
-    items = {it.key: it for it in [WorkItem(1, p, i, [1, 6 + p, 8, 9][: 2 + p % 3], 1000 + 10 * p + i) for p in range(4) for i in range(3)]}
+    items = {it.key: it for it in (_item(1, p, i) for p in range(4) for i in range(3))}
     assert sorted(res) == sorted(items)
     for key, it in items.items():
         assert res[key].response_ids == _alone(worker.module, it), key
@@ -128,10 +133,8 @@ def test_a_new_version_waits_for_the_old_versions_samples_to_end_then_installs(r
     assert {r.version for r in old} == {0} and {r.version for r in new} == {1}
     for step, results, module in ((1, old, v0), (2, new, with_v1)):  # every token of a sample from its one version
         for r in results:
-            it = WorkItem(step, r.prompt, r.index, [1, 6 + r.prompt, 7 + step, 9][: 2 + r.prompt % 3], 1000 * step + 10 * r.prompt + r.index)
-            assert r.response_ids == _alone(module, it), (step, r.key)
-    assert any(r.response_ids != _alone(v0, WorkItem(2, r.prompt, r.index, [1, 6 + r.prompt, 9, 9][: 2 + r.prompt % 3],
-                                                    2000 + 10 * r.prompt + r.index)) for r in new)  # v1 differs
+            assert r.response_ids == _alone(module, _item(step, r.prompt, r.index)), (step, r.key)
+    assert any(r.response_ids != _alone(v0, _item(2, r.prompt, r.index)) for r in new)  # version 1 draws otherwise
 
 
 def test_shutdown_aborts_what_decodes_and_answers_every_command(rank):
