@@ -415,14 +415,15 @@ class Worker:
             return
         score = self.setup.score or (lambda it, ids: {})
         touched: dict[str, _Streamed] = {}
+        ended = False
         for f in finished:
             cid, _, pos = f.key.rpartition("/")
             s = self.stream.get(cid)
             if s is None:
                 continue
-            if s.version != self.version:
-                raise WorkerError(f"rank {self.rank}: command {cid} began with version {s.version}, the engine holds "
-                                  f"{self.version}")  # cannot happen: a version installs only after the stream ended
+            if s.version != self.version:  # cannot happen (a version installs once the stream ended): never mixed
+                self._fail(s, f"began with version {s.version}, the engine holds {self.version}")
+                continue
             it, g = s.items[int(pos)], f.generation
             try:
                 extra = score(it, g.token_ids)
@@ -452,7 +453,9 @@ class Worker:
             if len(s.results) == len(s.items):
                 del self.stream[cid]
                 self.done.append((cid, self._streamed_result(s, time.perf_counter()), None))
-        self._report_pacing()
+                ended = True
+        if ended:  # the emulation's pacing record once per finished command, as handle() writes it per command
+            self._report_pacing()
 
     def _streamed_result(self, s: _Streamed, end: float) -> dict[str, Any]:
         """The ack of a streamed generate, as the one-batch path's; its rollout stage interval starts where the
