@@ -17,8 +17,11 @@ same commands, prompts, seeds and weights, in alternating order over ``--rounds`
 - ``vllm``: "not installed" when ``import vllm`` fails (its engine is the vLLM helper's: rollout_vllm.py).
 
 Measured per engine: ``tokens_per_s`` = response tokens / the rank's span (first rollout stage start to the last
-end); ``idle_share`` = the part of that span in no rollout stage interval (the rank waiting for a command or
-committing an ack; target <= 2 %). The model is a random-init model of the quickstart's tiny shape (hidden 128,
+end); ``tokens_per_cpu_s`` = response tokens / the rank process's CPU seconds (steadier than wall time on cores
+other jobs share: the rank computes on one thread); ``idle_share`` = the part of that span in no rollout stage interval (the rank waiting for a command or
+committing an ack; target <= 2 %); ``idle_share_within_version`` leaves out the waits before a new version's first
+command (the old version's acks, the fetch and the next command's round trip: a fetch keeps its stream order, so
+the rank finishes the old version's commands before it answers the fetch, as the one-batch path does). The model is a random-init model of the quickstart's tiny shape (hidden 128,
 2 layers, vocabulary 384) with 38 of its 384 tokens ending a response (lengths roughly geometric, mean ~10, capped
 at ``--max-tokens`` 28, the quickstart's): what matters is the spread of the lengths. Prints a table, then one JSON
 line. Wall-clock figures on shared cores are noisy; compare the rows of one run.
@@ -123,28 +126,34 @@ def one_run(name: str, max_running: int | None, a: argparse.Namespace, redis_srv
     args_json = json.dumps({k: getattr(a, k) for k in ("batches", "prompts", "group", "groups_per_command", "max_tokens")})
     coord = ctx.Process(target=coordinator, args=(str(redis_srv.endpoint_file), cfg.model_dump_json(), job, args_json, done))
     coord.start()
+    cpu0 = time.process_time()
     try:
         recv.run_stream(handler, stop=lambda: worker.stopped, idle_s=0.2)
+        cpu = time.process_time() - cpu0  # the rank's CPU seconds (this process: one compute thread)
     finally:
         recv.close()
         coord.join(timeout=60)
         events.close()
     if coord.exitcode != 0:
         raise RuntimeError(f"{name}: the coordinator process failed (exit {coord.exitcode})")
-    stages = sorted(((e["start"], e["end"], e.get("tokens", 0)) for e in read_events(run_dir / "events.jsonl")
+    stages = sorted(((e["start"], e["end"], e.get("tokens", 0), e.get("version"))
+                     for e in read_events(run_dir / "events.jsonl")
                      if e.type.value == "stage" and e.get("stage") == "rollout"), key=lambda s: s[0])
     span = stages[-1][1] - stages[0][0]
-    busy, end = 0.0, float("-inf")
-    for s, e, _ in stages:  # union of the intervals (they do not overlap; a guard all the same)
+    busy, end, boundary = 0.0, float("-inf"), 0.0
+    for i, (s, e, _, v) in enumerate(stages):  # union of the intervals (they do not overlap; a guard all the same)
+        if i and v != stages[i - 1][3]:
+            boundary += max(0.0, s - end)  # the wait at a new version: the old one's acks, the fetch, the next command
         busy += max(0.0, e - max(s, end))
         end = max(end, e)
-    tokens = sum(t for _, _, t in stages)
+    tokens = sum(t for _, _, t, _ in stages)
     samples = [r for j in range(a.batches) for r in queue.results(j)]
     expect = a.batches * a.prompts * a.group
     if len(samples) != expect:
         raise RuntimeError(f"{name}: {len(samples)} samples completed, {expect} expected")
     samples = {r.key: (tuple(r.response_ids), r.version) for r in samples}
-    return {"tokens": tokens, "span_s": span, "busy_s": busy, "commands": len(stages), "samples": samples}
+    return {"tokens": tokens, "span_s": span, "busy_s": busy, "boundary_s": boundary, "commands": len(stages),
+            "cpu_s": cpu, "samples": samples}
 
 
 def vllm_row() -> str | None:
@@ -203,22 +212,30 @@ def main() -> int:
     for name, slots in engines:
         rs = results[name]
         tps = statistics.median(r["tokens"] / r["span_s"] for r in rs)
+        tpc = statistics.median(r["tokens"] / r["cpu_s"] for r in rs)
         idle = statistics.median(1.0 - r["busy_s"] / r["span_s"] for r in rs)
+        within = statistics.median((r["span_s"] - r["busy_s"] - r["boundary_s"]) / r["span_s"] for r in rs)
         gap = statistics.median((r["span_s"] - r["busy_s"]) / max(1, r["commands"] - 1) * 1e3 for r in rs)
-        table[name] = {"slots": slots or pull, "tokens_per_s": round(tps, 1), "idle_share": round(idle, 4),
+        table[name] = {"slots": slots or pull, "tokens_per_s": round(tps, 1), "tokens_per_cpu_s": round(tpc, 1),
+                       "idle_share": round(idle, 4),
+                       "idle_share_within_version": round(within, 4),
                        "gap_ms": round(gap, 2), "tokens": rs[0]["tokens"]}
-    one = table["torch one batch"]["tokens_per_s"]
+    one, one_cpu = table["torch one batch"]["tokens_per_s"], table["torch one batch"]["tokens_per_cpu_s"]
     print(f"one rollout rank, {a.batches} batches x {a.prompts} prompts x {a.group} responses, "
           f"{a.groups_per_command} groups per command, {SLOTS} commands queued, {a.rounds} rounds (medians)")
-    print(f"{'engine':36s} {'slots':>5s} {'tokens/s':>9s} {'x one batch':>11s} {'idle share':>10s} {'gap/command':>11s}")
+    print(f"{'engine':36s} {'slots':>5s} {'tokens/s':>9s} {'x':>5s} {'tokens/cpu-s':>12s} {'x':>5s} "
+          f"{'idle share':>10s} {'within a version':>16s} {'gap/command':>11s}")
     for name, row in table.items():
-        print(f"{name:36s} {row['slots']:5d} {row['tokens_per_s']:9.0f} {row['tokens_per_s'] / one:11.2f} "
-              f"{100 * row['idle_share']:9.2f}% {row['gap_ms']:9.2f}ms")
+        print(f"{name:36s} {row['slots']:5d} {row['tokens_per_s']:9.0f} {row['tokens_per_s'] / one:5.2f} "
+              f"{row['tokens_per_cpu_s']:12.0f} {row['tokens_per_cpu_s'] / one_cpu:5.2f} "
+              f"{100 * row['idle_share']:9.2f}% {100 * row['idle_share_within_version']:15.2f}% {row['gap_ms']:9.2f}ms")
     vrow = vllm_row()
     print(f"{'vllm':36s} {vrow}")
     print(f"samples whose tokens or version differ from the first row's (near-ties only): {differ} of {len(ref)}")
     out = {"tokens_per_s": {n: r["tokens_per_s"] for n, r in table.items()},
+           "tokens_per_cpu_s": {n: r["tokens_per_cpu_s"] for n, r in table.items()},
            "idle_share": {n: r["idle_share"] for n, r in table.items()},
+           "idle_share_within_version": {n: r["idle_share_within_version"] for n, r in table.items()},
            "vllm": vrow, "samples_differing": differ, "samples": len(ref), "target_idle_share": 0.02}
     print(json.dumps(out))
     return 0

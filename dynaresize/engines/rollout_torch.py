@@ -10,8 +10,8 @@ of 50), then a categorical draw. The returned logprob of a token is under that *
 vLLM calls ``processed_logprobs``): at temperature 1 and top_p 1 it equals the raw policy logprob.
 
 Continuous batching (the stream of :mod:`dynaresize.engines.protocol`): the engine holds ``max_running`` KV slots.
-``add`` queues requests; each ``step`` admits waiting requests into free slots (one prefill of the newcomers, their
-caches left-padded and concatenated onto the running batch's), samples one token for every running request, drops
+``add`` queues requests; each ``step`` admits waiting requests into free slots once an eighth of the slots are free
+(one prefill of the newcomers, their caches left-padded and concatenated onto the running batch's), samples one token for every running request, drops
 the finished ones (their cache rows go, and the columns every remaining row pads), and runs one decode forward of
 the rest, each row at its own position. A request draws from its own ``torch.Generator`` once per token, so its
 tokens are those of the one-batch loop for the same seed, whatever the other rows and whenever it was admitted.
@@ -82,6 +82,9 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 from dynaresize.engines import protocol as _protocol  # noqa: E402 - protocol imports Generation/SamplingParams above
 
 
+ADMIT_SHARE = 8  # admit when 1/8 of the slots are free (see TorchRollout.admit_min)
+
+
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(int(seed) & ((1 << 63) - 1))
 
@@ -114,6 +117,9 @@ class TorchRollout:
         self.version = 0
         self.asleep = False
         self.max_running = int(max_running)
+        # newcomers are admitted once this many slots are free (or the batch is empty, or all that wait fit): each
+        # admission is a prefill forward of its own, so single-slot refills would double the forwards per token
+        self.admit_min = max(1, self.max_running // ADMIT_SHARE)
         self._waiting: deque = deque()
         self._rows: list[_Row] = []  # running, in batch order
         self._cache = None  # the running rows' KV cache (left-padded), rows in self._rows order
@@ -191,7 +197,7 @@ class TorchRollout:
         if self.asleep:
             raise RolloutError("step() on a sleeping rollout engine (wake_up first)")
         free = self.max_running - len(self._rows)
-        if free > 0 and self._waiting:
+        if self._waiting and free > 0 and (free >= self.admit_min or not self._rows or len(self._waiting) <= free):
             self._admit([self._waiting.popleft() for _ in range(min(free, len(self._waiting)))])
         if not self._rows:
             return []
