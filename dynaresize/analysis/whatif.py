@@ -143,13 +143,20 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
 
 
 def runtime_admission(cfg: Config) -> dict[str, object]:
-    """How the runtime hands out and trains work, as the sample-level simulator's settings: the torch engine
-    decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in
-    the lockstep schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it
-    has drained; a streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
+    """How the runtime hands out and trains work, as the sample-level simulator's settings. In the continuous
+    schedule (``rollout.max_running`` not 0) a rank batches continuously over its KV slots (``max_running``, null:
+    ``pull_batch``, capped by ``sim.rollout.max_seqs_per_gpu``: dynaresize.emulation.engine), a sequence entering as
+    one leaves: a simulated GPU with as many slots that claims one group at a time (its finest grain). Otherwise the
+    torch engine decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in the lockstep
+    schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it has drained.
+    A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
     p, r = cfg.pipeline, cfg.rollout
     per_cmd = p.groups_per_command * r.group_size if p.schedule == "continuous" else r.pull_batch
-    return {"sim.rollout.max_seqs_per_gpu": max(1, per_cmd), "sim.pipeline.claim_groups": max(1, per_cmd // r.group_size),
+    if p.schedule == "continuous" and r.max_running != 0:
+        slots, claim = min(r.max_running or r.pull_batch, cfg.sim.rollout.max_seqs_per_gpu), 1
+    else:
+        slots, claim = max(1, per_cmd), max(1, per_cmd // r.group_size)
+    return {"sim.rollout.max_seqs_per_gpu": slots, "sim.pipeline.claim_groups": claim,
             "sim.pipeline.stream_chunks": max(1, r.prompts_per_step // p.stream_min_groups),
             "sim.workload.prompts_per_step": r.prompts_per_step, "sim.workload.responses_per_prompt": r.group_size}
 

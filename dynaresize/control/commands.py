@@ -43,6 +43,17 @@ Rank side, :class:`CommandReceiver`:
   again (the claim would not stop it: a claim of this receiver recognises itself). Proved by the property test
   ``tests/contract/test_at_most_once_faults.py`` (a fault-injecting proxy in front of redis-server).
 
+Streaming commands (:meth:`CommandReceiver.run_stream`, a :class:`StreamHandler`): a command may be *accepted*
+(``begin`` returns :data:`PENDING`) and finish later, while the rank reads and begins the commands after it (a
+rollout rank's next generate joins the running decode: continuous batching). Such a command is claimed like any
+other before it begins; its ack (stored result, ack stream) is written when it finishes, in whatever order the
+commands finish; the cursor moves only over a prefix of entries whose acks are written, so after a crash every
+command not yet answered is read again and answers "interrupted" (at most once, as above), one answered is replayed.
+Before a command begins, ``settle`` ends (or aborts) the pending work it must not overlap, and those commands are
+answered first. Entries read past a pending one are handed out once (a read position ahead of the cursor; an id
+pending here is never begun again). A command of a newer epoch aborts the pending ones (``abort``): a fenced
+coordinator's work.
+
 Retries: redis-py retries a command after a connection error, so a write may be applied twice. Here that is
 harmless: a duplicate command entry is skipped by its id, a duplicate ack is de-duplicated by rank, and
 SET/HSET/INCR of the epoch are idempotent or only skip a number.
@@ -57,7 +68,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, Callable, Iterable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple, Protocol, runtime_checkable
 
 import redis
 
@@ -70,6 +82,40 @@ from dynaresize.events import EventLog, count_ranks, format_ranks
 log = logging.getLogger("dynaresize.control.commands")
 
 Handler = Callable[[Command], "dict[str, Any] | None"]
+PENDING: Any = type("Pending", (), {"__repr__": lambda self: "PENDING"})()  # StreamHandler.begin: accepted, ack later
+
+
+@runtime_checkable
+class StreamHandler(Protocol):
+    """A handler whose commands may finish after later ones began (:meth:`CommandReceiver.run_stream`)."""
+
+    def settle(self, cmd: Command) -> None: ...  # finish (or abort) the pending work that must end before cmd
+
+    def begin(self, cmd: Command) -> "dict[str, Any] | None": ...  # the result, or PENDING (raises: an error ack)
+
+    def advance(self) -> None: ...  # one step of the pending work
+
+    def take_done(self) -> list[tuple[str, "dict[str, Any] | None", "str | None"]]: ...  # (id, result, error) ended
+
+    def busy(self) -> bool: ...  # commands pending
+
+    def wants_more(self) -> bool: ...  # would begin the next command now (free capacity)
+
+    def abort(self, reason: str) -> None: ...  # fail every pending command (they go to take_done)
+
+
+@dataclass
+class _Held:
+    """An entry handled while a streamed command before it is pending: the cursor waits for its ack."""
+
+    at: tuple[bytes, bool]
+    command_id: str | None
+    raw_ack: bytes | None
+    store: bool
+    epoch: int = 0
+    written: bool = False
+
+
 STARTED = b"started"  # prefix of a claim: "started:<receiver token>"
 
 _SEND = """
@@ -360,6 +406,8 @@ class CommandReceiver:
         own, bcast = pipe.execute()
         self.cursor: bytes = own or b"0-0"  # own stream: the last entry this rank finished with
         self.bcursor: bytes = bcast or b"0-0"  # the job's broadcast stream: likewise (entries for others skipped)
+        self._held: list[_Held] = []  # entries after a pending streamed command, in stream order (run_stream)
+        self._ahead: dict[bool, bytes] = {}  # read positions past the cursors while entries are held
         self._pubsub = None
         if wake:
             self._subscribe()
@@ -389,7 +437,7 @@ class CommandReceiver:
     def _read(self, block_ms: int | None = None) -> tuple[list, int]:
         """Entries after the cursors, merged in order, and the job's epoch (one round trip; XREAD BLOCK only as the
         fallback). An entry is ``(entry_id, fields, broadcast)``; :meth:`process` skips broadcast entries for others."""
-        streams = {self.keys.cmd(self.rank): self.cursor, self.keys.broadcast: self.bcursor}
+        streams = {self.keys.cmd(self.rank): self._from(False), self.keys.broadcast: self._from(True)}
         if block_ms:
             resp = self.r.xread(streams, count=READ_COUNT, block=block_ms)
             epoch = int(self.r.get(self.keys.epoch) or 0) if resp else 0
@@ -400,6 +448,12 @@ class CommandReceiver:
             resp, ep = pipe.execute()
             epoch = int(ep or 0)
         return self._merge(resp or []), epoch
+
+    def _from(self, broadcast: bool) -> bytes:
+        """Where a read of a stream starts: its cursor, or past it over the entries held behind a pending one."""
+        cur = self.bcursor if broadcast else self.cursor
+        ahead = self._ahead.get(broadcast)
+        return ahead if ahead is not None and _id_key(ahead) > _id_key(cur) else cur
 
     def _merge(self, resp: list) -> list:
         """One list in id order (every send takes a job-wide increasing id, so the two streams interleave
@@ -461,10 +515,15 @@ class CommandReceiver:
                 entries, epoch = self._read()
         self.max_epoch = max(self.max_epoch, epoch)
         self.job_epoch = epoch
+        if isinstance(handler, StreamHandler):
+            self._fence_pending(handler)
         handled = 0
         for entry_id, fields, broadcast in entries:
             if broadcast and not _rank_in(_text(fields.get(b"r")), self.rank):
-                self.bcursor = entry_id  # another rank's: skipped (not persisted: skipping again is harmless)
+                if self._held:
+                    self._ahead[True] = entry_id
+                else:
+                    self.bcursor = entry_id  # another rank's: skipped (not persisted: skipping again is harmless)
                 continue
             self._handle(entry_id, fields.get(b"m"), handler, broadcast)
             handled += 1
@@ -479,6 +538,97 @@ class CommandReceiver:
                 log.warning("rank %d: control plane unreachable (%s); retrying", self.rank, e)
                 time.sleep(min(1.0, idle_s))
 
+    def run_stream(self, handler: StreamHandler, stop: Callable[[], bool], idle_s: float = 1.0,
+                   poll_s: float = 0.005, check_s: float = 0.05) -> None:
+        """Loop until ``stop()``: while commands are pending, one ``advance`` at a time, reading new entries every
+        ``poll_s`` when the handler wants more work and at least every ``check_s`` (a shutdown, a newer epoch);
+        otherwise :meth:`process` as :meth:`run` does. Connection errors are logged and retried."""
+        last = 0.0
+        try:
+            while not stop():
+                try:
+                    if handler.busy():
+                        now = time.monotonic()
+                        if now - last >= (poll_s if handler.wants_more() else check_s):
+                            last = now
+                            self.process(handler, timeout=0.0)
+                        if handler.busy():
+                            handler.advance()
+                    else:
+                        self.process(handler, timeout=idle_s)
+                    self._collect(handler)
+                except redis.RedisError as e:
+                    log.warning("rank %d: control plane unreachable (%s); retrying", self.rank, e)
+                    time.sleep(0.05 if handler.busy() else min(1.0, idle_s))
+        finally:
+            for _ in range(3):  # what finished (a shutdown's ack) is written before the rank leaves
+                try:
+                    self._collect(handler)
+                    break
+                except redis.RedisError as e:
+                    log.warning("rank %d: acks not written yet (%s); retrying", self.rank, e)
+                    time.sleep(0.2)
+
+    def _fence_pending(self, handler: StreamHandler) -> None:
+        """Pending commands of an epoch below the job's are a fenced coordinator's: aborted (their acks stored)."""
+        fenced = [h.epoch for h in self._held if h.raw_ack is None and h.epoch < self.max_epoch]
+        if fenced and handler.busy():
+            handler.abort(f"fenced: epoch {self.max_epoch} took over from {max(fenced)}")
+            self._collect(handler)
+
+    def _collect(self, handler: StreamHandler) -> None:
+        """The acks of streamed commands that ended, then every written ack's prefix committed."""
+        by_id = {h.command_id: h for h in self._held if h.raw_ack is None}
+        for cid, result, error in handler.take_done():
+            h = by_id.get(cid)
+            if h is None:
+                continue
+            ack = Ack(job_id=self.job_id, epoch=h.epoch, command_id=cid, rank=self.rank, incarnation=self.incarnation,
+                      ok=error is None, result=result if error is None else None, error=error[:2000] if error else None)
+            h.raw_ack = encode(ack, self.cfg.max_message_bytes)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Write every ready ack of the held entries, then move the cursors over the prefix whose acks are written."""
+        for h in self._held:
+            if h.raw_ack is not None and not h.written:
+                pipe = self.r.pipeline(transaction=True)
+                if h.store:
+                    pipe.hset(self.keys.applied(self.rank), h.command_id, h.raw_ack)
+                akey = self.keys.ack(h.command_id)
+                pipe.xadd(akey, {"m": h.raw_ack})
+                pipe.expire(akey, self.cfg.ack_ttl_s)
+                pipe.execute()
+                h.written = True
+        n = 0
+        while n < len(self._held) and self._held[n].written:
+            n += 1
+        if not n:
+            return
+        last = {h.at[1]: h.at[0] for h in self._held[:n]}
+        pipe = self.r.pipeline(transaction=True)
+        for broadcast, entry_id in last.items():
+            pipe.set(self.keys.broadcast_cursor(self.rank) if broadcast else self.keys.cursor(self.rank), entry_id)
+        pipe.execute()
+        for broadcast, entry_id in last.items():
+            if broadcast:
+                self.bcursor = entry_id
+            else:
+                self.cursor = entry_id
+        del self._held[:n]
+        if not self._held:
+            self._ahead.clear()
+
+    def _finish(self, at: tuple[bytes, bool], command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
+        """Commit an entry's ack and cursor now, or, behind a pending streamed command, hold it (ack written now,
+        cursor later)."""
+        if not self._held:
+            self._commit(at, command_id, raw_ack, store=store)
+            return
+        self._held.append(_Held(at, command_id, raw_ack, store, written=raw_ack is None))
+        self._ahead[at[1]] = at[0]
+        self._settle()
+
     # -- one entry ---------------------------------------------------------------------------------------------
     def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler, broadcast: bool = False) -> None:
         """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream."""
@@ -491,6 +641,9 @@ class CommandReceiver:
         if cmd.job_id != self.job_id:
             self._reject(at, f"command of job {cmd.job_id!r} on job {self.job_id!r}'s stream", cmd.command_id, cmd.epoch)
             return
+        if any(h.command_id == cmd.command_id for h in self._held):  # read again past a pending entry: begun once
+            self._ahead[broadcast] = entry_id
+            return
         if cmd.epoch > self.job_epoch:
             self._reject(at, f"epoch {cmd.epoch} is ahead of the job's epoch {self.job_epoch} (no coordinator holds it)",
                          cmd.command_id, cmd.epoch)
@@ -499,6 +652,7 @@ class CommandReceiver:
             self._reject(at, f"stale epoch {cmd.epoch} < {self.max_epoch} (fenced coordinator)",
                          cmd.command_id, cmd.epoch)
             return
+        stream = isinstance(handler, StreamHandler)
         self.max_epoch = cmd.epoch
         if cmd.command_id in self._uncommitted:  # applied before a commit failed: commit, never re-apply
             raw_ack = self._uncommitted[cmd.command_id]
@@ -509,15 +663,28 @@ class CommandReceiver:
                 log.warning("rank %d: uncommitted ack of %s unreadable (%s); committed as it is", self.rank, cmd.command_id, e.reason)
             # kept until the commit succeeded: a commit failing again (connection, -OOM, READONLY, MISCONF) must find
             # it here next time, not the claim, which is our own "started" and would hand the command back
-            self._commit(at, cmd.command_id, raw_ack, store=True)
+            self._finish(at, cmd.command_id, raw_ack, store=True)
             self._uncommitted.pop(cmd.command_id, None)
             return
+        if stream and handler.busy():  # what must end before this command ends now, and is answered first
+            try:
+                handler.settle(cmd)
+            except Exception as e:  # noqa: BLE001 - the pending commands fail, never the rank
+                log.warning("rank %d: settling before %s failed: %s", self.rank, cmd.command_id, e)
+                handler.abort(f"{e.__class__.__name__}: {e}")
+            self._collect(handler)
         prev = self._claim(keys=[self.keys.applied(self.rank)], args=[cmd.command_id, self._token])
         if prev is not None:
             self._replay(at, cmd, prev)
             return
         try:
-            result = handler(cmd)
+            result = handler.begin(cmd) if stream else handler(cmd)
+            if result is PENDING:
+                self.applied += 1
+                self._held.append(_Held(at, cmd.command_id, None, True, epoch=cmd.epoch))
+                self._ahead[broadcast] = entry_id
+                self._collect(handler)
+                return
             if result is not None and not isinstance(result, dict):
                 raise TypeError(f"handler returned {type(result).__name__}, expected a dict or None")
             ack = self._ack(cmd, ok=True, result=result)
@@ -528,7 +695,9 @@ class CommandReceiver:
             raw_ack = encode(ack, self.cfg.max_message_bytes)
         self.applied += 1
         self._uncommitted[cmd.command_id] = raw_ack
-        self._commit(at, cmd.command_id, raw_ack, store=True)
+        if stream:  # what the command finished before it (a drained stream) is answered first
+            self._collect(handler)
+        self._finish(at, cmd.command_id, raw_ack, store=True)
         self._uncommitted.pop(cmd.command_id, None)
 
     def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
@@ -548,7 +717,7 @@ class CommandReceiver:
             except WireError as e:
                 ack = self._ack(cmd, ok=False, error=f"already applied; stored ack unreadable: {e.reason}")
         log.info("rank %d: command %s already applied; re-sent its ack", self.rank, cmd.command_id)
-        self._commit(at, cmd.command_id, encode(ack, self.cfg.max_message_bytes), store=False)
+        self._finish(at, cmd.command_id, encode(ack, self.cfg.max_message_bytes), store=False)
 
     def _reject(self, at: tuple[bytes, bool], reason: str, command_id: str | None, epoch: int | None) -> None:
         entry_id = at[0]
@@ -560,7 +729,7 @@ class CommandReceiver:
             ack = Ack(job_id=self.job_id, epoch=max(1, epoch or 1), command_id=command_id, rank=self.rank,
                       incarnation=self.incarnation, ok=False, error=f"rejected: {reason}"[:2000])
             raw_ack = encode(ack, self.cfg.max_message_bytes)
-        self._commit(at, command_id, raw_ack, store=False)
+        self._finish(at, command_id, raw_ack, store=False)
 
     def _commit(self, at: tuple[bytes, bool], command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
         """One MULTI: stored ack (at-most-once record), cursor, ack stream. Every part is safe to retry."""

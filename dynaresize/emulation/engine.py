@@ -86,10 +86,11 @@ class Emulator:
 
 
 class EmulatedRollout(TorchRollout):
-    """The torch rollout engine, with each prefill and decode iteration lasting its modelled time."""
+    """The torch rollout engine, with each prefill and decode iteration lasting its modelled time, over the simulated
+    GPU's KV slots (``max_running`` capped by ``sim.rollout.max_seqs_per_gpu``)."""
 
-    def __init__(self, *args: Any, emulator: Emulator, **kw: Any):
-        super().__init__(*args, **kw)
+    def __init__(self, *args: Any, emulator: Emulator, max_running: int = 64, **kw: Any):
+        super().__init__(*args, max_running=min(max_running, emulator.model.max_seqs), **kw)
         self.emu = emulator
 
     def _prefilled(self, start: float, prompts: Sequence[Sequence[int]]) -> None:

@@ -70,6 +70,7 @@ class TimingModel:
     def __init__(self, cfg):
         self.r, self.t, self.e = cfg.sim.rollout, cfg.sim.train, cfg.emulation
         self.trained = cfg.sim.workload.trained_tokens
+        self.max_seqs = self.r.max_seqs_per_gpu  # the simulated GPU's concurrent sequences: the emulated KV slots
         self.s, self.k = self.e.time_scale, self.e.tokens_per_token
         self.costs = ScaledSwitchCostModel(cfg.switching.costs, cfg.switching.optimizations, self.s)  # wall seconds
         self.overlap = cfg.switching.costs.deferred_overlap_fraction

@@ -49,6 +49,13 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 disables it)")
     max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
     pull_batch: int = Field(8, ge=1, description="Sequences a rollout rank pulls from the work queue at a time")
+    max_running: int | None = Field(
+        None, ge=0, description="KV slots of a rollout rank (continuous batching): sequences decoded together, the "
+        "samples of its next generate command entering as slots free, for the version it holds (emulated: capped by "
+        "sim.rollout.max_seqs_per_gpu). null: rollout.pull_batch slots (the rows the one-batch path decodes together; "
+        "with the continuous schedule's two queued commands, the second one waits for slots). 0: no continuous "
+        "batching, one pull_batch slice decoded at a time"
+    )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
     sync_bucket_mb: int = Field(64, ge=1, description="Weight sync trainer -> rollout moves parameters in buckets of this size (MiB)")
 

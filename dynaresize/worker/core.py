@@ -29,6 +29,15 @@ The barrier-free schedule (``dynaresize.schedule``) uses four more commands, sti
   normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 stages the new weights for the rollout ranks.
 
 The weight read is the only work a rank does off its main thread, and it makes no ``torch.distributed`` call.
+
+Continuous batching across commands (``rollout.max_running`` not 0; the transport drives it through :meth:`Worker.begin`,
+:meth:`Worker.advance` and :meth:`Worker.take_done`): a ``generate`` with ``prompts`` claims its samples and adds
+them to the rollout engine's running decode (:mod:`dynaresize.engines.protocol`), where they enter as KV slots free;
+the command is done, its results completed to the data plane ``pull_batch`` at a time and its ack due, when its own
+samples have ended, while the next command's samples keep decoding. Before a generate of another version installs
+it, the engine finishes what the old version is decoding, so every sample keeps exactly one version; any other
+command but ``ping`` first finishes the stream too (a fetch, a switch, a sync, training: in stream order, as today);
+``shutdown`` and a fenced rank (the data plane refuses its results) abort it, their commands failing.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import torch.distributed as dist
 from dynaresize.comm import groups as G
 from dynaresize.comm.weights import broadcast_weights, send_weights_p2p
 from dynaresize.engines import reshard as R
+from dynaresize.engines.protocol import Request
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
@@ -107,6 +117,31 @@ class _Incoming:
 
 
 @dataclass
+class _Streamed:
+    """A generate command whose samples decode in the rollout engine's stream: claimed items, completed to the data
+    plane ``pull_batch`` at a time (as the one-batch path does) once a slice's samples all ended."""
+
+    command_id: str
+    step: int
+    version: int
+    validation: bool
+    prompts: list[int]
+    items: list[Any]
+    pull_batch: int
+    started: float
+    results: dict[int, Any] = field(default_factory=dict)  # item position -> SampleResult
+    completed: set[int] = field(default_factory=set)  # slices (start positions) completed to the data plane
+    tokens: int = 0
+
+
+# Commands that run beside the stream (they change nothing it uses). Not fetch_weights: its ack tells the scheduler
+# core the rank may take the new version's groups, and answered ahead of the generates before it the rank moves on
+# to the new version sooner than the core's version bookkeeping allows for (a lost rank's groups of the old version
+# handed back to a rank that already installed the new one: tests/integration/test_continuous_schedule.py).
+CONCURRENT = frozenset({"ping"})
+
+
+@dataclass
 class Worker:
     setup: WorkerSetup
     groups: G.CommGroups
@@ -122,6 +157,9 @@ class Worker:
     ref_model: torch.nn.Module | None = None  # frozen reference policy for train.kl_coef > 0, loaded at first use
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
+    stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
+    done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
+    _stream_mark: float = 0.0  # end of the last rollout stage interval this rank logged from the stream
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -185,10 +223,17 @@ class Worker:
             from dynaresize.emulation.engine import EmulatedRollout
 
             self.rollout = EmulatedRollout(self.module, self.setup.eos_ids, self.setup.pad_id, "cpu",
-                                           emulator=self.setup.emulator)
+                                           emulator=self.setup.emulator, max_running=self._slots)
         else:
-            self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device)
+            self.rollout = TorchRollout(self.module, self.setup.eos_ids, self.setup.pad_id, self.setup.device,
+                                        max_running=self._slots)
         self.rollout.version = self.version
+
+    @property
+    def _slots(self) -> int:
+        """KV slots of the torch engine: ``rollout.max_running``, else (null, or 0: no stream) ``pull_batch``."""
+        cfg = self.setup.rollout_cfg
+        return int(getattr(cfg, "max_running", None) or cfg.pull_batch)
 
     @property
     def _dev(self) -> torch.device:
@@ -251,13 +296,7 @@ class Worker:
         """Pull samples until the queue is empty, or (``prompts``) generate exactly those prompts' unfinished samples.
         A ``version`` this rank fetched (``fetch_weights``) is installed first; any other version but the one held
         is refused."""
-        if self.rollout is None:
-            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
-        if version != self.version and version not in self.incoming:
-            fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
-            raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
-        if self.setup.data is None:
-            raise WorkerError("no data plane: generate needs a work queue")
+        self._check_generate(version)
         if version != self.version:
             self._install(version)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
@@ -282,6 +321,15 @@ class Worker:
             out["prompts"] = list(prompts)
         return out
 
+    def _check_generate(self, version: int) -> None:
+        if self.rollout is None:
+            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
+        if version != self.version and version not in self.incoming:
+            fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
+            raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
+        if self.setup.data is None:
+            raise WorkerError("no data plane: generate needs a work queue")
+
     def _generate_items(self, step: int, items: list[Any], params: SamplingParams, validation: bool) -> tuple[int, int]:
         """Generate and score claimed items, then complete their results; returns (samples, response tokens)."""
         from dynaresize.contract.workqueue import SampleResult
@@ -292,6 +340,158 @@ class Worker:
                                 extra=score(it, g.token_ids)) for it, g in zip(items, gens)]
         self.setup.data.complete(step, self.rank, results, validation=validation)
         return len(results), sum(len(g.token_ids) for g in gens)
+
+
+    # -- the stream: continuous batching across generate commands ------------------------------------------------
+
+    def streams(self, kind: str, payload: dict[str, Any] | None) -> bool:
+        """Whether this command joins the rollout engine's running decode (a generate of prompts, with slots)."""
+        return (kind == "generate" and (payload or {}).get("prompts") is not None and self.rollout is not None
+                and getattr(self.setup.rollout_cfg, "max_running", None) != 0 and hasattr(self.rollout, "add"))
+
+    @property
+    def streaming(self) -> bool:
+        """Generate commands are decoding (their acks come from :meth:`advance`, through :meth:`take_done`)."""
+        return bool(self.stream)
+
+    def wants_more(self) -> bool:
+        """The engine has a free KV slot and nothing waiting for one: the next generate command would decode now."""
+        return self.streaming and self.rollout.running < int(getattr(self.rollout, "max_running", self._slots))
+
+    def settle(self, kind: str, payload: dict[str, Any] | None = None) -> None:
+        """Before a command begins: finish what the stream decodes when the command must not overlap it (any command
+        but a generate of the version held and ``ping``; a generate of another version installs it), or abort it
+        (``shutdown``). The transport answers the commands that finished here before it begins the next one."""
+        payload = payload or {}
+        if self.streams(kind, payload):
+            if payload.get("version", self.version) != self.version:
+                self.finish_stream()
+        elif kind == "shutdown":
+            self.abort_stream("the rank shuts down")
+        elif kind not in CONCURRENT:
+            self.finish_stream()
+
+    def begin(self, command_id: str, kind: str, payload: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """Start one command (after :meth:`settle`). A generate of prompts joins the running decode and returns None:
+        its result comes later from :meth:`take_done`. Any other command runs as :meth:`handle` does."""
+        payload = payload or {}
+        self.settle(kind, payload)  # a no-op when the transport settled first
+        if not self.streams(kind, payload):
+            return self.handle(kind, payload)
+        self._log_reads()
+        out = self._begin_generate(command_id, **payload)
+        self._report_pacing()
+        return out
+
+    def _begin_generate(self, command_id: str, step: int, version: int, pull_batch: int, max_tokens: int,
+                        temperature: float, top_p: float, validation: bool = False,
+                        prompts: list[int] | None = None) -> dict[str, Any] | None:
+        self._check_generate(version)
+        if version != self.version:  # every sample keeps one version: the old one's end before the new one installs
+            self.finish_stream()
+            self._install(version)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        items = self.setup.data.claim_prompts(step, self.rank, list(prompts or []), validation=validation)
+        t0 = time.perf_counter()
+        s = _Streamed(command_id, step, self.version, validation, list(prompts or []), items, pull_batch, t0)
+        if not items:
+            return self._streamed_result(s, t0)
+        self.rollout.add([Request(f"{command_id}/{i}", tuple(it.prompt_ids), it.seed, params)
+                          for i, it in enumerate(items)])
+        self.stream[command_id] = s
+        return None
+
+    def advance(self) -> None:
+        """One iteration of the rollout engine's stream: score the samples that ended, complete each slice whose
+        samples all ended, and move the commands whose samples all ended to :attr:`done`."""
+        if not self.stream:
+            return
+        from dynaresize.control.registry import FencedRankError
+        from dynaresize.contract.workqueue import SampleResult
+
+        try:
+            finished = self.rollout.step()
+        except Exception as e:  # noqa: BLE001 - the engine failed: every command decoding fails with it
+            self.abort_stream(f"the rollout engine failed: {type(e).__name__}: {e}")
+            return
+        score = self.setup.score or (lambda it, ids: {})
+        touched: dict[str, _Streamed] = {}
+        ended = False
+        for f in finished:
+            cid, _, pos = f.key.rpartition("/")
+            s = self.stream.get(cid)
+            if s is None:
+                continue
+            if s.version != self.version:  # cannot happen (a version installs once the stream ended): never mixed
+                self._fail(s, f"began with version {s.version}, the engine holds {self.version}")
+                continue
+            it, g = s.items[int(pos)], f.generation
+            try:
+                extra = score(it, g.token_ids)
+            except Exception as e:  # noqa: BLE001 - the scorer is guarded; anything else fails this command alone
+                self._fail(s, f"scoring {it.key}: {type(e).__name__}: {e}")
+                continue
+            s.results[int(pos)] = SampleResult(it.step, it.prompt, it.index, g.token_ids, g.logprobs, s.version,
+                                               self.rank, extra=extra)
+            s.tokens += len(g.token_ids)
+            touched[cid] = s
+        for cid, s in touched.items():
+            if cid not in self.stream:
+                continue
+            try:
+                for a in range(0, len(s.items), s.pull_batch):
+                    b = min(len(s.items), a + s.pull_batch)
+                    if a not in s.completed and all(i in s.results for i in range(a, b)):
+                        self.setup.data.complete(s.step, self.rank, [s.results[i] for i in range(a, b)],
+                                                 validation=s.validation)
+                        s.completed.add(a)
+            except FencedRankError as e:  # this rank was declared lost: everything it decodes is moot
+                self.abort_stream(f"fenced: {e}")
+                return
+            except Exception as e:  # noqa: BLE001 - the data plane failed for this command: an error ack
+                self._fail(s, f"{type(e).__name__}: {e}")
+                continue
+            if len(s.results) == len(s.items):
+                del self.stream[cid]
+                self.done.append((cid, self._streamed_result(s, time.perf_counter()), None))
+                ended = True
+        if ended:  # the emulation's pacing record once per finished command, as handle() writes it per command
+            self._report_pacing()
+
+    def _streamed_result(self, s: _Streamed, end: float) -> dict[str, Any]:
+        """The ack of a streamed generate, as the one-batch path's; its rollout stage interval starts where the
+        rank's previous one ended (intervals of one rank do not overlap: busy time is counted once)."""
+        start = max(s.started, self._stream_mark)
+        self._stream_mark = end
+        samples = len(s.items)
+        if not s.validation:
+            self._stage(Stage.ROLLOUT, s.step, start, end, tokens=s.tokens, samples=samples, version=s.version)
+        return {"samples": samples, "tokens": s.tokens, "busy_s": end - start, "version": s.version,
+                "prompts": list(s.prompts)}
+
+    def _fail(self, s: _Streamed, error: str) -> None:
+        self.rollout.abort([f"{s.command_id}/{i}" for i in range(len(s.items))])
+        self.stream.pop(s.command_id, None)
+        self.done.append((s.command_id, None, f"WorkerError: rank {self.rank}: {error}"))
+
+    def finish_stream(self) -> None:
+        """Decode until every streamed command is done (before a new version, or a command that needs the rank)."""
+        while self.stream:
+            if self.rollout is None or self.rollout.running == 0:
+                for s in list(self.stream.values()):
+                    self._fail(s, "its samples left the rollout engine unfinished")
+                return
+            self.advance()
+
+    def abort_stream(self, reason: str) -> None:
+        """Drop every streamed request; their commands fail with ``reason`` (samples already completed stay)."""
+        for s in list(self.stream.values()):
+            self._fail(s, f"aborted: {reason}")
+
+    def take_done(self) -> list[tuple[str, dict[str, Any] | None, str | None]]:
+        """The streamed commands finished since the last call: (command id, result, error), in the order they ended."""
+        out, self.done = self.done, []
+        return out
 
     # -- train ----------------------------------------------------------------------------------------------
 

@@ -43,6 +43,25 @@ def tiny_qwen2(spec: dict[str, Any], seed: int = 0):
     return Qwen2ForCausalLM(Qwen2Config(**spec))
 
 
+def rollout_rank(module, data, staging_dir: Path, weights_dir: Path | None = None, rollout: dict[str, Any] | None = None,
+                 eos_ids: Iterable[int] = (), pad_id: int = 0, rank: int = 0, events=None):
+    """One rollout rank's :class:`~dynaresize.worker.core.Worker` in this process, over ``data`` (a real data plane):
+    no process group (a rollout rank's generate, fetch and install make no collective call). Drive it with
+    :class:`~dynaresize.worker.main.RankHandler` and a real :class:`~dynaresize.control.commands.CommandReceiver`."""
+    from dynaresize.staging import Stager
+    from dynaresize.worker.config import RolloutConfig, StagingConfig, TrainConfig
+    from dynaresize.worker.core import Worker, WorkerSetup
+
+    setup = WorkerSetup(rank=rank, world=rank + 1, n_train=0, unit=1, train_cfg=TrainConfig(),
+                        rollout_cfg=RolloutConfig(**(rollout or {})), staging_cfg=StagingConfig(), deferred_optimizer=False,
+                        staging_dir=Path(staging_dir), model_factory=lambda: module, eos_ids=list(eos_ids), pad_id=pad_id,
+                        global_batch=1, events=events, data=data, weights_dir=weights_dir)
+    w = Worker(setup, None, module, 0)
+    w.stager = Stager(staging_dir, 8, 4, 1)
+    w._build_rollout()
+    return w
+
+
 def _resolve(name: str):
     """``"package.module:attr.attr"`` -> that object."""
     import importlib

@@ -273,19 +273,11 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     hb.update(role=worker.role, state=RankState.IDLE)
     log.info("ready: %s, version %d, %d groups pre-built", worker.role.value, worker.version, G.group_creations())
 
-    def handler(cmd) -> dict[str, Any]:
-        kind = cmd.kind.value
-        hb.update(state=RankState.SWITCHING if kind == "switch_role" else RankState.BUSY)
-        try:
-            return worker.handle(kind, _validated(kind, cmd.payload))
-        finally:
-            hb.update(state=RankState.STOPPING if worker.stopped else RankState.IDLE,
-                      role=worker.role if not worker.stopped else Role.IDLE)
-
+    handler = RankHandler(worker, hb)
     receiver = CommandReceiver(client, job_id, rank, cfg.redis,
                                incarnation=lambda: hb.registration.incarnation, events=events)
     try:
-        receiver.run(handler, stop=lambda: worker.stopped or hb.superseded, idle_s=1.0)
+        receiver.run_stream(handler, stop=lambda: worker.stopped or hb.superseded, idle_s=1.0)
     finally:
         receiver.close()
         hb.stop(deregister=True)
@@ -297,6 +289,62 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     if hb.superseded:
         return _refused(hb.refused or f"rank {rank} superseded", None, client)
     return 0
+
+
+class RankHandler:
+    """The rank's commands for :meth:`~dynaresize.control.commands.CommandReceiver.run_stream`: a generate of
+    prompts joins the running decode (continuous batching, acked when its own samples ended), every other command
+    runs as :meth:`Worker.handle` (after the decode it must not overlap ended: :meth:`Worker.begin`)."""
+
+    def __init__(self, worker, hb=None):
+        self.worker, self.hb = worker, hb or _NoHeartbeat()
+
+    def begin(self, cmd) -> dict[str, Any] | None:
+        from dynaresize.control.commands import PENDING
+        from dynaresize.control.wire import RankState
+        from dynaresize.events import Role
+
+        kind = cmd.kind.value
+        self.hb.update(state=RankState.SWITCHING if kind == "switch_role" else RankState.BUSY)
+        out = None
+        try:
+            out = self.worker.begin(cmd.command_id, kind, _validated(kind, cmd.payload))
+            return PENDING if out is None and self.worker.streams(kind, cmd.payload) else out
+        finally:
+            if self.worker.stopped:
+                self.hb.update(state=RankState.STOPPING, role=Role.IDLE)
+            else:
+                self.hb.update(state=RankState.BUSY if self.worker.streaming else RankState.IDLE, role=self.worker.role)
+
+    def settle(self, cmd) -> None:
+        self.worker.settle(cmd.kind.value, cmd.payload)
+
+    def advance(self) -> None:
+        self.worker.advance()
+
+    def take_done(self):
+        from dynaresize.control.wire import RankState
+
+        done = self.worker.take_done()
+        if done and not self.worker.streaming and not self.worker.stopped:
+            self.hb.update(state=RankState.IDLE, role=self.worker.role)
+        return done
+
+    def busy(self) -> bool:
+        return self.worker.streaming
+
+    def wants_more(self) -> bool:
+        return self.worker.wants_more()
+
+    def abort(self, reason: str) -> None:
+        self.worker.abort_stream(reason)
+
+
+class _NoHeartbeat:
+    """A rank driven in-process (tests, tools/bench_rollout.py) has no registration to update."""
+
+    def update(self, **_: Any) -> None:
+        pass
 
 
 def _scorer(cfg, tokenizer):

@@ -39,9 +39,19 @@ def check_paced(rd: Path) -> None:
     n_train = {b["step"]: b["n_train"] for b in batches(rd)}
     eps = 1e-4  # the run clock's rounding
     seen = set()
+    streamed = cfg.pipeline.schedule == "continuous" and cfg.rollout.max_running != 0
+    slots = min(cfg.rollout.max_running or cfg.rollout.pull_batch, r.max_seqs_per_gpu)
+    per_rank: dict[str, list[float]] = {}  # streamed: [seconds, tokens] of a rank's rollout intervals
     for e in events(rd, "stage"):
         dur = e["end"] - e["start"]
-        if e["stage"] == "rollout" and e.get("samples"):
+        if e["stage"] == "rollout" and e.get("samples") and streamed:
+            # continuous batching: a command's interval starts where the rank's previous one ended, so its decode
+            # spreads over both; per rank, the intervals hold every iteration (>= tokens / slots of them) and every
+            # generated token is one row of one iteration
+            acc = per_rank.setdefault(e["ranks"], [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + dur, acc[1] + e["tokens"]
+            seen.add("rollout")
+        elif e["stage"] == "rollout" and e.get("samples"):
             # iterations >= the mean response length; every generated token is one row of one iteration
             its = e["tokens"] / e["samples"]
             assert dur >= s * k * (r.iteration_fixed_s * its + r.compute_per_seq_s * e["tokens"]) - eps, e
@@ -58,6 +68,8 @@ def check_paced(rd: Path) -> None:
         elif e["stage"] == "weight_sync" and cfg.pipeline.schedule == "lockstep":  # the blocking broadcast
             assert dur >= m.weight_sync_s() - eps, e
             seen.add("weight_sync")
+    for rank, (dur, tokens) in per_rank.items():
+        assert dur >= s * k * (r.iteration_fixed_s * tokens / slots + r.compute_per_seq_s * tokens) - eps, (rank, dur)
     assert {"rollout", "train"} <= seen, seen
     # each involved rank's switch ops add up to what the plan gives it
     switches = {e["switch_id"]: e for e in events(rd, "switch_start")}

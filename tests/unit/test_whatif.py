@@ -132,3 +132,17 @@ def test_emulated_mapping_errors_are_clear(tmp_path):
     bare.mkdir()
     shutil.copy(TRACE_RUN / "events.jsonl", bare / "events.jsonl")
     assert dynaresize(["analyze", str(bare), "--whatif"]) == 2  # no config.yaml: one message, exit 2
+
+
+def test_a_continuous_emulated_run_maps_to_continuous_batching_over_its_ranks_slots(tmp_path):
+    """The streamed runtime admits a sequence as one leaves, over min(rollout.max_running, max_seqs_per_gpu) slots:
+    the simulator's GPU gets as many slots and claims one group at a time; max_running=0 is one command at a time."""
+    more = ["pipeline.schedule=continuous", "task.dataset.val_every=0", "sim.rollout.max_seqs_per_gpu=48",
+            "rollout.max_running=40", "pipeline.groups_per_command=2"]
+    cfg, _ = emulated_sim_config(_emulated_run(tmp_path / "a", *more))
+    assert (cfg.sim.rollout.max_seqs_per_gpu, cfg.sim.pipeline.claim_groups) == (40, 1)
+    cfg, _ = emulated_sim_config(_emulated_run(tmp_path / "b", *more[:-2], "rollout.max_running=0", more[-1]))
+    g = cfg.rollout.group_size
+    assert (cfg.sim.rollout.max_seqs_per_gpu, cfg.sim.pipeline.claim_groups) == (2 * g, 2)
+    cfg, _ = emulated_sim_config(_emulated_run(tmp_path / "c", *more[:-2], "rollout.pull_batch=24"))  # null: pull_batch
+    assert (cfg.sim.rollout.max_seqs_per_gpu, cfg.sim.pipeline.claim_groups) == (24, 1)

@@ -1,0 +1,245 @@
+"""Benchmark of one rollout rank: tokens/s and the idle share between commands, per engine, through the real command
+path (a private real redis-server, the CommandBus in a coordinator process, the rank's CommandReceiver and Worker).
+
+    python tools/bench_rollout.py [--batches 4] [--prompts 16] [--group 8] [--groups-per-command 4] [--rounds 2]
+
+The coordinator process sends the command stream the continuous schedule sends one rollout rank
+(dynaresize/job/pipeline.py): ``generate`` commands of ``--groups-per-command`` GRPO groups, two queued at a time
+(``SLOTS``; the next one sent when an ack arrives), batch ``j`` with version ``max(0, j - 1)``, a ``fetch_weights``
+before the first command of a new version (snapshots staged before the clock starts). Engines, side by side on the
+same commands, prompts, seeds and weights, in alternating order over ``--rounds`` rounds (the median is reported):
+
+- ``torch one batch``: ``rollout.max_running=0``, each command's ``pull_batch`` rows decoded together to the end;
+- ``torch continuous``: ``rollout.max_running`` unset, as many KV slots as the one-batch row decodes rows
+  (``pull_batch`` = one command's samples): the queued command's samples enter as slots free;
+  ``torch continuous, 2 commands' slots``: ``max_running`` = both queued commands' samples (``--max-running``
+  otherwise): every queued sample runs at once, and the rank idles when both commands end before the next arrives;
+- ``vllm``: "not installed" when ``import vllm`` fails (its engine is the vLLM helper's: rollout_vllm.py).
+
+Measured per engine: ``tokens_per_s`` = response tokens / the rank's span (first rollout stage start to the last
+end); ``tokens_per_cpu_s`` = response tokens / the rank process's CPU seconds (steadier than wall time on cores
+other jobs share: the rank computes on one thread); ``idle_share`` = the part of that span in no rollout stage interval (the rank waiting for a command or
+committing an ack; target <= 2 %); ``idle_share_within_version`` leaves out the waits before a new version's first
+command (the old version's acks, the fetch and the next command's round trip: a fetch keeps its stream order, so
+the rank finishes the old version's commands before it answers the fetch, as the one-batch path does). The model is a random-init model of the quickstart's tiny shape (hidden 128,
+2 layers, vocabulary 384) with 38 of its 384 tokens ending a response (lengths roughly geometric, mean ~10, capped
+at ``--max-tokens`` 28, the quickstart's): what matters is the spread of the lengths. Prints a table, then one JSON
+line. Wall-clock figures on shared cores are noisy; compare the rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+JOB = "bench-rollout"
+SLOTS = 2  # dynaresize.job.pipeline.SLOTS: generate commands queued per rollout rank
+EOS = list(range(300, 338))  # 38 of 384 tokens end a response
+TINY = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+def work(batch: int, prompts: int, group: int):
+    from dynaresize.contract.workqueue import WorkItem
+
+    rng = random.Random(batch)
+    out = []
+    for p in range(prompts):
+        ids = [rng.randrange(1, 290) for _ in range(rng.randrange(4, 13))]
+        out += [WorkItem(batch, p, i, ids, seed=(batch * 1000 + p) * 100 + i) for i in range(group)]
+    return out
+
+
+def coordinator(endpoint: str, cfg_json: str, job: str, args_json: str, done) -> None:
+    """The command stream of the continuous schedule for one rollout rank, then ``shutdown``."""
+    from dynaresize.control.commands import CommandBus
+    from dynaresize.control.config import RedisConfig
+    from dynaresize.control.server import connect
+
+    a = json.loads(args_json)
+    cfg = RedisConfig.model_validate_json(cfg_json)
+    bus = CommandBus(connect(endpoint, role="coordinator", cfg=cfg), job, cfg)
+    gen = {"pull_batch": a["group"] * a["groups_per_command"], "max_tokens": a["max_tokens"], "temperature": 1.0,
+           "top_p": 1.0}
+    plan = []  # (kind, payload)
+    held = 0
+    for j in range(a["batches"]):
+        v = max(0, j - 1)
+        if v > held:
+            plan.append(("fetch_weights", {"version": v}))
+            held = v
+        for g in range(0, a["prompts"], a["groups_per_command"]):
+            plan.append(("generate", {"step": j, "version": v, "prompts": list(range(g, g + a["groups_per_command"])), **gen}))
+    inflight: dict[str, str] = {}
+    cursors: dict[str, bytes] = {}
+    i = 0
+    while i < len(plan) or inflight:
+        while i < len(plan) and (plan[i][0] != "generate" or sum(k == "generate" for k in inflight.values()) < SLOTS):
+            kind, payload = plan[i]
+            cmd = bus.send(kind, [0], payload)
+            inflight[cmd.command_id], cursors[cmd.command_id] = kind, b"0-0"
+            i += 1
+        for ack in bus.read_acks(cursors, 1.0):
+            if not ack.ok:
+                raise RuntimeError(f"rank 0 failed {inflight[ack.command_id]}: {ack.error}")
+            inflight.pop(ack.command_id, None)
+            cursors.pop(ack.command_id, None)
+    bus.send("shutdown", [0], {})
+    done.set()
+
+
+def one_run(name: str, max_running: int | None, a: argparse.Namespace, redis_srv, module, root: Path, rnd: int) -> dict:
+    """One engine over the whole command stream; returns its tokens, span and busy time from the rank's events."""
+    from dynaresize.contract.dataplane import RedisDataPlane
+    from dynaresize.contract.workqueue import RolloutQueue
+    from dynaresize.control.commands import CommandReceiver
+    from dynaresize.control.server import connect
+    from dynaresize.events import EventLog, read_events
+    from dynaresize.worker.local import rollout_rank
+    from dynaresize.worker.main import RankHandler
+
+    job = f"{JOB}-{rnd}-{''.join(c if c.isalnum() else '-' for c in name)}"
+    cfg = redis_srv.cfg
+    client = connect(redis_srv.endpoint_file, role="rank0", cfg=cfg)
+    queue = RolloutQueue(client, job)
+    for j in range(a.batches):
+        queue.publish(j, work(j, a.prompts, a.group))
+    run_dir = root / job
+    run_dir.mkdir()
+    events = EventLog(run_dir / "events.jsonl")
+    pull = a.group * a.groups_per_command
+    worker = rollout_rank(module, RedisDataPlane(client, job), run_dir / "stage", root / "weights",
+                          rollout={"max_running": max_running, "pull_batch": pull, "max_tokens": a.max_tokens},
+                          eos_ids=EOS, events=events)
+    recv = CommandReceiver(client, job, 0, cfg)
+    handler = RankHandler(worker)
+    ctx = mp.get_context("spawn")
+    done = ctx.Event()
+    args_json = json.dumps({k: getattr(a, k) for k in ("batches", "prompts", "group", "groups_per_command", "max_tokens")})
+    coord = ctx.Process(target=coordinator, args=(str(redis_srv.endpoint_file), cfg.model_dump_json(), job, args_json, done))
+    coord.start()
+    cpu0 = time.process_time()
+    try:
+        recv.run_stream(handler, stop=lambda: worker.stopped, idle_s=0.2)
+        cpu = time.process_time() - cpu0  # the rank's CPU seconds (this process: one compute thread)
+    finally:
+        recv.close()
+        coord.join(timeout=60)
+        events.close()
+    if coord.exitcode != 0:
+        raise RuntimeError(f"{name}: the coordinator process failed (exit {coord.exitcode})")
+    stages = sorted(((e["start"], e["end"], e.get("tokens", 0), e.get("version"))
+                     for e in read_events(run_dir / "events.jsonl")
+                     if e.type.value == "stage" and e.get("stage") == "rollout"), key=lambda s: s[0])
+    span = stages[-1][1] - stages[0][0]
+    busy, end, boundary = 0.0, float("-inf"), 0.0
+    for i, (s, e, _, v) in enumerate(stages):  # union of the intervals (they do not overlap; a guard all the same)
+        if i and v != stages[i - 1][3]:
+            boundary += max(0.0, s - end)  # the wait at a new version: the old one's acks, the fetch, the next command
+        busy += max(0.0, e - max(s, end))
+        end = max(end, e)
+    tokens = sum(t for _, _, t, _ in stages)
+    samples = [r for j in range(a.batches) for r in queue.results(j)]
+    expect = a.batches * a.prompts * a.group
+    if len(samples) != expect:
+        raise RuntimeError(f"{name}: {len(samples)} samples completed, {expect} expected")
+    samples = {r.key: (tuple(r.response_ids), r.version) for r in samples}
+    return {"tokens": tokens, "span_s": span, "busy_s": busy, "boundary_s": boundary, "commands": len(stages),
+            "cpu_s": cpu, "samples": samples}
+
+
+def vllm_row() -> str | None:
+    """None when vLLM imports (then the vLLM helper's engine is measured), else why not."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure: the row says so
+        return f"not installed ({type(e).__name__})"
+    return "installed, not wired into this bench yet (rollout_vllm.py has no streaming engine on this branch)"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, default=4, help="RL batches (a new version from batch 2 on)")
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per batch (the quickstart's B)")
+    ap.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
+    ap.add_argument("--groups-per-command", type=int, default=4, help="pipeline.groups_per_command (the default)")
+    ap.add_argument("--max-tokens", type=int, default=28, help="rollout.max_tokens (the quickstart's)")
+    ap.add_argument("--max-running", type=int, default=0, help="slots of the last row (0: 2 commands' worth)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the engines, alternating order; medians")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    from dynaresize.control.config import RedisConfig
+    from dynaresize.control.server import RedisServer
+    from dynaresize.staging import Stager
+    from dynaresize.worker.local import tiny_qwen2
+
+    pull = a.group * a.groups_per_command
+    engines = [("torch one batch", 0), ("torch continuous", None),
+               ("torch continuous, 2 commands' slots" if not a.max_running else "torch continuous, --max-running",
+                a.max_running or SLOTS * pull)]
+    module = tiny_qwen2(TINY, seed=0).eval()
+    results: dict[str, list[dict]] = {n: [] for n, _ in engines}
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
+        root = Path(tmp)
+        stager = Stager(root / "stage", 8, 4, 1)
+        base = {n: p.detach().clone() for n, p in module.named_parameters()}
+        g = torch.Generator().manual_seed(1)
+        for v in range(1, a.batches):  # the versions the stream installs, staged before any clock starts
+            stager.stage(str(root / "weights" / f"v{v}"),
+                         {n: t + 0.01 * v * torch.randn(t.shape, generator=g) for n, t in base.items()}, {"version": v})
+        with RedisServer(RedisConfig(), root / "redis-run") as srv:
+            for rnd in range(a.rounds):
+                order = engines if rnd % 2 == 0 else engines[::-1]
+                for name, slots in order:
+                    with torch.no_grad():  # every run starts from version 0's weights
+                        for n, p in module.named_parameters():
+                            p.copy_(base[n])
+                    results[name].append(one_run(name, slots, a, srv, module, root, rnd))
+    ref = results[engines[0][0]][0]["samples"]
+    differ = max(sum(r["samples"][k] != v for k, v in ref.items()) for rs in results.values() for r in rs)
+    table = {}
+    for name, slots in engines:
+        rs = results[name]
+        tps = statistics.median(r["tokens"] / r["span_s"] for r in rs)
+        tpc = statistics.median(r["tokens"] / r["cpu_s"] for r in rs)
+        idle = statistics.median(1.0 - r["busy_s"] / r["span_s"] for r in rs)
+        within = statistics.median((r["span_s"] - r["busy_s"] - r["boundary_s"]) / r["span_s"] for r in rs)
+        gap = statistics.median((r["span_s"] - r["busy_s"]) / max(1, r["commands"] - 1) * 1e3 for r in rs)
+        table[name] = {"slots": slots or pull, "tokens_per_s": round(tps, 1), "tokens_per_cpu_s": round(tpc, 1),
+                       "idle_share": round(idle, 4),
+                       "idle_share_within_version": round(within, 4),
+                       "gap_ms": round(gap, 2), "tokens": rs[0]["tokens"]}
+    one, one_cpu = table["torch one batch"]["tokens_per_s"], table["torch one batch"]["tokens_per_cpu_s"]
+    print(f"one rollout rank, {a.batches} batches x {a.prompts} prompts x {a.group} responses, "
+          f"{a.groups_per_command} groups per command, {SLOTS} commands queued, {a.rounds} rounds (medians)")
+    print(f"{'engine':36s} {'slots':>5s} {'tokens/s':>9s} {'x':>5s} {'tokens/cpu-s':>12s} {'x':>5s} "
+          f"{'idle share':>10s} {'within a version':>16s} {'gap/command':>11s}")
+    for name, row in table.items():
+        print(f"{name:36s} {row['slots']:5d} {row['tokens_per_s']:9.0f} {row['tokens_per_s'] / one:5.2f} "
+              f"{row['tokens_per_cpu_s']:12.0f} {row['tokens_per_cpu_s'] / one_cpu:5.2f} "
+              f"{100 * row['idle_share']:9.2f}% {100 * row['idle_share_within_version']:15.2f}% {row['gap_ms']:9.2f}ms")
+    vrow = vllm_row()
+    print(f"{'vllm':36s} {vrow}")
+    print(f"samples whose tokens or version differ from the first row's (near-ties only): {differ} of {len(ref)}")
+    out = {"tokens_per_s": {n: r["tokens_per_s"] for n, r in table.items()},
+           "tokens_per_cpu_s": {n: r["tokens_per_cpu_s"] for n, r in table.items()},
+           "idle_share": {n: r["idle_share"] for n, r in table.items()},
+           "idle_share_within_version": {n: r["idle_share_within_version"] for n, r in table.items()},
+           "vllm": vrow, "samples_differing": differ, "samples": len(ref), "target_idle_share": 0.02}
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
