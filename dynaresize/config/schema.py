@@ -188,9 +188,13 @@ class Config(Section):
         if self.task.dataset.val_every > 0:
             raise RuleError(("pipeline", "schedule"), "continuous", "validation passes need every rollout rank on one "
                             "version (a step barrier); set task.dataset.val_every: 0 or pipeline.schedule: lockstep")
-        if self.rollout.engine == "vllm":
-            raise RuleError(("pipeline", "schedule"), "continuous", "the continuous schedule's background weight load "
-                            "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: lockstep")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_fits_the_device(self) -> "Config":
+        if self.rollout.engine == "vllm" and self.cluster.device == "emulated":
+            raise RuleError(("rollout", "engine"), "vllm", "the emulated accelerator paces the torch engine's work; "
+                            "rollout.engine: vllm runs on cluster.device cpu (vLLM's CPU build) or cuda")
         return self
 
     @model_validator(mode="after")
