@@ -69,3 +69,20 @@ def test_each_build_failure_names_its_setting(error, setting):
     msg = explain("build", error, "/models/m", cfg, "cpu")
     assert msg.startswith("vLLM could not build an engine on cpu for model directory '/models/m': " + error)
     assert setting in msg
+
+
+def test_the_forked_rank_parent_imports_vllm_once_and_stays_single_threaded(tmp_path):
+    """The zygote (dynaresize.job.zygote) makes vLLM's imports before it forks when the run's engine is vllm, and
+    forks only with one native thread: vLLM's imports must start none (with the ranks' OMP_NUM_THREADS=1)."""
+    from dynaresize.config.loader import load_config, write_resolved
+    from dynaresize.job.launcher import worker_env
+
+    write_resolved(load_config("configs/quickstart.yaml", ["rollout.engine=vllm"]), tmp_path)
+    code = ("import os, sys\n"
+            "from dynaresize.job.zygote import preload\n"
+            f"preload('dynaresize.worker.main', {str(tmp_path)!r})\n"
+            "print(len(os.listdir('/proc/self/task')), 'vllm.v1.engine.llm_engine' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=worker_env("cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["1", "True"], out.stdout[-2000:]
