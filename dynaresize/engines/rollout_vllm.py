@@ -53,8 +53,10 @@ SEED_MASK = (1 << 63) - 1
 
 
 def engine_env(platform: str) -> None:
-    """The environment vLLM reads at its build: the engine in this process; on CPU, no thread binding."""
+    """The environment vLLM reads at its build: the engine in this process, no usage reports (a rank reaches no
+    server); on CPU, no thread binding."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if platform == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 

@@ -688,7 +688,7 @@ class Worker:
             name = str(Path(self.setup.checkpoint_dir).resolve() / tag / "rank0-weights")
         _, meta = self.stager.load(name, into={n: t for n, t in self._weights()})
         self.version = int(meta["version"])
-        if self.vllm is not None and self.rollout is self.vllm:  # vLLM holds its own copy: the restored weights in
+        if self.vllm is not None and self.rollout is self.vllm:  # vLLM holds its own copy: reload the restored weights
             self.vllm.load_weights(self._weights())
             self.vllm.finish_weight_update(self.version)
         if self.rollout is not None:

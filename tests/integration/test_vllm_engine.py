@@ -141,13 +141,19 @@ def test_logprobs_are_the_sampled_distributions(engine, prompts, model_dir, temp
         assert g.logprobs == pytest.approx(want, abs=2e-3)  # float32 kernels of vLLM's CPU backend vs torch's
 
 
-def test_weights_load_in_place_and_a_version_resets_the_prefix_cache(engine, prompts, model_dir):
+def test_weights_load_in_place_and_a_version_resets_the_prefix_cache(engine, prompts, model_dir, tok):
     from dynaresize.models import load_model
 
     model = load_model(model_dir, torch.float32).eval()
     names = [n for n, _ in engine.named_weights()]
     assert names == [n for n, _ in model.named_parameters()]
+    # a prompt of several KV blocks (vLLM caches full blocks of a prefix): generated before the update, its prefix is
+    # cached with the old weights, and only the reset keeps the new version from reusing it
+    long = tok("a:dk=b:fm=c:gp=a:bz=q:ru=x:yz=" * 3 + "a:dk=")["input_ids"]
+    assert len(long) >= 48
+    prompts = [long, *prompts[:1]]
     before = engine.generate(prompts[:2], [3, 4], P)
+    assert before[0].token_ids == engine.generate([long], [3], P)[0].token_ids  # a prefix-cache hit, same tokens
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # a different policy: every weight moved a little
         for _, t in model.named_parameters():
