@@ -147,10 +147,11 @@ def test_weights_load_in_place_and_a_version_resets_the_prefix_cache(engine, pro
     model = load_model(model_dir, torch.float32).eval()
     names = [n for n, _ in engine.named_weights()]
     assert names == [n for n, _ in model.named_parameters()]
-    # a prompt of several KV blocks (vLLM caches full blocks of a prefix): generated before the update, its prefix is
-    # cached with the old weights, and only the reset keeps the new version from reusing it
-    long = tok("a:dk=b:fm=c:gp=a:bz=q:ru=x:yz=" * 3 + "a:dk=")["input_ids"]
-    assert len(long) >= 48
+    # a prompt longer than one KV block (vLLM caches full blocks of a prefix; 128 tokens on CPU): generated before the
+    # update, its first block is cached with the old weights, and only the reset keeps the new version from reusing
+    # it (checked by hand: with the reset skipped, this prompt's logprobs were off by up to 1.9)
+    long = tok("a:dk=b:fm=c:gp=a:bz=q:ru=x:yz=" * 5 + "a:dk=")["input_ids"]
+    assert 128 < len(long) <= 256 - P.max_tokens, len(long)
     prompts = [long, *prompts[:1]]
     before = engine.generate(prompts[:2], [3, 4], P)
     assert before[0].token_ids == engine.generate([long], [3], P)[0].token_ids  # a prefix-cache hit, same tokens
