@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 # own directory, runs get their own tmp_path, and the model cache is locked (see ``model_cache``).
 # (Not xdist's own ``--dist loadgroup``: its ``xdist_group`` marks rename ``item._nodeid``, which pytest 9 no longer
 # reads, so they group nothing.)
-SERIAL_GROUPS = {"tests/slurm/": "slurm"}  # nodeid prefix -> the one worker's group
+# The vLLM engine's tests share one engine build (a module fixture): they go to one worker as a unit too.
+SERIAL_GROUPS = {"tests/slurm/": "slurm", "tests/integration/test_vllm_engine.py": "vllm-engine"}  # nodeid prefix -> the one worker's group
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist; absent with -p no:xdist

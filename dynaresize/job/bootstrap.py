@@ -66,6 +66,8 @@ def prepare(job: Job) -> Prepared:
     model_dir = ensure_model(cfg)
     tokenizer = load_tokenizer(model_dir)
     _check_prompts(task, tokenizer, model_dir)
+    if cfg.rollout.engine == "vllm":
+        _check_vllm(job, model_dir)
     return Prepared(task, model_dir, tokenizer, BatchAssembler.from_config(cfg, task, tokenizer))
 
 
@@ -76,6 +78,20 @@ def _check_prompts(task, tokenizer, model_dir: Path) -> None:
     where = task.chat_record() if callable(getattr(task, "chat_record", None)) else None
     if where is not None:
         check_chat_template(tokenizer, model_dir, where)
+
+
+def _check_vllm(job: Job, model_dir: Path) -> None:
+    """rollout.engine=vllm: import vLLM and (on CPU) build the ranks' engine once in a child process, so that a
+    missing install, an engine that cannot be built or a model directory vLLM cannot load is one message naming
+    the cause and the setting (dynaresize.engines.rollout_vllm.VllmCheckError), not rank tracebacks and restarts."""
+    from dynaresize.engines.rollout_vllm import preflight
+    from dynaresize.models.hf import model_dtype
+
+    cfg = job.cfg
+    dtype = str(model_dtype(model_dir, cfg.model.dtype)).removeprefix("torch.")
+    res = preflight(str(model_dir), cfg.rollout.vllm, cfg.cluster.device, seed=cfg.run.seed, dtype=dtype)
+    job.events.emit("control", what="vllm_check", reason=f"vLLM imports and builds on {cfg.cluster.device}",
+                    import_s=round(res.get("import_s", 0.0), 2), build_s=round(res.get("build_s", 0.0), 2))
 
 
 def redis_server(job: Job, stop_requested: threading.Event):

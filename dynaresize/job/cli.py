@@ -145,7 +145,8 @@ def _print_summary(s: dict) -> None:
         return "-" if x is None else f"{x:.3f}"
 
     print(f"\n{s['status']}: {s['steps']} steps, {s['samples']} samples in {s['loop_s']:.1f} s of RL steps "
-          f"({s['samples_per_s']:.2f} samples/s; {s['elapsed_s']:.1f} s with start-up), split now {s['final_split']} ({s['policy']})")
+          f"({s['samples_per_s']:.2f} samples/s; {s['elapsed_s']:.1f} s with start-up), split now {s['final_split']} ({s['policy']}), "
+          f"rollout engine {s.get('rollout_engine', 'torch')}")
     print(f"mean reward: first step {f(s['reward_first'])}, last step {f(s['reward_last'])} "
           f"(first 3 {f(s['reward_first3'])}, last 3 {f(s['reward_last3'])})")
     if s.get("val_reward_first") is not None:

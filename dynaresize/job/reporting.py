@@ -123,6 +123,7 @@ def summary(job: Job, status: str, stop: OperatorStop | None, incomplete: str | 
         "final_split": f"{st.n_train}:{job.world - st.n_train}",
         **validation_summary(st.validation),
         "policy": "dynamic" if job.cfg.policy.enabled else "static",
+        "rollout_engine": job.cfg.rollout.engine,
     }
     if stop is not None:
         out["operator_stop"] = {**asdict(stop), "text": stop.describe(st.step, st.checkpoint)}

@@ -35,14 +35,25 @@ class ModelConfig(Section):
 
 
 class VllmConfig(Section):
-    gpu_memory_utilization: float = Field(0.45, gt=0, le=1, description="vLLM gpu_memory_utilization (leave room for the trainer)")
+    gpu_memory_utilization: float = Field(
+        0.45, gt=0, le=1, description="CUDA: vLLM gpu_memory_utilization, the share of the GPU it takes (leave room for "
+        "the trainer). Not used on CPU, where vLLM reads it as a share of host memory: see cpu_kv_cache_mb"
+    )
+    cpu_kv_cache_mb: int = Field(
+        256, ge=16, description="CPU: host memory of vLLM's KV cache (MiB; its kv_cache_memory_bytes, the finer form of "
+        "VLLM_CPU_KVCACHE_SPACE), allocated at the engine's build on every rank and kept while the rank trains (no "
+        "sleep mode on CPU); 256 MiB holds 131,072 tokens of the quickstart's tiny model"
+    )
     enforce_eager: bool = Field(True, description="Skip CUDA graphs and compilation (faster start, cheaper sleep)")
-    sleep_level: Literal[1, 2] = Field(1, description="vLLM sleep level when a rank leaves the rollout role")
+    sleep_level: Literal[1, 2] = Field(
+        1, description="CUDA: vLLM sleep level when a rank leaves the rollout role (1: weights offloaded to host, KV "
+        "cache dropped; 2: both dropped). CPU has no sleep mode: the engine stays whole"
+    )
     max_model_len: int | None = Field(None, ge=16, description="vLLM max_model_len (<= the model's max_position_embeddings)")
 
 
 class RolloutConfig(Section):
-    engine: Literal["torch", "vllm"] = Field("torch", description="Rollout engine: torch/transformers (CPU or GPU) or vLLM (GPU only)")
+    engine: Literal["torch", "vllm"] = Field("torch", description="Rollout engine: torch/transformers (CPU or GPU) or vLLM (its CPU build on cluster.device=cpu, sleep mode on cuda)")
     prompts_per_step: int = Field(8, ge=1, description="B: prompts per RL step")
     group_size: int = Field(8, ge=1, description="G: responses per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature")

@@ -153,7 +153,7 @@ class Worker:
     stager: Stager | None = None
     ops: list[dict[str, Any]] = field(default_factory=list)
     stopped: bool = False
-    vllm: Any = None  # VllmRollout, created once at start-up on every rank when rollout.engine=vllm (GPU only)
+    vllm: Any = None  # VllmRollout, created once at start-up on every rank when rollout.engine=vllm
     ref_model: torch.nn.Module | None = None  # frozen reference policy for train.kl_coef > 0, loaded at first use
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
@@ -174,13 +174,16 @@ class Worker:
                           setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
                           pin=setup.device == "cuda")
         if setup.rollout_cfg.engine == "vllm":
-            # UNVERIFIED (no GPU here): vLLM starts before the trainer allocates (it checks free memory), once per
-            # process; trainers put it to sleep right away and wake it when they become rollout ranks.
+            # vLLM starts before the trainer allocates (on CUDA it checks free memory), once per process; trainers
+            # put it to sleep right away (CUDA: sleep mode; CPU: the engine stays whole, docs/workers.md) and wake it
+            # when they become rollout ranks.
             from dynaresize.engines.rollout_vllm import VllmRollout
 
             if setup.model_dir is None:
                 raise WorkerError("rollout.engine=vllm needs the model directory (WorkerSetup.model_dir)")
-            w.vllm = VllmRollout(setup.model_dir, setup.eos_ids, setup.rollout_cfg.vllm)
+            dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
+            w.vllm = VllmRollout(setup.model_dir, setup.eos_ids, setup.rollout_cfg.vllm, dtype=dtype,
+                                 platform="cuda" if setup.device == "cuda" else "cpu")
         if w.is_trainer:
             if w.vllm is not None:
                 w.vllm.sleep()
@@ -891,6 +894,9 @@ class Worker:
             name = str(Path(self.setup.checkpoint_dir).resolve() / tag / "rank0-weights")
         _, meta = self.stager.load(name, into={n: t for n, t in self._weights()})
         self.version = int(meta["version"])
+        if self.vllm is not None and self.rollout is self.vllm:  # vLLM holds its own copy: reload the restored weights
+            self.vllm.load_weights(self._weights())
+            self.vllm.finish_weight_update(self.version)
         if self.rollout is not None:
             self.rollout.version = self.version
         t1 = time.perf_counter()

@@ -146,10 +146,11 @@ def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: fl
     raise TimeoutError(f"rank 0 did not publish its host ({key}) within {timeout_s:.0f} s")
 
 
-def preload_rank_imports() -> None:
+def preload_rank_imports(engine: str = "torch") -> None:
     """The third-party imports of a rank (torch, transformers' model code, DeepSpeed and what its first initialize
-    pulls in) and the project modules :func:`serve` uses. :mod:`dynaresize.job.zygote` makes them once for all the
-    local ranks it forks; :func:`serve` finds them done there, and makes them itself in a rank ``srun`` started."""
+    pulls in; vLLM's engine, worker and model runner when ``engine`` is vllm) and the project modules :func:`serve`
+    uses. :mod:`dynaresize.job.zygote` makes them once for all the local ranks it forks; :func:`serve` finds them
+    done there, and makes them itself in a rank ``srun`` started."""
     import torch  # noqa: F401
     import transformers.modeling_utils  # noqa: F401
 
@@ -162,6 +163,11 @@ def preload_rank_imports() -> None:
     import dynaresize.control.registry  # noqa: F401
     import dynaresize.models  # noqa: F401
     import dynaresize.worker.core  # noqa: F401
+
+    if engine == "vllm":
+        from dynaresize.engines.rollout_vllm import import_vllm
+
+        import_vllm()
 
 
 def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, master_addr: str | None, master_port: int,

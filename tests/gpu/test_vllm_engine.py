@@ -1,5 +1,7 @@
-"""vLLM rollout engine on a real GPU: generate with per-sample seeds and logprobs, sleep / wake_up, in-place
-weight loading. Skips cleanly without a GPU or without vllm (the engine is unverified until this runs)."""
+"""vLLM rollout engine on a real GPU: what only CUDA has (sleep mode, the CUDA kernels' reload and seeded sampling).
+Skips cleanly without a GPU or without vllm: UNVERIFIED until this runs. The engine's contract on CPU (generate,
+seeds, the stream, logprobs, weights, chat template) runs everywhere vLLM's CPU build does:
+tests/integration/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (the 'gpu' extr
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from dynaresize.engines.rollout_torch import SamplingParams  # noqa: E402
+from dynaresize.engines.rollout_torch import RolloutError, SamplingParams  # noqa: E402
 from dynaresize.engines.rollout_vllm import VllmRollout  # noqa: E402
 from dynaresize.worker.config import VllmConfig  # noqa: E402
 
@@ -33,7 +35,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    return VllmRollout(str(model_dir), eos_ids=[2], vllm_cfg=VllmConfig(gpu_memory_utilization=0.2, max_model_len=256))
+    return VllmRollout(str(model_dir), eos_ids=[2], vllm_cfg=VllmConfig(gpu_memory_utilization=0.2, max_model_len=256),
+                       dtype="float32", platform="cuda")
 
 
 def test_generate_is_seeded_per_sample_and_has_logprobs(engine):
@@ -49,7 +52,7 @@ def test_sleep_wake_and_weight_reload_changes_outputs(engine, model_dir):
     p = SamplingParams(max_tokens=8, temperature=1.0)
     before = engine.generate([[1, 5, 6]], [3], p)[0]
     engine.sleep()
-    with pytest.raises(Exception):
+    with pytest.raises(RolloutError):
         engine.generate([[1, 5, 6]], [3], p)
     engine.wake_up(["weights"])
     names = engine.named_weights()

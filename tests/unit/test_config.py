@@ -115,3 +115,12 @@ def test_validation_and_dynamic_sampling_run_on_every_schedule():
 def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
     with pytest.raises(ConfigError, match=r"pipeline\.schedule = 'barrierless'"):
         load_config("configs/quickstart.yaml", ["pipeline.schedule=barrierless"])
+
+
+def test_vllm_runs_on_either_schedule_but_not_on_the_emulated_accelerator():
+    for schedule in ("lockstep", "continuous"):
+        cfg = load_config("configs/quickstart.yaml", [f"pipeline.schedule={schedule}", "task.dataset.val_every=0",
+                                                       "rollout.engine=vllm"])
+        assert (cfg.rollout.engine, cfg.pipeline.schedule) == ("vllm", schedule)
+    with pytest.raises(ConfigError, match=r"rollout\.engine = 'vllm': the emulated accelerator paces the torch engine"):
+        load_config("configs/emulated-8gpu.yaml", ["rollout.engine=vllm"])
