@@ -327,7 +327,7 @@ class Worker:
     def _check_generate(self, version: int) -> None:
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
-        if version != self.version and version not in self.incoming:
+        if version != self.version and version not in self.incoming and not self._refetch(version):
             fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
             raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
         if self.setup.data is None:
@@ -685,6 +685,19 @@ class Worker:
         self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
         self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
         return {"version": version, "started": True}
+
+    def _refetch(self, version: int) -> bool:
+        """The scheduler core counts two weight buffers per rollout rank (the version decoding and one more): a rank
+        that fetched version v, then installed a newer one over it, may still be given work of v (a lost rank's groups
+        handed out again). The engine holds one set of weights, so v is read again from the snapshot rank 0 published
+        (the barrier-free schedule keeps every version a batch in flight needs). False when there is none to read."""
+        if self.setup.weights_dir is None or self.stager is None:
+            return False
+        path = Path(self.setup.weights_dir).resolve() / f"v{version}"
+        if not (path / "manifest.json").exists():  # a snapshot without its manifest does not exist (staging writes it last)
+            return False
+        self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
+        return True
 
     def _log_reads(self) -> None:
         """Log the interval of every finished background read not logged yet (on the main thread)."""
