@@ -155,10 +155,12 @@ RESTART = [f"run.seed={SEED}", "run.checkpoint_every=2", "policy.enabled=false",
 
 
 def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_with_the_same_training(tmp_path, model_cache):
+    """The lockstep loop's kill points (its switch at step 3, its checkpoint at step 4); on the scheduler core a trainer
+    killed mid-chunk is test_continuous_schedule.py's."""
     steps = 6
-    run(tmp_path / "ref", model_cache, f"run.steps={steps}", *RESTART)
+    run(tmp_path / "ref", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=lockstep")
     faults = {"DYNARESIZE_TEST_KILL_AT": KILLS, "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
-    run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART, faults=faults)
+    run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=lockstep", faults=faults)
     assert sorted(os.listdir(tmp_path / "markers")) == ["rank0-stage_state.weights", "rank1-switch_role.offload"]
     rd, ref = run_dir_of(tmp_path / "faulty"), run_dir_of(tmp_path / "ref")
     got, want = assert_nothing_lost(rd, steps), batches(ref)
