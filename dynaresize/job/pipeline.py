@@ -43,6 +43,7 @@ from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.filtering import UnfilledBatchError
+from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_to_dict
@@ -290,7 +291,8 @@ class ContinuousSchedule:
             tokens_trained=t.tokens)
         # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
         results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
-                    "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, []))}}
+                    "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
+                                **chunk_loss_means(t.chunk_stats.get(r, []))}}
                    for r, x in sorted(res.items())]
         trained = TrainResult(sum(x["loss"] for x in results), results)
         st.step, st.version = k + 1, k + 1

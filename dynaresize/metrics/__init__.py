@@ -190,6 +190,20 @@ def trainer_metrics(results: list[dict]) -> dict[str, float]:
     return out
 
 
+def chunk_loss_means(parts: list[dict]) -> dict[str, float]:
+    """One trainer's loss metrics over the chunks of a batch (the streamed path): KL, clip fraction and ratio as
+    token-weighted means of the chunks' local means, and the tokens summed; what a whole-batch ``train`` reports."""
+    tokens = [float(p.get("tokens", 0.0)) for p in parts]
+    total = sum(tokens)
+    if total <= 0:
+        return {}
+    out = {"tokens": total}
+    for key in ("kl", "clip_frac", "ratio_mean"):
+        if all(key in p for p in parts):
+            out[key] = sum(float(p[key]) * t for p, t in zip(parts, tokens)) / total
+    return out
+
+
 def mismatch_metrics(results: list[dict]) -> dict[str, float]:
     """The training-inference mismatch of the step from the trainers' acks (``dynaresize.rl.mismatch``): each
     trainer's sums over the tokens it trained, added (and maxima maxed) over the trainers, then divided:

@@ -157,6 +157,7 @@ class Worker:
     ref_model: torch.nn.Module | None = None  # frozen reference policy for train.kl_coef > 0, loaded at first use
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
+    held: set[int] = field(default_factory=set)  # versions this rank fetched or installed (a refetch reads only these)
     stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
     done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
     _stream_mark: float = 0.0  # end of the last rollout stage interval this rank logged from the stream
@@ -563,8 +564,9 @@ class Worker:
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
         from dynaresize.rl.mismatch import reduce_stats
 
+        loss_means = {k: float(stats[k]) for k in ("kl", "clip_frac", "ratio_mean", "tokens") if k in stats}
         return {"loss_sum": float(stats["loss_sum_local"]), "tokens": tokens, "samples": samples, "busy_s": t1 - t0,
-                "version": self.version, "metrics": reduce_stats([stats])}
+                "version": self.version, "metrics": {**reduce_stats([stats]), **loss_means}}
 
     def _cmd_optimizer_step(self, step: int, n_train: int, version_after: int, denominator: float,
                             publish: bool = False) -> dict[str, Any]:
@@ -675,6 +677,7 @@ class Worker:
         if self.setup.weights_dir is None:
             raise WorkerError(f"rank {self.rank}: fetch_weights needs the run's weights directory (WorkerSetup.weights_dir)")
         if version <= self.version or version in self.incoming:
+            self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
             return {"version": version, "started": False}
         if len(self.incoming) >= self.max_incoming:
             raise WorkerError(f"rank {self.rank} already holds {len(self.incoming)} fetched versions "
@@ -683,6 +686,7 @@ class Worker:
         assert self.stager is not None
         path = Path(self.setup.weights_dir).resolve() / f"v{version}"
         self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
+        self.held.add(version)
         self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
         return {"version": version, "started": True}
 
@@ -691,7 +695,7 @@ class Worker:
         that fetched version v, then installed a newer one over it, may still be given work of v (a lost rank's groups
         handed out again). The engine holds one set of weights, so v is read again from the snapshot rank 0 published
         (the barrier-free schedule keeps every version a batch in flight needs). False when there is none to read."""
-        if self.setup.weights_dir is None or self.stager is None:
+        if self.setup.weights_dir is None or self.stager is None or version not in self.held:
             return False
         path = Path(self.setup.weights_dir).resolve() / f"v{version}"
         if not (path / "manifest.json").exists():  # a snapshot without its manifest does not exist (staging writes it last)
