@@ -151,8 +151,8 @@ def runtime_admission(cfg: Config) -> dict[str, object]:
     schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it has drained.
     A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
     p, r = cfg.pipeline, cfg.rollout
-    per_cmd = p.groups_per_command * r.group_size if p.schedule == "continuous" else r.pull_batch
-    if p.schedule == "continuous" and r.max_running != 0:
+    per_cmd = p.groups_per_command * r.group_size if p.on_core else r.pull_batch
+    if p.on_core and r.max_running != 0:
         slots, claim = min(r.max_running or r.pull_batch, cfg.sim.rollout.max_seqs_per_gpu), 1
     else:
         slots, claim = max(1, per_cmd), max(1, per_cmd // r.group_size)
@@ -300,7 +300,7 @@ def whatif(run: str | Path) -> dict:
         from dynaresize.schedule import Mechanisms
 
         sc = rep.samples_cfg or rep.cfg
-        cont = sc.pipeline.schedule == "continuous"
+        cont = sc.pipeline.schedule == "barrier_free"
         ss = setup(sc) if rep.samples_cfg is not None else s
         own_samples = run_samples(ss, ss.initial, Mechanisms(cont, cont and sc.pipeline.streaming_training, False))
         rows.append(dict(name="own split (replay)", model="samples", time_s=own_samples.total_s * k, switches=0))

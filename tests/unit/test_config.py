@@ -118,7 +118,7 @@ def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
 
 
 def test_vllm_runs_on_either_schedule_but_not_on_the_emulated_accelerator():
-    for schedule in ("lockstep", "continuous"):
+    for schedule in ("lockstep", "barrier", "barrier_free"):
         cfg = load_config("configs/quickstart.yaml", [f"pipeline.schedule={schedule}", "task.dataset.val_every=0",
                                                        "rollout.engine=vllm"])
         assert (cfg.rollout.engine, cfg.pipeline.schedule) == ("vllm", schedule)
