@@ -387,17 +387,8 @@ class PipelineScheduler:
         r = self.ranks[rank]
         if b is None:
             raise ScheduleError(f"rank {rank} reported validation groups of version {version}, which has no pass")
-        mine = [g for g in groups if b.owner.get(g) == rank]
-        if len(mine) != len(groups):
-            if r.lost:
-                return
-            raise ScheduleError(f"rank {rank} reported validation groups {sorted(set(groups) - set(mine))} of version "
-                                f"{version} it was not given")
-        b.held[rank] -= len(mine)
-        for g in mine:
-            del b.owner[g]
-            b.done.add(g)
-        r.inflight -= len(mine)
+        if self._finish_groups(b, rank, groups, f"of version {version}'s validation pass") is None:
+            return
         if r.inflight == 0:
             r.inflight_version = None
             if r.leaving:
@@ -415,16 +406,28 @@ class PipelineScheduler:
         for rank in sorted(self.waiting):
             self._assign(rank, out)
 
-    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
-                     out: list[Action], kept: tuple[bool, ...] = ()) -> None:
-        b = self.batches[batch]
+    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str) -> list[int] | None:
+        """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
+        done. None for a late report of a rank already fenced off (its groups were handed out again)."""
         r = self.ranks[rank]
         mine = [g for g in groups if b.owner.get(g) == rank]
         if len(mine) != len(groups):
             if r.lost:
-                return  # a late report of a rank already fenced off: its groups were handed out again
-            stray = sorted(set(groups) - set(mine))
-            raise ScheduleError(f"rank {rank} reported groups {stray} of batch {batch} it was not given")
+                return None
+            raise ScheduleError(f"rank {rank} reported groups {sorted(set(groups) - set(mine))} {of} it was not given")
+        b.held[rank] -= len(mine)
+        for g in mine:
+            del b.owner[g]
+            b.done.add(g)
+        r.inflight -= len(mine)
+        return mine
+
+    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
+                     out: list[Action], kept: tuple[bool, ...] = ()) -> None:
+        b = self.batches[batch]
+        r = self.ranks[rank]
+        if any(b.owner.get(g) != rank for g in groups) and r.lost:
+            return  # a late report of a rank already fenced off: its groups were handed out again
         if tokens:
             if len(tokens) != len(groups) or any(t < 0 for t in tokens):
                 raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
@@ -433,16 +436,12 @@ class PipelineScheduler:
         if self.sampling is not None and len(kept) != len(groups):
             raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
                                 f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
-        b.held[rank] -= len(mine)
-        for g in mine:
-            del b.owner[g]
-            b.done.add(g)
+        mine = self._finish_groups(b, rank, groups, f"of batch {batch}")
         if self.sampling is None:
             b.add_ready(mine)
         else:
             b.judged.update(zip(groups, kept))
             self._select(b, out)
-        r.inflight -= len(mine)
         if r.inflight == 0:
             r.inflight_version = None
             if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back

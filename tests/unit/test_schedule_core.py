@@ -360,23 +360,14 @@ def test_validation_passes_interleave_and_keep_the_contract(data, mech, n, steps
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), need=st.integers(1, 4),
-       rgroups=st.integers(1, 3), max_rounds=st.integers(0, 3), pad=st.booleans(), salt=st.integers(0, 2),
+       rgroups=st.integers(1, 3), max_rounds=st.integers(0, 3), salt=st.integers(0, 2),
        slots=st.integers(1, 3), script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)),
        losses=st.integers(0, 1), s=st.integers(0, 2))
 def test_dynamic_sampling_keeps_the_static_runs_groups_whatever_the_order(data, mech, n, steps, need, rgroups, max_rounds,
-                                                                         pad, salt, slots, script, losses, s):
+                                                                         salt, slots, script, losses, s):
     ds = DynamicSampling(need, rgroups, max_rounds, pad=True)  # unfilled batches: the next test
     cfg = SchedulerConfig(n, n // 2, (need,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1, sampling=ds)
-    core = PipelineScheduler(cfg, ScriptedPolicy(script) if script is not None else None)
-    w = World(core, cfg, slots, losses_left=losses, salt=salt)
-    w.apply(core.start())
-    for _ in range(5000):
-        if core.finished or w.restarted:
-            break
-        ev = w.enabled()
-        assert ev, "the pipeline stalled with nothing left to happen"
-        w.fire(ev[data.draw(st.integers(0, len(ev) - 1))])
-    check_finished(w)
+    check_finished(run_world(cfg, data, slots, script=script, losses=losses, salt=salt))
 
 
 def test_dynamic_sampling_without_padding_marks_a_short_batch_unfilled_and_does_not_train_it():
