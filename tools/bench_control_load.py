@@ -95,7 +95,7 @@ class RankProcess:
 
     def __init__(self, endpoint_file: str, cfg_json: str, index: int, ranks: list[int], threads: int):
         from dynaresize.control.config import RedisConfig
-        from dynaresize.control.keys import Keys
+        from dynaresize.contract.keys import Keys
         from dynaresize.control.registry import Registry
         from dynaresize.control.server import connect
 

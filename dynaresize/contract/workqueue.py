@@ -49,8 +49,8 @@ from typing import Any, Iterable
 
 import redis
 
-from dynaresize.control.keys import Keys
-from dynaresize.control.registry import FencedRankError
+from dynaresize.contract.keys import Keys
+from dynaresize.contract.fencing import FencedRankError
 
 _PUBLISH = """
 if redis.call('HSETNX', KEYS[1], 'total', ARGV[1]) == 0 then return 0 end

@@ -75,7 +75,7 @@ import redis
 
 from dynaresize.contract.protocol import CommandKind
 from dynaresize.control.config import RedisConfig
-from dynaresize.control.keys import Keys
+from dynaresize.contract.keys import Keys
 from dynaresize.control.wire import Ack, Command, WireError, decode, encode, new_command_id
 from dynaresize.events import EventLog, count_ranks, format_ranks
 

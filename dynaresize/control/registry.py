@@ -46,8 +46,9 @@ from typing import Callable, Mapping
 
 import redis
 
+from dynaresize.contract.fencing import FencedRankError
 from dynaresize.control.config import RedisConfig
-from dynaresize.control.keys import Keys
+from dynaresize.contract.keys import Keys
 from dynaresize.control.server import BACKOFF_CAP_S
 from dynaresize.control.wire import Registration, WireError, decode, encode
 from dynaresize.events import EventLog
@@ -141,10 +142,6 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 return {tostring(now), redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[1]), 'WITHSCORES')}
 """
-
-
-class FencedRankError(RuntimeError):
-    """This rank was declared lost by the coordinator and may not act as the rank any more."""
 
 
 class RegistrationRefused(FencedRankError):

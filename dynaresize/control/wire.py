@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dynaresize.contract.protocol import CommandKind  # the kinds: one per command of the contract
-from dynaresize.control.keys import JOB_ID_RE
+from dynaresize.contract.keys import JOB_ID_RE
 from dynaresize.events import Role
 
 WIRE_VERSION = 1

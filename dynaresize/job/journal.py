@@ -9,7 +9,7 @@ import time
 from dataclasses import asdict
 
 from dynaresize.control.commands import FencedError
-from dynaresize.control.keys import Keys
+from dynaresize.contract.keys import Keys
 from dynaresize.job.checkpointing import rewind_batches
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import LAUNCH_FILE, leftover_ranks

@@ -222,6 +222,6 @@ class Rollout:
 
 
 def batch_key(job_id: str, k: int) -> str:
-    from dynaresize.control.keys import Keys
+    from dynaresize.contract.keys import Keys
 
     return f"{Keys(job_id).ns}:batch:{k}"

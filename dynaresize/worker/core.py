@@ -410,7 +410,7 @@ class Worker:
         samples all ended, and move the commands whose samples all ended to :attr:`done`."""
         if not self.stream:
             return
-        from dynaresize.control.registry import FencedRankError
+        from dynaresize.contract.fencing import FencedRankError
         from dynaresize.contract.workqueue import SampleResult
 
         try:

@@ -130,7 +130,7 @@ def _master_addr(client, job_id: str, rank: int, incarnation: Any, timeout_s: fl
     """Rank 0 publishes its host in Redis; the others wait for it (the world group's TCP rendezvous)."""
     import time
 
-    from dynaresize.control.keys import Keys
+    from dynaresize.contract.keys import Keys
 
     key = f"{Keys(job_id).ns}:world_master:{incarnation}"
     if rank == 0:

@@ -78,7 +78,7 @@ transformers.GPT2LMHeadModel(cfg).save_pretrained(sys.argv[2])
 
 
 def test_the_job_id_is_per_run_directory_never_the_name_alone(tmp_path):
-    from dynaresize.control.keys import check_job_id
+    from dynaresize.contract.keys import check_job_id
     from dynaresize.rundir import MARKER, create_run_dir, job_id
 
     a = create_run_dir(tmp_path / "a", "quickstart", now=0)
