@@ -1,6 +1,6 @@
 """Rank registry: who is in the job, where, in which role, and who stopped answering.
 
-Protocol (keys in ``keys.py``):
+Protocol (keys in ``dynaresize/contract/keys.py``):
 
 - ``register(reg)`` runs one Lua script: ``INCR dr:<job>:inc:<r>`` (the new incarnation), ``HSET dr:<job>:rank:<r>
   inc <n> m <json> launch <l> tok <process token>`` with a PEXPIRE TTL, and ``ZADD dr:<job>:live <server TIME> <r>``.

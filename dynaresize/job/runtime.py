@@ -6,12 +6,23 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynaresize.config.schema import Config
 from dynaresize.events import EventLog
 from dynaresize.job.filtering import BatchAssembler
 from dynaresize.job.state import JobState
+
+if TYPE_CHECKING:  # the annotations only (no import cycle, no Redis or transformers import at this module's load)
+    import redis as redis_client
+    from transformers import PreTrainedTokenizerBase
+
+    from dynaresize.contract.workqueue import RolloutQueue
+    from dynaresize.control.commands import CommandBus
+    from dynaresize.control.registry import Registry
+    from dynaresize.control.server import RedisServer
+    from dynaresize.metrics import Loggers
+    from dynaresize.tasks.base import Task
 
 
 @dataclass
@@ -78,14 +89,14 @@ class Services:
     """Built once at bootstrap (``dynaresize.job.bootstrap``); ``bus`` is replaced on a restart (a new epoch),
     ``launcher`` whenever ranks are started or taken over."""
 
-    srv: Any  # dynaresize.control.server.RedisServer
-    redis: Any
-    bus: Any  # dynaresize.control.commands.CommandBus
-    registry: Any  # dynaresize.control.registry.Registry
-    queue: Any  # dynaresize.contract.workqueue.RolloutQueue
-    task: Any
+    srv: RedisServer
+    redis: redis_client.Redis
+    bus: CommandBus
+    registry: Registry
+    queue: RolloutQueue
+    task: Task
     model_dir: Path
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     assembler: BatchAssembler
-    metrics: Any
-    launcher: Any = None
+    metrics: Loggers | None
+    launcher: Any = None  # dynaresize.job.launcher.LocalLauncher / AttachedRanks, or a Slurm adapter's ranks
