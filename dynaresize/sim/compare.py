@@ -31,7 +31,7 @@ from dynaresize.policy.config import OptimizationsConfig
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.bound import bound_total, tight_bound
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
-from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult
+from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult, SampleSettings
 from dynaresize.sim.stages import StageTable
 
 
@@ -82,10 +82,10 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     p = s.cfg.sim.pipeline
     policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates) if mech.resize else None
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
-    return SamplePipeline(name, s.table, topo, mech, s.costs, policy, s.cfg.pipeline.staleness_bound, log,
-                          s.cfg.switching.costs.deferred_overlap_fraction, p.claim_groups, p.stream_chunks, record_versions,
-                          p.helper_rate, p.helper_cost_s, p.trainer_gen_cost_s, p.trainer_gen_kv_fraction,
-                          p.trainer_gen_rate, tail_share).run()
+    settings = SampleSettings(s.cfg.pipeline.staleness_bound, log, s.cfg.switching.costs.deferred_overlap_fraction,
+                              p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,
+                              p.trainer_gen_cost_s, p.trainer_gen_kv_fraction, p.trainer_gen_rate, tail_share)
+    return SamplePipeline(name, s.table, topo, mech, s.costs, policy, settings).run()
 
 
 def best_static_samples(s: Setup, mech: Mechanisms) -> tuple[Topology, float]:

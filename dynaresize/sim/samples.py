@@ -212,18 +212,38 @@ class SampleRunResult(RunResult):
     trainer_gen_over_s: float = 0.0  # the longest a trainer stayed away beyond its priced time (0: never)
 
 
+@dataclass(frozen=True)
+class SampleSettings:
+    """How one sample-level run is driven, besides its world (the stage table, the split, the mechanisms, the switch
+    costs and the policy): ``sim.pipeline.*`` and ``switching.costs.deferred_overlap_fraction`` of the config."""
+
+    staleness: int = 1
+    log: bool = False  # write the run's event log
+    overlap_fraction: float = 0.9  # of a switch's deferred optimizer stage-in hidden behind training
+    claim_groups: int = 4  # groups a rollout GPU claims at a time
+    stream_chunks: int = 8  # streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready
+    record_versions: bool = False  # keep the sample-to-version map (semantics tests)
+    helper_rate: float = 0.9
+    helper_cost_s: float = 1.2
+    trainer_gen_cost_s: float = 2.0
+    trainer_gen_kv_fraction: float = 0.5
+    trainer_gen_rate: float = 0.7
+    tail_share: float = TAIL_SHARE_BARRIER_FREE  # barrier-free observations: the share of the longest response reported as tail
+
+
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
     READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, GEN, BACK, CMD = range(9)  # heap event kinds
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
-                 costs: SwitchCostModel, policy: ResizePolicy | None = None, staleness: int = 1, log: bool = False,
-                 overlap_fraction: float = 0.9, claim_groups: int = 4, stream_chunks: int = 8,
-                 record_versions: bool = False, helper_rate: float = 0.9, helper_cost_s: float = 1.2,
-                 trainer_gen_cost_s: float = 2.0, trainer_gen_kv_fraction: float = 0.5, trainer_gen_rate: float = 0.7,
-                 tail_share: float = TAIL_SHARE_BARRIER_FREE):
-        self.name, self.tab, self.costs, self.log = name, table, costs, log
+                 costs: SwitchCostModel, policy: ResizePolicy | None = None, settings: SampleSettings = SampleSettings()):
+        st = settings
+        staleness, overlap_fraction, claim_groups, stream_chunks = st.staleness, st.overlap_fraction, st.claim_groups, st.stream_chunks
+        record_versions, helper_rate, helper_cost_s, tail_share = st.record_versions, st.helper_rate, st.helper_cost_s, st.tail_share
+        trainer_gen_cost_s, trainer_gen_kv_fraction, trainer_gen_rate = (st.trainer_gen_cost_s, st.trainer_gen_kv_fraction,
+                                                                         st.trainer_gen_rate)
+        self.name, self.tab, self.costs, self.log = name, table, costs, st.log
         self.tail_share = tail_share  # barrier-free observations: the share of the longest response reported as tail
         self.N, self.K, self.s = initial.total, table.steps, staleness
         self.initial, self.mech, self.policy = initial, mechanisms, policy
