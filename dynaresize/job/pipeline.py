@@ -313,7 +313,7 @@ class ContinuousSchedule:
             if self.core.policy_state is not None:
                 st.policy = policy_to_dict(self.core.policy_state)
         if self.drain is None and k + 1 < self.cfg.run.steps and (
-                p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested())):
+                p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested)):
             self.drain = k + 1
 
     def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
@@ -598,7 +598,7 @@ class ContinuousSchedule:
         k, p = self.drain, self.p
         stop = self.stop_requested()
         self.install_newest(k)  # whichever checkpoint follows (this one, the preemption's, the stop's)
-        if self.preemption is not None and self.preemption.requested():
+        if self.preemption is not None and self.preemption.requested:
             if self.preemption.poll().value != "continue":  # checkpointed by the preemption hook
                 self.stopping = True
                 return
