@@ -82,6 +82,9 @@ def test_a_full_disk_is_waited_out_and_redis_comes_back_from_its_aof(tmp_path, t
         filler.unlink()  # the operator frees space
         t.join(timeout=30)
         assert done == [True]
+        deadline = time.monotonic() + 10  # the watchdog reports the restart once the server answers: maybe after the write
+        while not restarted and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert len(restarted) == 1 and "restarted on the same port" in restarted[0]
         assert srv.waiting_for_disk is None and srv.failure is None
         check = connect(srv.endpoint_file, role="check", cfg=cfg)

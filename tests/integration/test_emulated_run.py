@@ -39,7 +39,7 @@ def check_paced(rd: Path) -> None:
     n_train = {b["step"]: b["n_train"] for b in batches(rd)}
     eps = 1e-4  # the run clock's rounding
     seen = set()
-    streamed = cfg.pipeline.schedule == "continuous" and cfg.rollout.max_running != 0
+    streamed = cfg.pipeline.on_core and cfg.rollout.max_running != 0  # the worker streams a core run's generates
     slots = min(cfg.rollout.max_running or cfg.rollout.pull_batch, r.max_seqs_per_gpu)
     per_rank: dict[str, list[float]] = {}  # streamed: [seconds, tokens] of a rank's rollout intervals
     for e in events(rd, "stage"):
@@ -65,7 +65,7 @@ def check_paced(rd: Path) -> None:
             eff = t.scaling_per_doubling ** math.log2(n) if n > 1 else 1.0
             assert dur >= s * k * e["tokens"] / (t.tokens_per_gpu_s * n * eff) - eps, e
             seen.add("train")
-        elif e["stage"] == "weight_sync" and cfg.pipeline.schedule == "lockstep":  # the blocking broadcast
+        elif e["stage"] == "weight_sync" and cfg.pipeline.schedule in ("lockstep", "barrier"):  # the blocking broadcast
             assert dur >= m.weight_sync_s() - eps, e
             seen.add("weight_sync")
     for rank, (dur, tokens) in per_rank.items():
