@@ -31,7 +31,9 @@ CONTINUOUS = ["pipeline.schedule=continuous", "task.dataset.val_every=0", "pipel
 @pytest.fixture(scope="module")
 def static_run(tmp_path_factory, model_cache) -> Path:
     parent = tmp_path_factory.mktemp("static")
-    run(parent, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", "task.dataset.val_every=0")
+    # the static barrier run of the hand-written lockstep loop: a reference independent of the scheduler core
+    run(parent, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", "task.dataset.val_every=0",
+        "pipeline.schedule=lockstep")
     return run_dir_of(parent)
 
 

@@ -91,7 +91,8 @@ def check_paced(rd: Path) -> None:
 
 @pytest.mark.parametrize("schedule", ["continuous", "lockstep"])
 def test_emulated_run_keeps_rl_semantics_and_lasts_the_modelled_time(tmp_path, model_cache, static_run, schedule):  # noqa: F811
-    extra = [*CONTINUOUS, "policy.forced_splits={2: 1, 4: 3}"] if schedule == "continuous" else ["policy.forced_splits={2: 1, 3: 3}"]
+    extra = [*CONTINUOUS, "policy.forced_splits={2: 1, 4: 3}"] if schedule == "continuous" else [
+        "policy.forced_splits={2: 1, 3: 3}", "pipeline.schedule=lockstep"]
     out = run(tmp_path, model_cache, *EMULATED, *extra)
     rd = run_dir_of(tmp_path)
     got = batches(rd)

@@ -246,7 +246,7 @@ def test_redis_on_a_full_disk_is_waited_out_and_the_run_completes(tmp_path, tmpf
 
     run_dir = tmp_path / "run"
     rd = tmpfs(run_dir / "redis", 16 << 20)
-    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else []
+    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=lockstep"]
     p = subprocess.Popen(_driver(run_dir, model_cache, "redis.write_wait_s=120", *extra), cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     no_strays.append(p)

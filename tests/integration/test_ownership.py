@@ -102,7 +102,7 @@ def test_a_second_coordinator_that_restarts_the_ranks_fences_the_first_for_good(
     over. Which path a run takes is timing; each is proved on its own by ``tests/contract/test_commands.py``
     (``test_the_automatic_restart_of_a_fenced_coordinator_...``, ``test_a_fenced_coordinator_fences_no_rank_...``)."""
     steps = 8
-    sched = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else []
+    sched = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=lockstep"]
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
             "run.checkpoint_every=2", *sched, wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
