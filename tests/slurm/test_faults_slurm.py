@@ -122,8 +122,8 @@ def _kill_while_generating(rd: Path, rank: int, timeout_s: float = 120) -> dict:
     pid = int(reg["pid"])
     r = connect(rd / "redis" / "redis.json", role="test")
 
-    def holding() -> bool:  # dr:<job>:wq:<step>:inflight:<rank> (dynaresize.contract.workqueue), job = run dir name
-        return any(r.hlen(k) for k in r.scan_iter(match=f"dr:{rd.name}:wq:*:inflight:{rank}", count=100))
+    def holding() -> bool:  # dr:<job id>:wq:<step>:inflight:<rank> (dynaresize.contract.workqueue); the run's own Redis
+        return any(r.hlen(k) for k in r.scan_iter(match=f"dr:*:wq:*:inflight:{rank}", count=100))
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
