@@ -207,6 +207,7 @@ class RedisRefusesWrites(redis.RedisError):
     problem, not a rank's. :attr:`cause` names it in words (:data:`REFUSALS`)."""
 
     def __init__(self, cause: str, waited_s: float, detail: str):
+        detail = _SCRIPT_NOISE.sub("", detail).strip()  # Redis's own answer, without a control-plane script's hash and line
         self.cause, self.waited_s, self.detail = cause, waited_s, detail
         super().__init__(f"Redis refused writes for {waited_s:.0f} s: {cause}; last answer: {detail[:200]}")
 
@@ -233,7 +234,7 @@ def refusal_in_text(text: str) -> str | None:
 
 
 _SCRIPT_NOISE = re.compile(
-    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script:\d+: |,? ?script: [0-9a-f]{40}, on @user_script:\d+\.?")
+    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script:\d+: |,? ?script: (?:f_)?[0-9a-f]+, on @user_script:\d+\.?")
 
 
 def redis_error_text(err: BaseException | str) -> str:
