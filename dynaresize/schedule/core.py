@@ -127,6 +127,16 @@ class _Batch:
         """Groups the batch trains: every group, or with dynamic sampling the ``need`` it selects."""
         return self.need or self.groups
 
+    def give_back(self, rank: int) -> bool:
+        """A lost rank's groups in flight go back, to be handed out again first; whether it had any."""
+        mine = sorted(g for g, owner in self.owner.items() if owner == rank)
+        for g in mine:
+            del self.owner[g]
+        self.held.pop(rank, None)
+        if mine:
+            self.returned = sorted(self.returned + mine)
+        return bool(mine)
+
     def claim(self, n: int) -> tuple[int, ...]:
         out = self.returned[:n]
         del self.returned[:n]
@@ -905,22 +915,11 @@ class PipelineScheduler:
             self.n_rollout -= 1
         returned = False
         for b in self.batches[self.produced:]:  # batches before it are complete
-            mine = sorted(g for g, owner in b.owner.items() if owner == rank)
-            for g in mine:
-                del b.owner[g]
-            b.held.pop(rank, None)
-            if mine:
-                b.returned = sorted(b.returned + mine)
+            if b.give_back(rank):
                 self.first_open = min(self.first_open, b.index)
                 returned = True
         for v, b in self.vals.items():
-            mine = sorted(g for g, owner in b.owner.items() if owner == rank)
-            for g in mine:
-                del b.owner[g]
-            b.held.pop(rank, None)
-            if mine:
-                b.returned = sorted(b.returned + mine)
-                returned = True
+            returned = b.give_back(rank) or returned
             if b.returned and not any(v in self.ranks[i].versions and self.ranks[i].newest <= v
                                       for i in self.rollout_ranks()) and v < self.produced:
                 b.done.update(b.returned)  # no live rank holds the version any more: the pass cannot be finished
