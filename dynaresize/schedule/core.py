@@ -953,11 +953,18 @@ class PipelineScheduler:
             out.append(Restart(movable[0] if movable else 0, "no rollout rank is left and one trainer cannot be "
                                "split: every rank restarts from the newest checkpoint"))
             return
+        rank = movable[-1]
+        if self.t_started and rank in self.t_ranks and not self.batches[self.produced].complete:
+            # it would leave at the batch's optimizer step, which waits for the groups only a rollout rank can make
+            self.restarting = True
+            out.append(Restart(rank, f"no rollout rank is left while the trainers are in the middle of batch "
+                               f"{self.produced}, which still has groups to generate: every rank restarts from the "
+                               "newest checkpoint"))
+            return
         sid = self.switch_id
         self.switch_id += 1
         dec = Decision(PolicyAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
         out.append(Decided(max(0, self.produced - 1), dec, sid))
-        rank = movable[-1]
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
         self.switching.add(rank)

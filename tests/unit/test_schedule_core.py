@@ -496,6 +496,20 @@ def test_losing_the_last_rollout_rank_moves_a_trainer_to_rollout():
     assert core.handle(RankReady(2, 2)) == [Assign(2, 0, (0, 1), 0)]  # the lost rank's groups, on the new rollout rank
 
 
+def test_losing_the_last_rollout_rank_while_its_groups_are_trained_asks_for_a_restart():
+    """The quickstart's 3:1 on the default schedule, its one rollout rank frozen past the heartbeat deadline while
+    the trainers were in the middle of a batch whose last groups it held (tools/chaos.py, seed 1): the border
+    trainer could leave only at that batch's optimizer step, which waits for those very groups. Before, the run
+    stalled ("the scheduler has no work to hand out"); now every rank restarts from the checkpoint."""
+    core = PipelineScheduler(SchedulerConfig(4, 3, (8, 8), mechanisms=Mechanisms(True, True), stream_min_groups=4))
+    core.start()
+    core.handle(RankReady(3, 8))
+    assert core.handle(GroupsDone(3, 0, (0, 1, 2, 3))) == [Train(0, (0, 1, 2, 3), (0, 1, 2), True)]
+    assert core.handle(TrainChunkDone(0)) == []  # groups 4..7 are still on rank 3
+    (restart,) = core.handle(RankLost(3))
+    assert isinstance(restart, Restart) and "in the middle of batch 0" in restart.reason
+
+
 def test_losing_the_last_rollout_rank_with_one_trainer_asks_for_a_restart():
     core = PipelineScheduler(SchedulerConfig(2, 1, (2,), mechanisms=Mechanisms(True, True)))
     core.start()
