@@ -954,11 +954,16 @@ class PipelineScheduler:
                                "split: every rank restarts from the newest checkpoint"))
             return
         rank = movable[-1]
-        if self.t_started and rank in self.t_ranks and not self.batches[self.produced].complete:
-            # it would leave at the batch's optimizer step, which waits for the groups only a rollout rank can make
+        # The mover holds the newest version once it is a rollout rank: a trainer in the middle of a batch leaves at
+        # that batch's optimizer step (which waits for the batch's groups), with the version after it; a batch of an
+        # older version still to generate can then never be (a rank does not go back to an older version in place).
+        holds = self.produced + (1 if self.t_started and rank in self.t_ranks else 0)
+        stuck = [b.index for b in self.batches if not b.complete and b.version < holds]
+        if stuck:
             self.restarting = True
-            out.append(Restart(rank, f"no rollout rank is left while the trainers are in the middle of batch "
-                               f"{self.produced}, which still has groups to generate: every rank restarts from the "
+            out.append(Restart(rank, f"no rollout rank is left and batch {stuck[0]} still has groups to generate "
+                               f"with version {self.batches[stuck[0]].version}, which the trainer that would move "
+                               f"to rollout no longer holds (it holds version {holds}): every rank restarts from the "
                                "newest checkpoint"))
             return
         sid = self.switch_id

@@ -507,7 +507,21 @@ def test_losing_the_last_rollout_rank_while_its_groups_are_trained_asks_for_a_re
     assert core.handle(GroupsDone(3, 0, (0, 1, 2, 3))) == [Train(0, (0, 1, 2, 3), (0, 1, 2), True)]
     assert core.handle(TrainChunkDone(0)) == []  # groups 4..7 are still on rank 3
     (restart,) = core.handle(RankLost(3))
-    assert isinstance(restart, Restart) and "in the middle of batch 0" in restart.reason
+    assert isinstance(restart, Restart) and "batch 0 still has groups to generate with version 0" in restart.reason
+
+
+def test_losing_the_last_rollout_rank_before_it_generated_the_older_versions_batch_asks_for_a_restart():
+    """The quickstart's 3:1 on the default schedule, its one rollout rank SIGKILLed after step 9 while batch 10
+    (version 9) was still to generate (tools/chaos.py, seed 3): the trainer that moves to rollout holds version 10
+    and cannot generate batch 10. Before, it took batch 11 and the run stalled; now every rank restarts."""
+    core = PipelineScheduler(SchedulerConfig(4, 3, (4, 4, 4), mechanisms=Mechanisms(True, True), stream_min_groups=4))
+    core.start()
+    assert core.handle(RankReady(3, 8)) == [Assign(3, 0, (0, 1, 2, 3), 0)]
+    core.handle(GroupsDone(3, 0, (0, 1, 2, 3)))
+    core.handle(TrainChunkDone(0))
+    core.handle(OptimizerStepDone(0))  # batch 1 (version 0) not generated yet
+    (restart,) = core.handle(RankLost(3))
+    assert isinstance(restart, Restart) and "batch 1 still has groups to generate with version 0" in restart.reason
 
 
 def test_losing_the_last_rollout_rank_with_one_trainer_asks_for_a_restart():
