@@ -442,8 +442,10 @@ class ContinuousSchedule:
                     self.send_switch(sid, [x for x in actions if isinstance(x, Switch) and x.switch_id == sid])
                 case Switch():
                     pass
-                case Help() | Restart():
-                    raise JobError(f"the runtime has no gradient helpers and restarts through RanksLost: {a!r}")
+                case Restart(rank, reason):  # every rank from the checkpoint: the restart path of a lost trainer
+                    raise RanksLost(self.job.state.lost or [rank], "continuous schedule", reason)
+                case Help():
+                    raise JobError(f"the runtime has no gradient helpers: {a!r}")
 
     def parks(self, a) -> bool:
         """While draining to step k: work of batches from k + s on, and training of batch k, wait for the checkpoint."""
