@@ -279,11 +279,10 @@ class ContinuousSchedule:
             self.p.planner.rebuild()
             self.lost(new)
             return []
-        ev = decode(rec["event"]) if "event" in rec else None
-        s = self.cause(ev)
-        if s is None:  # a switch's note to the other rollout ranks: acked, no event of its own
-            s = next((x for x in self.sent.values() if x.kind == "switch_note"
-                      and all(self.stored.final(x.flight.cmd.command_id, r)[1] is not None for r in x.flight.ranks)), None)
+        if "noted" in rec:  # a switch's note to the other rollout ranks, acked
+            s = next((x for x in self.sent.values() if x.kind == "switch_note" and list(x.flight.ranks) == rec["noted"]), None)
+        else:
+            s = self.cause(decode(rec["event"]) if "event" in rec else None)
         if s is None:
             raise JobError(f"taking over the live ranks: line {self.at_rec + 2} of the segment of "
                            f"{self.job.run_dir / 'schedule.jsonl'} ({rec}) follows no command this replay sent; this is "
@@ -437,8 +436,8 @@ class ContinuousSchedule:
                     if self.core.role(r) is Role.ROLLOUT:
                         self.inflight_groups[r] = 0
                         self.ready(r)
-            case "switch_note":
-                pass
+            case "switch_note":  # no event of its own, but it frees the versions held back (send_syncs): logged,
+                self.record({"noted": list(sent.flight.ranks)})  # so that a takeover's replay sends them in order
         if sent.kind in ("switch_role", "switch_note"):
             self.send_syncs()  # a version held back while the split changed
 
