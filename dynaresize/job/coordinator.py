@@ -100,6 +100,7 @@ class Coordinator:
         self.at = Phase("start")  # where in the schedule commands are sent from now (part of their ids)
         self.parts: Parts | None = None  # the components, built once the run's Redis answers
         self.operator_stop: OperatorStop | None = None  # set by the first SIGTERM/SIGINT
+        self.segment = None  # a takeover on the core: the schedule.jsonl segment to replay (dynaresize.job.takeover)
 
     @property
     def state(self) -> JobState:
@@ -206,8 +207,16 @@ class Coordinator:
 
     def _take_over(self, p: Parts) -> bool:
         """A resume takes the ranks of a live earlier launch over (the journal), or clears what is left of it."""
-        attached = (self.resume and self.cfg.pipeline.schedule == "lockstep"  # continuous: the ranks restart instead
-                    and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None))
+        core = self.cfg.pipeline.on_core
+        attached = self.resume and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None, core=core)
+        if attached and core:  # the core's schedule goes on from the start of its segment, replayed
+            from dynaresize.job.takeover import last_segment
+
+            self.segment = last_segment(self.run_dir)
+            st = JobState(**self.segment.state)
+            st.elapsed_s, st.loop_s = max(st.elapsed_s, self.job.state.elapsed_s), max(st.loop_s, self.job.state.loop_s)
+            self.job.state = st
+            p.planner.reset()
         if self.resume and not attached:
             kill_leftovers(self.run_dir)  # an incomplete earlier launch cannot be used
             rewind_batches(self.run_dir, self.job.state.step, self.job.events)
@@ -243,7 +252,8 @@ class Coordinator:
         k = job.state.step
         if self.cfg.pipeline.on_core:  # the scheduler core decides (job.pipeline), with or without its step barrier
             self.at = Phase(f"c{k}")
-            ContinuousSchedule(job, p, self.at, self.stop_requested.is_set, self.preemption).run()
+            segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
+            ContinuousSchedule(job, p, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()
             return
         p.validation.run(self.at, job.state.version)  # before any update (version 0), unless done before a resume
         for j in range(k, min(k + job.bound, steps)):  # fill the pipeline: batches k .. k+s-1 (there after a resume)

@@ -78,10 +78,15 @@ class PlannedPolicy:
 class ScheduleLog:
     """``schedule.jsonl``: the core's configuration, then every event fed and the actions returned."""
 
-    def __init__(self, path, cfg: SchedulerConfig, incarnation: int, policy_state: PolicyState | None):
+    def __init__(self, path, cfg: SchedulerConfig, incarnation: int, policy_state: PolicyState | None,
+                 state: dict | None = None, header: bool = True):
+        """``state``: the job state the segment starts from (what a takeover of the live ranks replays from);
+        ``header``: False for a takeover, which goes on with the segment it replayed."""
         self.f = open(path, "a", buffering=1)
-        self.write({"config": encode(cfg), "incarnation": incarnation,
-                    "policy_state": policy_to_dict(policy_state) if policy_state is not None else None})
+        if header:
+            self.write({"config": encode(cfg), "incarnation": incarnation,
+                        "policy_state": policy_to_dict(policy_state) if policy_state is not None else None,
+                        "state": state})
 
     def write(self, rec: dict) -> None:
         self.f.write(json.dumps(rec, separators=(",", ":")) + "\n")
