@@ -113,6 +113,8 @@ class GenerateResult(_Msg):
 
 class FetchWeightsPayload(_Payload):
     version: int = Field(ge=1, description="published policy version to read from the run's weights directory (v<version>)")
+    keep: list[int] | None = Field(None, max_length=64, description="the versions the scheduler still counts in this "
+                                   "rank's buffers: a fetched version not among them is dropped first (None: keep all)")
 
 
 class FetchWeightsResult(_Msg):

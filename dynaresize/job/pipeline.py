@@ -672,7 +672,10 @@ class ContinuousSchedule:
                     self.p.validation.record(v, time.monotonic() - t0)
 
     def send_fetch(self, rank: int, version: int) -> None:
-        self.send("fetch_weights", [rank], {"version": version}, version=version)
+        """A background read of ``version``, with the versions the core still counts for the rank: a fetched version
+        the core dropped (no batch needs it) frees its buffer on the rank, as it did in the core."""
+        keep = sorted(set(self.core.versions_counted(rank)) | {version})
+        self.send("fetch_weights", [rank], {"version": version, "keep": keep}, version=version)
 
     def send_syncs(self) -> None:
         """Barrier: a version the core sent to the rollout pool goes in ONE blocking ``sync_weights`` from trainer

@@ -246,6 +246,12 @@ class PipelineScheduler:
     def role(self, rank: int) -> Role | None:
         return self.ranks[rank].role
 
+    def versions_counted(self, rank: int) -> tuple[int, ...]:
+        """The weight versions the core counts in a rollout rank's buffers (held or on their way). A version it
+        dropped as no batch needs it any more is not among them: the rank may free that buffer."""
+        r = self.ranks[rank]
+        return tuple(sorted(r.versions | r.sending))
+
     def accepting(self, rank: int) -> bool:
         """Whether a rollout rank takes new work (not lost, not draining for a switch)."""
         r = self.ranks[rank]

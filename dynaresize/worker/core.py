@@ -669,9 +669,11 @@ class Worker:
 
     # -- background weight transfer through the host -----------------------------------------------------------
 
-    def _cmd_fetch_weights(self, version: int) -> dict[str, Any]:
+    def _cmd_fetch_weights(self, version: int, keep: list[int] | None = None) -> dict[str, Any]:
         """Start reading published ``version`` into host memory on a background thread; ``started`` is False when
-        this rank already holds it (or a newer one) or is reading it. A read error surfaces at the install."""
+        this rank already holds it (or a newer one) or is reading it. A read error surfaces at the install.
+        ``keep``: the versions the scheduler still counts for this rank; a fetched version it no longer counts (no
+        batch needs it) is dropped first, so the rank holds what the scheduler plans with."""
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
         if self.setup.weights_dir is None:
@@ -679,6 +681,9 @@ class Worker:
         if version <= self.version or version in self.incoming:
             self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
             return {"version": version, "started": False}
+        if keep is not None:
+            for v in [v for v in self.incoming if v not in keep]:
+                del self.incoming[v]  # a read still running ends on its own thread, its copy then freed
         if len(self.incoming) >= self.max_incoming:
             raise WorkerError(f"rank {self.rank} already holds {len(self.incoming)} fetched versions "
                               f"({', '.join(map(str, sorted(self.incoming)))}), at most {self.max_incoming}: "

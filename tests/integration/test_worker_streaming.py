@@ -130,6 +130,12 @@ def test_streamed_training_publishes_weights_that_a_rollout_rank_fetches_and_ins
         assert c.call("fetch_weights", {"version": 8}, ranks=[2])[2]["started"] is True
         with pytest.raises(LocalWorkerError, match=r"already holds 2 fetched versions \(7, 8\), at most 2"):
             c.call("fetch_weights", {"version": 9}, ranks=[2])
+        # the scheduler dropped version 7 (no batch needs it): its buffer is freed for 9, 8 stays
+        assert c.call("fetch_weights", {"version": 9, "keep": [8, 9]}, ranks=[2])[2]["started"] is True
+        assert c.call("state_digest", ranks=[2])[2]["incoming"] == [8, 9]
+        with pytest.raises(LocalWorkerError, match=r"already holds 2 fetched versions \(8, 9\), at most 2"):
+            c.call("fetch_weights", {"version": 10, "keep": [8, 9, 10]}, ranks=[2])
+        c.call("fetch_weights", {"version": 7, "keep": [7, 8]}, ranks=[2])  # 9 dropped, 7 read again
         with pytest.raises(LocalWorkerError, match=r"version 7 \(.*v7\) cannot be installed: .*no manifest"):
             c.call("generate", {**gen, "version": 7, "prompts": [1]}, ranks=[2])
         assert c.call("state_digest", ranks=[2])[2]["incoming"] == [8]
