@@ -143,6 +143,8 @@ class Coordinator:
             planner = Planner(job)
             with bootstrap.redis_server(job, self.stop_requested) as srv:
                 svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready, resume=self.resume)
+                if self.resume:
+                    self._catch_up(planner)
                 p = self.parts = bootstrap.wire(job, svc, planner, self.launcher_factory, self.stop_requested, self.on_step)
                 attached = self._take_over(p)
                 try:
@@ -204,6 +206,21 @@ class Coordinator:
             job.events.emit("topology", step=0, train_ranks=format_ranks(job.trainers()), rollout_ranks=format_ranks(job.rollouts()))
         else:
             job.events.emit("control", what="resume", reason=f"incarnation {st.incarnation} from step {st.step}")
+
+    def _catch_up(self, planner: Planner) -> None:
+        """A resume holds the run's epoch now (the coordinator it replaces is fenced off at its next write to Redis),
+        but it read the checkpoint before: a coordinator still running meanwhile may have written a newer one (or
+        finished the run). Start from the newest, never from an older one (that would train its steps again)."""
+        st = resume_state(self.run_dir, self.cfg.cluster.gpus)
+        if st is None or st.step <= self.job.state.step:
+            return
+        st.incarnation = self.job.state.incarnation
+        self.job.state = st
+        planner.reset()
+        self.job.events.emit("control", what="resume", reason=f"incarnation {st.incarnation} from step {st.step}: the "
+                             "checkpoint the previous coordinator wrote before this one took the run over")
+        log.warning("resume: the previous coordinator checkpointed step %d before this one took the run over: "
+                    "going on from there", st.step)
 
     def _take_over(self, p: Parts) -> bool:
         """A resume takes the ranks of a live earlier launch over (the journal), or clears what is left of it."""
