@@ -148,6 +148,7 @@ class _Streamed:
 # to the new version sooner than the core's version bookkeeping allows for (a lost rank's groups of the old version
 # handed back to a rank that already installed the new one: tests/integration/test_continuous_schedule.py).
 CONCURRENT = frozenset({"ping"})
+GROUPS_CREATED_METRIC = "comm/groups_created_after_startup"  # logged by each rank at its shutdown (0 expected)
 
 
 @dataclass
@@ -301,6 +302,9 @@ class Worker:
 
     def _cmd_shutdown(self, **_: Any) -> dict[str, Any]:
         self.stopped = True
+        if self.setup.events is not None and self.groups is not None:  # the communicators were all built at start-up
+            self.setup.events.emit(EventType.METRIC, name=GROUPS_CREATED_METRIC, value=self.groups.created_after_startup(),
+                                   rank=self.rank)
         return {}
 
     # -- generate -------------------------------------------------------------------------------------------
