@@ -1,0 +1,973 @@
+"""FROZEN REFERENCE (tests only): dynaresize/schedule/core.py as of commit a6367d7, driven by samples_ref.py.
+
+The pipeline scheduler core: one event-driven state machine for the one-step-off RL pipeline, with or without
+its step barrier. Pure: events in, actions out; no Redis, no clock, no randomness. The simulator
+(:mod:`dynaresize.sim.samples`) feeds it simulated completions; the runtime coordinator will feed it Redis events.
+
+What it guarantees, whatever the order of the events (``tests/unit/test_schedule_core.py`` checks each):
+
+- every group of every batch is generated exactly once (a lost rank's groups are handed out again), and only by a
+  rank holding version ``version_of(batch)`` at the moment it is assigned: the static one-step-off run's
+  sample-to-version map, exactly;
+- every batch is trained exactly once and in order: ``Train`` chunks of batch ``k`` only after ``T_{k-1}``'s
+  optimizer step, each group in exactly one chunk, ``Step(k)`` once every group of batch ``k`` went through
+  forward/backward (the loss is normalised over the whole batch by the trainer, as in the barrier run);
+- a rank has one role at a time; a rank switches only when it holds no work; the trainer set of ``T_k`` is fixed
+  from its first chunk to its optimizer step.
+
+Mechanisms (:class:`~dynaresize.schedule.types.Mechanisms`):
+
+- *barrier* (both off): the static one-step-off pipeline. Batch ``j`` opens once batch ``j - 1`` is complete
+  and its version exists; then the whole rollout pool receives the version in one blocking sync; ``T_k`` starts once
+  batch ``k`` is complete.
+- *continuous rollout*: no barrier for the rollout pool. A version is sent to every rollout rank the moment it is
+  produced, in the background (double-buffered: ``max_versions_per_rank``); a rank with no work of its current
+  version takes groups of the oldest batch whose version it holds, so the next batch's head fills the current
+  batch's tail. A rank decodes one version at a time (one engine, one set of weights).
+- *streaming training*: ``T_k`` starts on batch ``k``'s complete groups as they arrive (at least
+  ``stream_min_groups`` at a time), accumulates, and steps once the batch is complete.
+- *resizing* on top: at each ``StepMeasured`` the pure :class:`~dynaresize.policy.ResizePolicy` is consulted;
+  rollout ranks at the border stop taking work, drain and switch; trainers at the border leave after the optimizer
+  step of the batch they train (at once if that batch has not started). A new trainer joins at the next batch's
+  first chunk.
+- *gradient helpers* (``gradient_helpers``): an idle rollout rank that holds the version batch ``k`` trains from
+  computes the gradient of some of its groups (``Help``/``HelpDone``), when priced worth it.
+- *trainer-gen* (``trainer_rollout``): idle trainers generate groups of the batch their version makes, with the same
+  ``Assign``/``GroupsDone`` contract as a rollout rank, then ``TrainerBack``; priced so that they are back before
+  they are needed (``_offer_generation``).
+
+Worked example (2 trainers + 2 rollout ranks, batches of 2 groups, s = 1, continuous rollout and streaming)::
+
+    core = PipelineScheduler(SchedulerConfig(4, 2, (2, 2, 2), mechanisms=Mechanisms(True, True)))
+    core.start()                      # -> []   (ranks 2, 3 hold version 0)
+    core.handle(RankReady(2, 1))      # -> [Assign(2, batch=0, groups=(0,), version=0)]
+    core.handle(RankReady(3, 2))      # -> [Assign(3, 0, (1,), 0), Assign(3, 1, (0,), 0)]  batch 1 is version 0 too
+    core.handle(GroupsDone(2, 0, (0,)))  # -> [Train(0, (0,), ranks=(0, 1), first=True)]   streaming: T_0 starts
+                                         #    (rank 2 is free again: the driver sends RankReady(2, 1) ...)
+    core.handle(RankReady(2, 1))      # -> [Assign(2, 1, (1,), 0)]
+    core.handle(TrainChunkDone(0))    # -> []   (group 1 of batch 0 is still decoding on rank 3)
+    core.handle(GroupsDone(3, 0, (1,)))  # -> [Train(0, (1,), (0, 1), first=False)]
+    core.handle(TrainChunkDone(0))    # -> [Step(0, (0, 1))]
+    core.handle(OptimizerStepDone(0)) # -> [SendWeights(2, 1), SendWeights(3, 1)]   version 1, in the background
+                                      #    (T_1 waits for a complete group of batch 1)
+
+See docs/schedule.md for the state diagram.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from dynaresize.policy import ResizePolicy, Topology
+from dynaresize.policy.predictor import efficiency
+from dynaresize.policy.types import Action as PolicyAction
+from dynaresize.policy.types import Decision, PolicyState
+from dynaresize.schedule.types import (
+    Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    ValidationDone, WeightsArrived, version_of,
+)
+
+
+@dataclass
+class _Batch:
+    index: int
+    groups: int
+    version: int
+    cursor: int = 0  # next group never handed out
+    returned: list[int] = field(default_factory=list)  # groups of lost ranks, handed out again first
+    owner: dict[int, int] = field(default_factory=dict)  # group -> rank, while in flight
+    held: dict[int, int] = field(default_factory=dict)  # rank -> groups of this batch it has in flight
+    done: set[int] = field(default_factory=set)
+    ready: list[int] = field(default_factory=list)  # complete groups not yet given to the trainers
+    trained: int = 0  # groups given to the trainers
+    tokens: dict[int, int] = field(default_factory=dict)  # group -> its trained tokens, where the driver reported them
+    ready_tokens: int = 0  # the reported tokens of the ready groups
+    ready_untokened: int = 0  # ready groups with no reported tokens
+    # dynamic sampling (need > 0): only the first ``need`` informative groups by prompt index are trained
+    need: int = 0
+    sealed: bool = True  # no extra round can be added any more (always, without dynamic sampling)
+    judged: dict[int, bool] = field(default_factory=dict)  # group -> informative (its rewards differ)
+    scan: int = 0  # the groups before it are judged and were selected or passed over, in prompt order
+    selected: int = 0  # groups selected for training so far
+    rounds: int = 0  # extra rounds added
+    unfilled: bool = False  # sealed with fewer than ``need`` informative groups and no padding: cannot be trained
+
+    def add_ready(self, groups) -> None:
+        self.ready.extend(groups)
+        self._tally(groups, 1)
+
+    def take_ready(self, groups: tuple[int, ...]) -> None:
+        """Remove ``groups`` (ready ones) from the ready list."""
+        if tuple(self.ready[:len(groups)]) == groups:
+            del self.ready[:len(groups)]
+        else:
+            gone = set(groups)
+            self.ready = [g for g in self.ready if g not in gone]
+        self._tally(groups, -1)
+
+    def _tally(self, groups, sign: int) -> None:
+        """Keep ``ready_tokens`` and ``ready_untokened`` in step with ``groups`` entering (+1) or leaving (-1)."""
+        for g in groups:
+            t = self.tokens.get(g)
+            if t is None:
+                self.ready_untokened += sign
+            else:
+                self.ready_tokens += sign * t
+
+    @property
+    def unclaimed(self) -> bool:
+        return bool(self.returned) or self.cursor < self.groups
+
+    @property
+    def complete(self) -> bool:
+        return len(self.done) == self.groups and self.sealed
+
+    @property
+    def train_total(self) -> int:
+        """Groups the batch trains: every group, or with dynamic sampling the ``need`` it selects."""
+        return self.need or self.groups
+
+    def give_back(self, rank: int) -> bool:
+        """A lost rank's groups in flight go back, to be handed out again first; whether it had any."""
+        mine = sorted(g for g, owner in self.owner.items() if owner == rank)
+        for g in mine:
+            del self.owner[g]
+        self.held.pop(rank, None)
+        if mine:
+            self.returned = sorted(self.returned + mine)
+        return bool(mine)
+
+    def claim(self, n: int) -> tuple[int, ...]:
+        out = self.returned[:n]
+        del self.returned[:n]
+        take = min(n - len(out), self.groups - self.cursor)
+        out.extend(range(self.cursor, self.cursor + take))
+        self.cursor += take
+        return tuple(out)
+
+
+@dataclass
+class _Rank:
+    role: Role | None  # None while switching
+    versions: set[int] = field(default_factory=set)  # weight versions held (rollout)
+    sending: set[int] = field(default_factory=set)  # versions on their way
+    deferred: list[int] = field(default_factory=list)  # versions to send once a buffer is free
+    inflight: int = 0
+    inflight_version: int | None = None
+    capacity: int = 0  # groups the rank asked for and did not get yet
+    leaving: bool = False
+    to: Role | None = None
+    switch_id: int | None = None  # the resize this rank is part of
+    lost: bool = False
+    newest: int = 0  # the newest version it decoded with or received in place (it cannot go back to an older one)
+
+
+class PipelineScheduler:
+    """The state machine. ``start()`` once, then ``handle(event)`` for every event; both return actions."""
+
+    def __init__(self, cfg: SchedulerConfig, policy: ResizePolicy | None = None):
+        self.cfg = cfg
+        self.mech = cfg.mechanisms
+        self.s = cfg.staleness
+        self.policy = policy
+        self.policy_state: PolicyState | None = policy.initial_state() if policy is not None else None
+        self.batches = [_Batch(j, g, version_of(j, cfg.staleness)) for j, g in enumerate(cfg.groups)]
+        self.sampling = cfg.sampling
+        if self.sampling is not None:
+            for b in self.batches:
+                b.need, b.sealed = self.sampling.need, False
+        self.n_steps = cfg.steps
+        self.ranks = [_Rank(Role.TRAIN if r < cfg.n_train else Role.ROLLOUT) for r in range(cfg.n_ranks)]
+        k = cfg.resume_step
+        for r in self.ranks:
+            if r.role is Role.ROLLOUT:
+                r.versions.add(k)  # every rank starts from the initial weights (a resume: the checkpoint's)
+        self.produced = k  # newest policy version (number of optimizer steps taken)
+        for b in self.batches[:k + self.s if k > 0 else 0]:  # trained before the checkpoint, or generated and waiting
+            if self.sampling is not None:
+                b.sealed = True
+                if b.index >= k:  # its rounds and its selection, replayed by the driver from the stored samples
+                    b.groups, chosen = cfg.resumed[b.index - k]
+                    b.need = b.selected = len(chosen)
+                    b.add_ready(chosen)
+            b.cursor, b.done = b.groups, set(range(b.groups))
+            if b.index < k:
+                b.trained = b.train_total
+            elif self.sampling is None:
+                b.add_ready(range(b.groups))
+        self.first_open = min(k + self.s, cfg.steps) if k > 0 else 0  # oldest batch that may still have unclaimed groups
+        self.released = self.first_open  # barrier: batches < released are open to the rollout pool
+        self.t_busy = False  # a chunk or an optimizer step is running
+        self.t_ranks: tuple[int, ...] = ()  # trainer set of the batch in training (fixed from its first chunk)
+        self.t_started = False
+        self.switch_id = 0
+        self.switching: set[int] = set()  # ranks leaving their role or running switch ops
+        self.waiting: set[int] = set()
+        self.restarting = False
+        self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
+        self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # gradient helper rank -> (batch, groups)
+        self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
+        self.gpu_s_per_token = 0.0  # the same per trained token (0: not measured)
+        self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
+        self.generating: dict[int, int] = {}  # trainer-gen: trainer rank -> the batch it generates groups of
+        self.decode_s_per_group = 0.0  # the newest measured rollout GPU-seconds per group
+        self.group_latency_s = 0.0  # the newest measured longest assignment-to-end time of a group
+        self.trainer_gens = 0  # trainer-gen excursions (one Assign to one trainer each)
+        self.gen_budget: dict[int, float] = {}  # generating trainer -> its priced time away (seconds)
+        # validation passes: version -> its held-out groups (one _Batch each; never trained on)
+        self.vals: dict[int, _Batch] = {v: _Batch(v, n, v) for v, n in cfg.validations}
+        self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
+        for r in self.ranks:
+            r.newest = k
+
+    # --- public views -----------------------------------------------------------------------------------------------
+    @property
+    def finished(self) -> bool:
+        return self.produced == self.cfg.steps and all(b.complete for b in self.vals.values())
+
+    def validated(self, version: int) -> bool:
+        """Whether every group of ``version``'s validation pass was generated (or the pass was abandoned)."""
+        return self.vals[version].complete
+
+    def topology(self) -> Topology:
+        """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
+        nt = live = 0
+        for r in self.ranks:
+            if not r.lost:
+                live += 1
+                if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
+                    nt += 1
+        return Topology(max(1, nt), max(1, live - nt))
+
+    def complete(self, batch: int) -> bool:
+        """Whether every group of ``batch`` was generated."""
+        return self.batches[batch].complete
+
+    def role(self, rank: int) -> Role | None:
+        return self.ranks[rank].role
+
+    def accepting(self, rank: int) -> bool:
+        """Whether a rollout rank takes new work (not lost, not draining for a switch)."""
+        r = self.ranks[rank]
+        return r.role is Role.ROLLOUT and not r.lost and not r.leaving
+
+    def trainers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost)
+
+    def rollout_ranks(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+
+    # --- entry points -------------------------------------------------------------------------------------------------
+    def start(self) -> list[Action]:
+        out: list[Action] = []
+        self._release(out)
+        self._try_train(out)  # a resume: the batch generated before the checkpoint trains at once
+        return out
+
+    def handle(self, ev: Event) -> list[Action]:
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        tp = type(ev)
+        if tp is RankReady:  # the two most frequent events first, without the match's pattern tests
+            r = self._rank(ev.rank, Role.ROLLOUT)
+            if r is not None:
+                r.capacity = max(0, ev.capacity)
+                self._assign(ev.rank, out)
+        elif tp is GroupsDone:
+            self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out, ev.kept)
+        elif tp is ValidationDone:
+            self._validation_done(ev.rank, ev.version, ev.groups, out)
+        else:
+            self._handle_rest(ev, out)
+        if self.mech.trainer_rollout and not self.restarting:
+            self._offer_generation(out)
+        return out
+
+    def _handle_rest(self, ev: Event, out: list[Action]) -> None:
+        match ev:
+            case TrainChunkDone(batch):
+                self._chunk_done(batch, out)
+            case OptimizerStepDone(batch):
+                self._step_done(batch, out)
+            case WeightsArrived(rank, version):
+                r = self.ranks[rank]
+                if version not in r.sending:
+                    return  # sent before the rank switched roles (a switch drops what was on its way)
+                r.sending.discard(version)
+                if not r.lost and r.role is Role.ROLLOUT:
+                    r.versions.add(version)
+                    if not self.mech.continuous_rollout:
+                        r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
+                    self._assign(rank, out)
+            case SwitchDone(rank):
+                self._switch_done(rank, out)
+            case RankLost(rank):
+                self._lost(rank, out)
+            case StepMeasured(obs, steps_left, per_group, decode_per_group, latency, per_token):
+                if per_group > 0:
+                    self.gpu_s_per_group = per_group
+                if per_token > 0:
+                    self.gpu_s_per_token = per_token
+                if decode_per_group > 0:
+                    self.decode_s_per_group, self.group_latency_s = decode_per_group, max(0.0, latency)
+                self._measured(obs, steps_left, out)
+            case HelpDone(rank, batch):
+                self._help_done(rank, batch, out)
+            case TrainerBack(rank):
+                self._trainer_back(rank, out)
+            case _:
+                raise ScheduleError(f"unknown event {ev!r}")
+
+    # --- rollout ----------------------------------------------------------------------------------------------------
+    def _rank(self, rank: int, role: Role) -> _Rank | None:
+        r = self.ranks[rank]
+        return r if r.role is role and not r.lost else None
+
+    def _open(self, j: int) -> bool:
+        """Whether the rollout pool may take groups of batch ``j`` (versions aside)."""
+        return self.mech.continuous_rollout or j < self.released
+
+    def _assign(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
+            self.waiting.discard(rank)
+            return
+        if self.vals:
+            self._assign_validation(rank, r, out)
+        while self.first_open < self.n_steps and not self.batches[self.first_open].unclaimed:
+            self.first_open += 1
+        j = self.first_open
+        last = min(self.n_steps - 1, self.produced + self.s)  # no later batch has its version yet
+        while r.capacity > 0 and j <= last and self._open(j):
+            b = self.batches[j]
+            usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
+            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
+            if b.unclaimed and usable and room > 0:
+                got = self._hand_out(rank, b, min(r.capacity, room), out)
+                r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
+            j += 1
+        if r.capacity > 0:
+            self.waiting.add(rank)
+            if r.inflight == 0:
+                self._offer_help(rank, out)
+        else:
+            self.waiting.discard(rank)
+
+    def _hand_out(self, rank: int, b: _Batch, n: int, out: list[Action]) -> tuple[int, ...]:
+        """Up to ``n`` groups of batch ``b`` to ``rank`` (a rollout rank, or a trainer generating): their owner, the
+        rank's groups in flight and its version recorded, the ``Assign`` emitted."""
+        r = self.ranks[rank]
+        got = b.claim(n)
+        for g in got:
+            b.owner[g] = rank
+        b.held[rank] = b.held.get(rank, 0) + len(got)
+        r.inflight += len(got)
+        r.inflight_version = b.version
+        r.newest = max(r.newest, b.version)
+        out.append(Assign(rank, b.index, got, b.version))
+        return got
+
+    # --- validation ---------------------------------------------------------------------------------------------
+    def _assign_validation(self, rank: int, r: _Rank, out: list[Action]) -> None:
+        """A validation pass of a version this rank holds and has not moved past goes before its training work: the
+        pass must be handed out while ranks still hold its version (a rank decodes one version at a time and cannot
+        go back to an older one)."""
+        for v, b in self.vals.items():
+            if r.capacity <= 0:
+                return
+            if not b.unclaimed or v > self.produced or v not in r.versions or r.newest > v:
+                continue
+            if r.inflight and r.inflight_version != v:
+                continue
+            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)
+            if room <= 0:
+                continue
+            got = b.claim(min(r.capacity, room))
+            for g in got:
+                b.owner[g] = rank
+            b.held[rank] = b.held.get(rank, 0) + len(got)
+            r.inflight += len(got)
+            r.inflight_version = v
+            r.capacity = 0 if len(got) == room else r.capacity - len(got)
+            out.append(Validate(rank, v, got))
+
+    def _validation_done(self, rank: int, version: int, groups: tuple[int, ...], out: list[Action]) -> None:
+        b = self.vals.get(version)
+        r = self.ranks[rank]
+        if b is None:
+            raise ScheduleError(f"rank {rank} reported validation groups of version {version}, which has no pass")
+        if self._finish_groups(b, rank, groups, f"of version {version}'s validation pass") is None:
+            return
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving:
+                self._start_switch(rank, out)
+        if b.complete:
+            self._prune_and_send(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)
+
+    def _validation_open(self, v: int) -> bool:
+        """Barrier: the pool moves to version ``v`` only once every older validation pass was handed out."""
+        return not any(b.unclaimed for u, b in self.vals.items() if u < v)
+
+    def _assign_waiting(self, out: list[Action]) -> None:
+        for rank in sorted(self.waiting):
+            self._assign(rank, out)
+
+    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str) -> list[int] | None:
+        """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
+        done. None for a late report of a rank already fenced off (its groups were handed out again)."""
+        r = self.ranks[rank]
+        mine = [g for g in groups if b.owner.get(g) == rank]
+        if len(mine) != len(groups):
+            if r.lost:
+                return None
+            raise ScheduleError(f"rank {rank} reported groups {sorted(set(groups) - set(mine))} {of} it was not given")
+        b.held[rank] -= len(mine)
+        for g in mine:
+            del b.owner[g]
+            b.done.add(g)
+        r.inflight -= len(mine)
+        return mine
+
+    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
+                     out: list[Action], kept: tuple[bool, ...] = ()) -> None:
+        b = self.batches[batch]
+        r = self.ranks[rank]
+        if any(b.owner.get(g) != rank for g in groups) and r.lost:
+            return  # a late report of a rank already fenced off: its groups were handed out again
+        if tokens:
+            if len(tokens) != len(groups) or any(t < 0 for t in tokens):
+                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
+                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
+            b.tokens.update(zip(groups, tokens))
+        if self.sampling is not None and len(kept) != len(groups):
+            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
+                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
+        mine = self._finish_groups(b, rank, groups, f"of batch {batch}")
+        if self.sampling is None:
+            b.add_ready(mine)
+        else:
+            b.judged.update(zip(groups, kept))
+            self._select(b, out)
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back
+                self._start_switch(rank, out)
+        if b.complete:
+            self._prune_and_send(out)
+            self._release(out)
+            if self.sampling is not None and batch == self.produced:
+                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
+        self._try_train(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)  # a drained rank may move on to the next version
+
+    # --- dynamic sampling ---------------------------------------------------------------------------------------------
+    def _select(self, b: _Batch, out: list[Action]) -> None:
+        """Select, in prompt order, the judged informative groups of ``b`` up to ``need`` (ready for training once every
+        earlier prompt is judged); add a round while a shortfall is certain; seal the batch once its selection is fixed
+        (padding with the earliest dropped groups after the last round, or marking it unfilled)."""
+        ds = self.sampling
+        while b.scan < b.groups and b.scan in b.done:
+            g = b.scan
+            b.scan += 1
+            if b.judged[g] and b.selected < b.need:
+                b.selected += 1
+                b.add_ready((g,))
+        if b.sealed:
+            return
+        informative = sum(1 for v in b.judged.values() if v)
+        if informative >= b.need:
+            b.sealed = True
+            return
+        while informative + (b.groups - len(b.done)) < b.need and b.rounds < ds.max_rounds:  # a shortfall is certain
+            first = b.groups
+            b.groups += ds.round_groups
+            b.rounds += 1
+            self.first_open = min(self.first_open, b.index)
+            out.append(Extend(b.index, b.rounds, tuple(range(first, b.groups))))
+        if len(b.done) == b.groups and informative < b.need:  # the last round is in: the selection is what it is
+            b.sealed = True
+            if ds.pad:
+                filler = [g for g in range(b.groups) if not b.judged[g]][:b.need - b.selected]
+                b.selected += len(filler)
+                b.add_ready(filler)
+            if b.selected < b.need:
+                b.unfilled = True
+        self._assign_waiting(out)
+
+    def unfilled(self, batch: int) -> bool:
+        """Dynamic sampling without padding found too few informative groups after its last round: the batch cannot
+        be trained (the driver stops the run, naming the setting)."""
+        return self.batches[batch].unfilled
+
+    def _release(self, out: list[Action]) -> None:
+        """Barrier pipeline: open the next batch once the previous one is complete and its version exists; the pool
+        then receives the version in one blocking sync."""
+        if self.mech.continuous_rollout:
+            return
+        while self.released < self.cfg.steps:
+            j = self.released
+            if j > 0 and not self.batches[j - 1].complete:
+                return
+            v = version_of(j, self.s)
+            if v > self.produced or (self.vals and not self._validation_open(v)):
+                return
+            self.released += 1
+            self._sync_pool(v, out)
+            self._assign_waiting(out)
+        if self.vals and self.batches[-1].complete:  # the versions only a validation pass uses (the run's last ones)
+            for v in self.vals:
+                if v <= self.produced and not self._batches_of(v) and self._validation_open(v):
+                    self._sync_pool(v, out)
+            self._assign_waiting(out)
+
+    def _sync_pool(self, v: int, out: list[Action]) -> None:
+        """Barrier: version ``v`` to every rollout rank (not leaving) that lacks it, in one blocking sync."""
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            if v not in r.versions and v not in r.sending and not r.leaving and r.newest <= v:
+                # (a rank holding a newer version, a former trainer with staleness >= 2, cannot go back in place)
+                r.sending.add(v)
+                out.append(SendWeights(rank, v, blocking=True))
+
+    def _batches_of(self, v: int) -> range:
+        """The batches generated by version ``v`` (with s = 1: batches 0 and 1 for version 0, then batch v + 1)."""
+        lo, hi = (0, self.s + 1) if v == 0 else (v + self.s, v + self.s + 1)
+        return range(lo, min(hi, self.cfg.steps))
+
+    def _needed(self, v: int) -> bool:
+        """Whether a batch generated by version ``v`` (or its validation pass) is not complete yet."""
+        vb = self.vals.get(v) if self.vals else None
+        return any(not self.batches[j].complete for j in self._batches_of(v)) or (vb is not None and not vb.complete)
+
+    def _prune_and_send(self, out: list[Action]) -> None:
+        """Continuous rollout: drop versions no batch needs any more, then send deferred ones into the free buffers."""
+        if not self.mech.continuous_rollout:
+            return
+        needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
+        cap = self.cfg.max_versions_per_rank
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            if len(r.versions) > 1:
+                for v in sorted(r.versions):
+                    if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
+                        if v not in needed:
+                            needed[v] = self._needed(v)
+                        if not needed[v]:
+                            r.versions.discard(v)
+            while r.deferred and len(r.versions) + len(r.sending) < cap:
+                v = r.deferred.pop(0)
+                r.sending.add(v)
+                out.append(SendWeights(rank, v))
+
+    def _send_new_version(self, v: int, out: list[Action]) -> None:
+        if not self._batches_of(v) and v not in self.vals:
+            return  # no batch is generated by this version, nor validated
+        if not self.mech.continuous_rollout:
+            self._release(out)
+            return
+        for rank in self.rollout_ranks():
+            r = self.ranks[rank]
+            if r.leaving:
+                continue
+            r.deferred.append(v)
+        self._prune_and_send(out)
+
+    # --- training -----------------------------------------------------------------------------------------------
+    def _try_train(self, out: list[Action]) -> None:
+        k = self.produced
+        if self.t_busy or k >= self.cfg.steps or self.restarting or self.generating:
+            return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
+        b = self.batches[k]
+        left = b.train_total - b.trained
+        if left == 0 or b.unfilled:
+            return
+        if self.mech.streaming_training:
+            if len(b.ready) < min(self.cfg.stream_min_groups, left):
+                return
+        elif not b.complete:
+            return
+        first = not self.t_started
+        if first:
+            self._trainers_leave_now(out)
+            if self.cfg.collective_switch and self._switch_running():
+                return  # the trainers take part in the switch: the batch starts on the new trainer set
+            self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
+            self.t_started = True
+        take = len(b.ready)
+        if self.mech.gradient_helpers:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
+            take = min(take, max(1, -(-b.train_total // self.cfg.train_chunks)))
+        chunk = tuple(b.ready[:take])
+        b.take_ready(chunk)
+        b.trained += len(chunk)
+        self.t_busy = True
+        out.append(Train(k, chunk, self.t_ranks, first))
+        self._offer_help_all(out)
+
+    def _offer_help_all(self, out: list[Action]) -> None:
+        """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
+        help in ``_assign``)."""
+        if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
+            for rank in sorted(self.waiting):
+                if not self._offer_help(rank, out):
+                    return  # not worth a helper now, for any rank (each help only shrinks what is left)
+
+    def _group_cost(self, b: _Batch, g: int) -> float:
+        """Training compute of group ``g`` of ``b`` on one GPU: by its reported tokens where known, else the mean."""
+        t = b.tokens.get(g) if self.gpu_s_per_token > 0 else None
+        return self.gpu_s_per_group if t is None else t * self.gpu_s_per_token
+
+    def _help_groups(self) -> tuple[int, ...]:
+        """Ready groups of the batch in training that one more helper should take now (none: a helper would not pay).
+
+        The share balances the trainers' rest against the helper's groups plus its cost: with ``C`` the ready groups'
+        training compute on one GPU, ``r`` the trainers' rate (GPUs x efficiency) and ``h`` the helper's, the helper
+        takes up to ``(C / r - helper_cost_s) / (1 / r + 1 / h)`` of it, and the batch's training must end sooner by
+        more than ``(helper_margin - 1) x helper_cost_s``. Each group is priced by its reported tokens where the driver
+        reports them (``GroupsDone.tokens``), else at the measured mean per group. The helper takes from the newest
+        ready groups (the trainers take the oldest), skipping one that would overshoot its share."""
+        c = self.cfg
+        nt = len(self.t_ranks)
+        if not self.t_started or nt == 0 or self.gpu_s_per_group <= 0 or self.produced >= self.n_steps:
+            return ()
+        b = self.batches[self.produced]
+        if not b.ready:
+            return ()
+        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
+        if self.gpu_s_per_token > 0:
+            total = b.ready_tokens * self.gpu_s_per_token + b.ready_untokened * self.gpu_s_per_group
+        else:
+            total = len(b.ready) * self.gpu_s_per_group
+        share = (total / trate - c.helper_cost_s) / (1.0 / trate + 1.0 / c.helper_rate)
+        need = (c.helper_margin - 1.0) * c.helper_cost_s
+        if share <= 0 or total / trate - max((total - share) / trate, share / c.helper_rate + c.helper_cost_s) <= need:
+            return ()  # not even a helper filling its whole share would pay
+        mean = total / len(b.ready)
+        scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
+        chosen: list[int] = []
+        acc = 0.0
+        for g in reversed(b.ready[-scan:]):
+            cost = self._group_cost(b, g)
+            if acc + cost <= share:
+                chosen.append(g)
+                acc += cost
+        if not chosen:
+            return ()
+        saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
+        return tuple(reversed(chosen)) if saving > need else ()
+
+    def _offer_help(self, rank: int, out: list[Action]) -> bool:
+        """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
+        waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
+        batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s`` (``_help_groups``).
+        False when a helper would not pay now, whichever rank it were."""
+        k = self.produced
+        if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
+            return False
+        r, b = self.ranks[rank], self.batches[k]
+        if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
+            return True
+        last = min(self.n_steps - 1, self.produced + self.s)
+        if any(self.batches[j].unclaimed and self.batches[j].version in r.versions for j in range(self.first_open, last + 1)):
+            return True  # generation comes first: it waits for its even share of a batch, not for a version
+        groups = self._help_groups()
+        if not groups:
+            return False
+        b.take_ready(groups)
+        b.trained += len(groups)
+        self.helping[rank] = (k, groups)
+        self.waiting.discard(rank)
+        r.capacity = 0
+        out.append(Help(rank, k, groups))
+        return True
+
+    def _help_done(self, rank: int, batch: int, out: list[Action]) -> None:
+        got = self.helping.pop(rank, None)
+        if got is None or got[0] != batch:
+            if self.ranks[rank].lost:
+                return
+            raise ScheduleError(f"rank {rank} finished helping batch {batch} it was not helping")
+        self._maybe_step(out)
+        r = self.ranks[rank]
+        if r.leaving and r.inflight == 0:
+            self._start_switch(rank, out)
+
+    # --- trainer-gen ----------------------------------------------------------------------------------------------
+    def _offer_generation(self, out: list[Action]) -> None:
+        """Within-step role flow, the other direction: idle trainers generate groups of the batch their version makes.
+
+        The trainers hold version ``k = produced`` (they took ``T_{k-1}``'s step), the version of batch ``k + s``. While
+        ``T_k`` has nothing to train (batch ``k``'s groups still decode: the rollout-bound tail), every trainer of the
+        coming ``T_k`` takes ``m`` unclaimed groups of batch ``k + s`` at once, as a rollout rank would (``Assign``,
+        then ``GroupsDone``; the same version rule, so the sample-to-version map is the barrier run's), and reports
+        ``TrainerBack`` once its engine sleeps again. It stays a trainer: the policy's topology does not change and the
+        trainer set of ``T_k`` is the one it was. No chunk or step of ``T_k`` starts while one of them is away.
+
+        Design: a trainer takes only what it is predicted to finish while it is not needed, rather than aborting and
+        returning unfinished groups (an abort throws away decoded tokens and still costs the engine's sleep). It is not
+        needed while the rollout pool has batch ``k + s`` work left: the rollout ranks wait for version ``k + 1``
+        only once batch ``k + s`` is claimed. So, with ``d`` the measured rollout GPU-seconds per group, the pool's
+        ``n`` ranks, ``U`` unclaimed groups of batch ``k + s`` and ``F`` groups in flight on the pool (of batches
+        ``k .. k + s``, each counted as ``trainer_gen_inflight_credit`` of a group's work), the trainers go only when
+
+            away = trainer_gen_cost_s + max(m d / trainer_gen_rate, group_latency_s)
+            away + rest of T_k  <=  (U - trainers x m + credit x F) d / n
+
+        (they come back, train the rest of batch ``k`` and step before the pool runs out of batch ``k + s``).
+        ``away`` is what the pricing allows a chunk of ``T_k`` to wait on a generating trainer (``gen_budget``);
+        ``group_latency_s`` is the slowest group's measured assignment-to-end time, so a trainer taking a few groups
+        is back within it (the simulator checks: ``SampleRunResult.trainer_gen_over_s``).
+        The saving is the pool time they spare, ``trainers x m x d / n``; it must exceed ``trainer_gen_margin x
+        trainer_gen_cost_s``. One excursion at a time (no trainer leaves while another is away), none during a resize.
+        """
+        c, k = self.cfg, self.produced
+        d, g = self.decode_s_per_group, self.gpu_s_per_group
+        if self.generating or self.t_busy or self.switching or k >= c.steps or d <= 0 or g <= 0 or self.n_rollout < 1:
+            return
+        b = self.batches[k]
+        left = b.train_total - b.trained
+        if left == 0:
+            return  # the batch is all in training (helpers, or the step is next)
+        j = next((j for j in self._batches_of(k) if self.batches[j].unclaimed and self._open(j)), None)
+        if j is None:
+            return
+        nb = self.batches[j]
+        ranks = self.t_ranks if self.t_started else tuple(
+            i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
+        if not ranks or any(self.ranks[i].leaving or self.ranks[i].lost for i in ranks):
+            return
+        nt = len(ranks)
+        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
+        rest = left * g / trate
+        unclaimed = len(nb.returned) + nb.groups - nb.cursor
+        inflight = sum(len(self.batches[i].owner) for i in range(k, j + 1))  # on the rollout ranks: none is away
+        pool = d / self.n_rollout  # pool seconds per group
+        m = min(c.trainer_gen_groups, unclaimed // nt)
+        while m >= 1:
+            away = c.trainer_gen_cost_s + max(m * d / c.trainer_gen_rate, self.group_latency_s)
+            if away + rest <= (unclaimed - nt * m + c.trainer_gen_inflight_credit * inflight) * pool:
+                break
+            m -= 1
+        if m < 1 or nt * m * pool <= c.trainer_gen_margin * c.trainer_gen_cost_s:
+            return
+        for rank in ranks:
+            self._hand_out(rank, nb, m, out)
+            self.generating[rank] = j
+            self.gen_budget[rank] = away
+            self.trainer_gens += 1
+
+    def _trainer_back(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if rank not in self.generating:
+            if r.lost:
+                return
+            raise ScheduleError(f"trainer {rank} came back from a generation it was not sent to")
+        if r.inflight:
+            raise ScheduleError(f"trainer {rank} came back with {r.inflight} groups still generating")
+        del self.generating[rank]
+        self.gen_budget.pop(rank, None)
+        if r.leaving and not (self.t_started and rank in self.t_ranks):
+            self._start_switch(rank, out)
+        self._try_train(out)
+        self._maybe_step(out)
+
+    def _maybe_step(self, out: list[Action]) -> None:
+        """The optimizer step once every group went through forward/backward, the helpers' included."""
+        k = self.produced
+        if self.t_busy or k >= self.cfg.steps or self.generating:
+            return
+        b = self.batches[k]
+        if b.complete and b.trained == b.train_total and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
+            self.t_busy = True
+            out.append(Step(k, self.t_ranks))
+
+    def _chunk_done(self, batch: int, out: list[Action]) -> None:
+        if batch != self.produced or not self.t_busy:
+            raise ScheduleError(f"training chunk of batch {batch} finished, but batch {self.produced} is in training")
+        self.t_busy = False
+        b = self.batches[batch]
+        if b.trained == b.train_total and b.sealed:
+            self._maybe_step(out)  # (dynamic sampling: once every prompt of its rounds is generated, as a static run)
+        else:
+            self._try_train(out)
+
+    def _step_done(self, batch: int, out: list[Action]) -> None:
+        if batch != self.produced or not self.t_busy:
+            raise ScheduleError(f"optimizer step of batch {batch} finished, but batch {self.produced} is in training")
+        self.t_busy = False
+        self.t_started = False
+        self.produced = batch + 1
+        for rank in self.t_ranks:
+            r = self.ranks[rank]
+            if r.leaving and not r.lost:
+                self._start_switch(rank, out)
+        self._collective_grow(out)
+        self._send_new_version(self.produced, out)
+        self._try_train(out)
+        self._assign_waiting(out)
+
+    def _trainers_leave_now(self, out: list[Action]) -> None:
+        for rank, r in enumerate(self.ranks):
+            if r.role is Role.TRAIN and r.leaving and not r.lost:
+                self._start_switch(rank, out)
+
+    # --- resizing ------------------------------------------------------------------------------------------------
+    def _measured(self, obs, steps_left: int, out: list[Action]) -> None:
+        if self.policy is None or not self.mech.resize or self.switching:
+            return
+        cur = self.topology()
+        obs = replace(obs, topology=cur, steps_left=steps_left)  # the payback horizon ends with the run
+        self.policy_state, dec = self.policy.step(self.policy_state, obs)
+        if not dec.resize or dec.target == cur or dec.target.total != cur.total:
+            out.append(Decided(obs.step, dec))
+            return
+        sid = self.switch_id
+        self.switch_id += 1
+        out.append(Decided(obs.step, dec, sid))
+        delta = dec.target.n_train - cur.n_train
+        if delta > 0:  # rollout ranks at the border become trainers
+            movers = [i for i in self.rollout_ranks() if not self.ranks[i].leaving][:delta]
+            for rank in movers:  # every mover is marked before any starts (a collective switch waits for all)
+                r = self.ranks[rank]
+                r.leaving, r.to, r.switch_id = True, Role.TRAIN, sid
+                self.switching.add(rank)
+                self.waiting.discard(rank)
+                r.capacity = 0
+            for rank in movers:
+                if self.ranks[rank].inflight == 0 and rank not in self.helping:
+                    self._start_switch(rank, out)
+        else:  # trainers at the border become rollout ranks after the step they are in
+            movers = [i for i in self.trainers() if not self.ranks[i].leaving][delta:]
+            for rank in movers:
+                r = self.ranks[rank]
+                r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+                self.switching.add(rank)
+                if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+                    self._start_switch(rank, out)
+
+    def _switch_running(self) -> bool:
+        return any(r.role is None and r.to is not None and not r.lost for r in self.ranks)
+
+    def _collective_grow(self, out: list[Action]) -> None:
+        """Collective switches: the rollout ranks moving to training of one resize switch together, once all of them
+        are drained and the trainers are between two batches."""
+        if not self.grow_ready or self.t_started or self.t_busy:
+            return
+        for sid in sorted({self.ranks[r].switch_id for r in self.grow_ready}):
+            movers = [i for i, r in enumerate(self.ranks) if r.switch_id == sid and r.to is Role.TRAIN and not r.lost]
+            if all(i in self.grow_ready for i in movers):
+                for i in movers:
+                    self.grow_ready.discard(i)
+                    self._start_switch(i, out, now=True)
+
+    def _start_switch(self, rank: int, out: list[Action], now: bool = False) -> None:
+        r = self.ranks[rank]
+        if r.role is None:
+            return
+        if self.cfg.collective_switch and r.to is Role.TRAIN and not now:
+            self.grow_ready.add(rank)
+            self._collective_grow(out)
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
+        r.role = None
+        r.leaving = False
+        r.versions.clear()
+        r.sending.clear()
+        r.deferred.clear()
+        out.append(Switch(rank, r.to, r.switch_id))
+
+    def _switch_done(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.role is not None or r.to is None:
+            raise ScheduleError(f"rank {rank} finished a switch it was not told to make")
+        r.role, r.to, r.switch_id = r.to, None, None
+        self.switching.discard(rank)
+        if r.lost:
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout += 1
+            r.versions = {self.produced}  # a former trainer holds the newest weights
+            r.newest = self.produced
+            self._release(out)
+            if self.cfg.collective_switch:
+                self._try_train(out)  # the trainers that stayed took part in the switch
+        else:
+            self._try_train(out)
+
+    # --- faults ------------------------------------------------------------------------------------------------
+    def _lost(self, rank: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if r.lost:
+            return
+        r.lost = True
+        self.waiting.discard(rank)
+        self.switching.discard(rank)
+        if r.role is Role.TRAIN:  # its optimizer state and gradients are gone: the runtime's restart path
+            self.restarting = True
+            out.append(Restart(rank, f"trainer rank {rank} lost: every rank restarts from the newest checkpoint"))
+            return
+        if r.role is Role.ROLLOUT:
+            self.n_rollout -= 1
+        returned = False
+        for b in self.batches[self.produced:]:  # batches before it are complete
+            if b.give_back(rank):
+                self.first_open = min(self.first_open, b.index)
+                returned = True
+        for v, b in self.vals.items():
+            returned = b.give_back(rank) or returned
+            if b.returned and not any(v in self.ranks[i].versions and self.ranks[i].newest <= v
+                                      for i in self.rollout_ranks()) and v < self.produced:
+                b.done.update(b.returned)  # no live rank holds the version any more: the pass cannot be finished
+                b.cursor, b.returned = b.groups, []
+                self.vals_abandoned.add(v)
+        r.inflight, r.capacity, r.inflight_version = 0, 0, None
+        helped = self.helping.pop(rank, None)
+        if helped is not None:  # its gradient is lost: the trainers compute those groups again
+            hb = self.batches[helped[0]]
+            hb.add_ready(helped[1])
+            hb.trained -= len(helped[1])
+            self._try_train(out)
+            self._maybe_step(out)
+        if returned:
+            self._assign_waiting(out)
+        if rank in self.grow_ready:
+            self.grow_ready.discard(rank)
+            self._collective_grow(out)  # the other movers of its resize may go now
+        self._rescue(out)
+
+    def _rescue(self, out: list[Action]) -> None:
+        """The last rollout rank was lost and work is left to generate: the border trainer moves to rollout (a resize
+        the core makes itself, like a policy's; with one trainer left nothing can move and the driver restarts)."""
+        if self.n_rollout > 0 or any(x.to is Role.ROLLOUT and not x.lost for x in self.ranks):
+            return
+        if all(b.complete for b in self.batches) and all(b.complete for b in self.vals.values()):
+            return
+        movable = [i for i in self.trainers() if not self.ranks[i].leaving]
+        if len(movable) < 2:
+            self.restarting = True
+            out.append(Restart(movable[0] if movable else 0, "no rollout rank is left and one trainer cannot be "
+                               "split: every rank restarts from the newest checkpoint"))
+            return
+        sid = self.switch_id
+        self.switch_id += 1
+        dec = Decision(PolicyAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
+        out.append(Decided(max(0, self.produced - 1), dec, sid))
+        rank = movable[-1]
+        r = self.ranks[rank]
+        r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+        self.switching.add(rank)
+        if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+            self._start_switch(rank, out)
+
+
+def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:
+    """Feed ``events`` to a fresh core; the actions of ``start()`` then of each event (for replay tests)."""
+    core = PipelineScheduler(cfg, policy)
+    return [core.start()] + [core.handle(e) for e in events]

@@ -1,0 +1,706 @@
+"""FROZEN REFERENCE (tests only): the sample-level engine as it was before issue 28's fast engine (commit a6367d7),
+driving its frozen copy of the scheduler core (core_ref.py). tests/unit/test_sim_fast.py runs it side by side with
+:mod:`dynaresize.sim.samples` and asserts identical runs. Do not edit, except to follow an intended change of results.
+
+The sample-level simulator: per-GPU continuous batching, driven by the pure scheduler core.
+
+Where the step-level model (:mod:`dynaresize.sim.engine`) prices a whole rollout stage with one formula, this one
+follows every rollout GPU: sequences enter and leave its batch, each decode iteration costs
+``iteration_fixed_s + sum of the active sequences' per-iteration costs`` (compute and KV reads, from
+:class:`~dynaresize.sim.stages.StepPhysics`), and KV memory caps how many sequences a GPU holds. So a GPU whose last
+long response decodes alone runs at a few percent of its throughput, and a GPU with nothing left is idle, and both
+show in the event log (one ``stage`` interval per rank and batch, from the first admission to the last response).
+
+Who decides what: the :class:`~dynaresize.schedule.PipelineScheduler` (the same core the runtime will drive) hands
+out groups, starts training chunks and optimizer steps, sends weight versions and switches roles. This module only
+turns its actions into simulated durations and its events into the core's inputs:
+
+- a rollout rank claims work (``RankReady``) when its free slots reach ``claim`` sequences (a few groups) or when
+  it has drained; the groups it gets start at once, after their prefill (which stalls that GPU's decoding);
+- a group is done when its last response ends (``GroupsDone`` at that exact time);
+- a training chunk of groups costs their share of the batch's trained tokens at the trainers' rate
+  (``TrainPhysicsConfig``), the optimizer step ``step_overhead_s``; so in the barrier schedule a training stage
+  costs exactly what the step-level model says;
+- a weight version reaches a rank ``weight_sync_s`` after it was sent (blocking in the barrier pipeline, in the
+  background of decoding otherwise: NCCL's copy is assumed not to slow the decode, ASSUMPTION);
+- a role switch costs the ops of :class:`~dynaresize.policy.SwitchCostModel`'s plan: the moving ranks' critical ops
+  before they work in their new role, the staying trainers' critical ops (and any deferred optimizer state that
+  the first forward/backward cannot hide) on the first training chunk of the new trainer set.
+
+The resize policy observes capacities, not overlapping stage times: per finished step, the GPU-seconds its rollout
+kept rollout ranks busy and the trainers' compute time, as a barrier-equivalent ``Observation`` (with continuous
+rollout and streaming training the longest response counts as no tail: ``TAIL_SHARE_BARRIER_FREE``).
+
+Assumptions beyond the step-level model's (also in docs/simulator.md): claims in chunks of ``claim`` sequences (a
+GPU admits new sequences a few groups at a time, not one by one); a GPU holds one weight version at a time; per
+sequence, the per-iteration cost uses its batch's mean context; no preemption of running sequences.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dynaresize.events import Event, EventType, format_ranks, make_event
+from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostModel, Topology
+from dynaresize.policy.predictor import efficiency
+from dynaresize.schedule import (
+    Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankReady, Restart, Role,
+    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, WeightsArrived,
+)
+from dynaresize.sim.engine import RunResult
+from dynaresize.sim.stages import StageTable
+from tests.support.sim_reference.core_ref import PipelineScheduler
+
+_EPS = 1e-9
+_COMMANDS = (Assign, Train, Help, Step, SendWeights)  # what the coordinator sends a rank (command_latency_s each)
+
+# With continuous rollout and streaming training, the share of a batch's longest response decoded alone that the
+# policy's observation reports as a rollout tail (the part of the rollout that more GPUs do not shorten): none. The
+# next batch's head fills that time, so the rollout is observed as pure capacity (the ranks' mean busy span), as the
+# runtime observes it. Measured side by side (docs/simulator.md, "Robustness at sample level"; 24 stationary cases):
+# the whole tail made the policy predict a smaller rollout pool far faster than it measured, so it swung between two
+# splits (7 of 24 within <= 2 switches and 1%, worst 10.3%); half: 15 of 24, worst 4.2%; none: 16 of 24, worst 2.7%,
+# all within 3%. (Before the gradient helpers were priced by their groups' tokens, none lost 7% in taskmix_64gpu.)
+TAIL_SHARE_BARRIER_FREE = 0.0
+
+
+class DecodeRank:
+    """One rollout GPU under continuous batching.
+
+    Plain Python lists, not numpy: a rank holds a few dozen sequences, where numpy's per-call overhead costs more
+    than the arithmetic (at 4096 GPUs the simulator makes about three rank events per GPU and step). Each
+    admission re-plans the rank's decoding from then on, if nothing new is admitted: the active sequences sorted by
+    the tokens they still have to decode (ties in admission order), the cost of each iteration segment between two
+    completions (``w`` + the per-iteration cost of the sequences still active), and the completion time of each
+    sequence and group. Sequences that ended are dropped by moving ``head`` past them (they are a prefix of the
+    plan).
+    """
+
+    def __init__(self, rank: int, w: float):
+        self.rank, self.w = rank, w
+        self.gkey: dict[int, tuple[int, int]] = {}  # local group id -> (batch, group)
+        self.next_gid = 0
+        self.next_seq = 0  # admission number of the next sequence (the sort's tie-break)
+        self.slots = 1
+        self.token = 0
+        self.t_valid = 0.0
+        self.planned = False  # a plan exists (set by the first admission)
+        self.t0 = 0.0  # the plan's start (after the prefill pause)
+        self.seqs: list[tuple[float, int, float, int]] = []  # plan order: (tokens left at t0, admission no, u, gid)
+        self.t_marks: list[float] = []  # completion time of each planned sequence (non-decreasing)
+        self.cost: list[float] = []  # seconds per iteration in the segment that ends at each mark
+        self.head = 0  # planned sequences before it have ended
+        self.groups: list[tuple[float, int]] = []  # (completion time, local group id), sorted
+        self.gptr = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.seqs) - self.head
+
+    def advance(self, t: float) -> None:
+        """Drop the sequences that ended by ``t``."""
+        if self.planned:
+            marks, h, n, lim = self.t_marks, self.head, len(self.seqs), t + _EPS
+            while h < n and marks[h] <= lim:
+                h += 1
+            self.head = h
+        if t > self.t_valid:
+            self.t_valid = t
+
+    def _done_iterations(self, t: float) -> float:
+        """Iterations decoded between the plan's start and ``t``."""
+        marks = self.t_marks
+        i = bisect_right(marks, t)
+        if i >= len(marks):
+            return self.seqs[-1][0]
+        if i == 0:
+            return (t - self.t0) / self.cost[0]
+        return self.seqs[i - 1][0] + (t - marks[i - 1]) / self.cost[i]
+
+    def admit(self, t: float, lengths: list[float], u: float, keys: list[tuple[int, int]], group_size: int,
+              pause: float) -> None:
+        """Sequences of the groups ``keys`` (``group_size`` consecutive lengths each) start at ``t + pause``; the
+        prefill pause stalls the sequences already decoding too."""
+        self.advance(t)
+        live = self.seqs[self.head:]
+        if live and t > self.t0:
+            d = self._done_iterations(t)
+            live = [(max(r - d, _EPS), a, uu, g) for r, a, uu, g in live]
+        gid, n = self.next_gid, self.next_seq
+        for i, k in enumerate(keys):
+            self.gkey[gid + i] = k
+        live.extend((length, n + i, u, gid + i // group_size) for i, length in enumerate(lengths))
+        self.next_gid += len(keys)
+        self.next_seq += len(lengths)
+        self._plan(t, pause, live)
+
+    def _plan(self, t: float, pause: float, seqs: list[tuple[float, int, float, int]]) -> None:
+        self.head, self.gptr = 0, 0
+        if not seqs:
+            self.planned, self.seqs, self.t_marks, self.cost, self.groups = False, [], [], [], []
+            return
+        seqs.sort()  # by tokens left, then admission number (unique): a stable sort by tokens left
+        t0 = t + pause
+        n, w = len(seqs), self.w
+        cost = [0.0] * n  # w + the per-iteration cost of the sequences still active in each segment
+        acc = 0.0  # that cost, summed from the end
+        for i in range(n - 1, -1, -1):
+            acc += seqs[i][2]
+            cost[i] = w + acc
+        marks = [0.0] * n
+        gend: dict[int, float] = {}
+        acc, prev = 0.0, 0.0
+        for i, (r, _, _, g) in enumerate(seqs):
+            acc += (r - prev) * cost[i]
+            prev = r
+            marks[i] = e = t0 + acc
+            gend[g] = e  # the last sequence of a group in completion order
+        self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
+        self.groups = sorted((e, g) for g, e in gend.items())
+        self.t_valid = t
+
+    def next_group_time(self) -> float:
+        return self.groups[self.gptr][0] if self.gptr < len(self.groups) else math.inf
+
+    def pop_groups(self, t: float) -> list[tuple[int, int]]:
+        """Groups whose last response ended by ``t``."""
+        out = []
+        groups, lim = self.groups, t + _EPS
+        while self.gptr < len(groups) and groups[self.gptr][0] <= lim:
+            out.append(self.gkey.pop(groups[self.gptr][1]))
+            self.gptr += 1
+        return out
+
+    def claim_time(self, claim: int) -> float:
+        """When the free slots reach ``claim`` sequences (or the rank drains)."""
+        free = self.slots - self.active
+        if free >= claim or not self.planned:
+            return self.t_valid
+        k = min(claim - free, self.active) - 1  # (with fewer sequences than that left: when it drains)
+        return self.t_marks[self.head + k] if k >= 0 else self.t_valid
+
+    def drain_time(self) -> float:
+        return self.t_marks[-1] if self.planned else self.t_valid
+
+
+@dataclass
+class _BatchInfo:
+    lengths: list[list[float]]  # per group, its responses' lengths
+    group_size: int
+    groups: int
+    u: float
+    cap: int
+    prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
+    train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
+    tokens_per_group: list[int]  # trained tokens per group (0: dropped), reported with GroupsDone
+    samples: int
+    tokens_generated: int
+    tokens_trained: int
+    tail_s: float
+
+
+@dataclass
+class SampleRunResult(RunResult):
+    versions: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, group) -> version that made it
+    busy_rollout_gpu_s: float = 0.0
+    busy_train_gpu_s: float = 0.0
+    gpus: int = 0
+    helps: int = 0  # gradient helps by rollout ranks
+    trainer_gens: int = 0  # trainer-gen excursions (one trainer, one assignment of groups each)
+    trainer_gen_groups: int = 0  # groups generated by trainers
+    trainer_gen_over_s: float = 0.0  # the longest a trainer stayed away beyond its priced time (0: never)
+
+
+@dataclass(frozen=True)
+class SampleSettings:
+    """How one sample-level run is driven, besides its world (the stage table, the split, the mechanisms, the switch
+    costs and the policy): ``sim.pipeline.*`` and ``switching.costs.deferred_overlap_fraction`` of the config."""
+
+    staleness: int = 1
+    log: bool = False  # write the run's event log
+    overlap_fraction: float = 0.9  # of a switch's deferred optimizer stage-in hidden behind training
+    claim_groups: int = 4  # groups a rollout GPU claims at a time
+    stream_chunks: int = 8  # streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready
+    record_versions: bool = False  # keep the sample-to-version map (semantics tests)
+    helper_rate: float = 0.9
+    helper_cost_s: float = 1.2
+    trainer_gen_cost_s: float = 2.0
+    trainer_gen_kv_fraction: float = 0.5
+    trainer_gen_rate: float = 0.7
+    tail_share: float = TAIL_SHARE_BARRIER_FREE  # barrier-free observations: the share of the longest response reported as tail
+
+
+class SamplePipeline:
+    """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
+
+    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, GEN, BACK, CMD = range(9)  # heap event kinds
+
+    def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
+                 costs: SwitchCostModel, policy: ResizePolicy | None = None, settings: SampleSettings = SampleSettings()):
+        st = settings
+        staleness, overlap_fraction, claim_groups, stream_chunks = st.staleness, st.overlap_fraction, st.claim_groups, st.stream_chunks
+        record_versions, helper_rate, helper_cost_s, tail_share = st.record_versions, st.helper_rate, st.helper_cost_s, st.tail_share
+        trainer_gen_cost_s, trainer_gen_kv_fraction, trainer_gen_rate = (st.trainer_gen_cost_s, st.trainer_gen_kv_fraction,
+                                                                         st.trainer_gen_rate)
+        self.name, self.tab, self.costs, self.log = name, table, costs, st.log
+        self.tail_share = tail_share  # barrier-free observations: the share of the longest response reported as tail
+        self.N, self.K, self.s = initial.total, table.steps, staleness
+        self.initial, self.mech, self.policy = initial, mechanisms, policy
+        self.overlap, self.claim_groups, self.record = overlap_fraction, claim_groups, record_versions
+        sim = table.sim
+        self.w = sim.rollout.iteration_fixed_s
+        self.sync_s = costs.weight_sync_s()
+        self.train_cfg = sim.train
+        self.info: dict[int, _BatchInfo] = {}
+        groups = tuple(self._batch(j).groups for j in range(self.K))
+        self.group_size = self._batch(0).group_size  # G: every batch's groups have the same size
+        stream_min = max(1, min(groups) // max(1, stream_chunks))
+        self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
+        self.gen_cost_s, self.gen_kv = trainer_gen_cost_s, trainer_gen_kv_fraction
+        self.gen_start: dict[int, float] = {}  # generating trainer -> when it was sent
+        self.gen_groups: dict[int, int] = {}  # batch -> groups trainers generated
+        self.lat: dict[int, float] = {}  # trainer-gen's measurement: batch -> its longest group assignment-to-end time
+        self.assigned_at: dict[tuple[int, int], float] = {}  # (batch, group) -> when it was assigned (trainer-gen only)
+        self.core = PipelineScheduler(
+            SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min, helper_rate=helper_rate,
+                            helper_cost_s=helper_cost_s, train_scaling_per_doubling=sim.train.scaling_per_doubling,
+                            train_chunks=stream_chunks, trainer_gen_cost_s=trainer_gen_cost_s,
+                            trainer_gen_rate=trainer_gen_rate, trainer_gen_groups=self._gen_slots(0) // self._batch(0).group_size),
+            policy if mechanisms.resize else None)
+        self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
+        self.heap: list = []
+        self.seq = 0
+        self.ev: list[Event] = []
+        self.res = SampleRunResult(name, 0.0, 0, self.K, gpus=self.N)
+        self.rank_batch: dict[int, dict[int, list[float]]] = {}  # batch -> rank -> [first admission, last end]
+        self.train_busy: dict[int, float] = {}  # batch -> trainer compute seconds (wall, on its trainer set)
+        self.train_start: dict[int, float] = {}
+        self.prev_trainers: tuple[int, ...] = tuple(range(initial.n_train))
+        self.switch_plans: dict[int, tuple[float, float, float, float]] = {}  # sid -> (moving, trainers, bg, overhead)
+        self.pending_trainer_cost = 0.0
+        self.pending_bg = 0.0
+        self.step_mixed: set[int] = set()
+        self.open_switches: dict[int, int] = {}  # sid -> ranks still switching
+        self.topology_at_step: dict[int, Topology] = {}
+        self.busy_start: dict[int, float] = {}  # rollout rank -> when it last went from no sequence to some
+        self.topo = initial  # the split the last decision aimed at
+        self.latency = sim.command_latency_s  # control-plane latency per command (0: every action at once)
+        self.in_flight: dict[int, int] = {}  # rank -> sequences assigned to it whose Assign has not arrived yet
+
+    # --- workload -----------------------------------------------------------------------------------------------
+    def _batch(self, j: int) -> _BatchInfo:
+        bi = self.info.get(j)
+        if bi is None:
+            ph = self.tab.physics(j)
+            b = ph.batch
+            G = b.group_size
+            n_groups = b.prompts_generated
+            L = b.lengths
+            per_group_tokens = L.reshape(n_groups, G).sum(axis=1)
+            if self.tab.sim.workload.trained_tokens == "sequence":
+                per_group_tokens = per_group_tokens + G * b.prompt_lengths
+            per_group_tokens = per_group_tokens * b.kept.reshape(n_groups, G)[:, 0]  # dropped groups train nothing
+            share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
+            train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
+            prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
+            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, train_gpu_s,
+                            np.rint(per_group_tokens).astype(int).tolist(), b.samples, b.tokens_generated, b.tokens_trained,
+                            ph.tail_s)
+            self.info[j] = bi
+        return bi
+
+    # --- event plumbing -------------------------------------------------------------------------------------------
+    def push(self, t: float, kind: int, key: int, payload=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, key, payload))
+
+    def emit(self, t: float, etype: EventType, **data) -> None:
+        if self.log:
+            self.ev.append(make_event(etype, round(t, 6), **data))
+
+    def _schedule_rank(self, rank: int, t: float) -> None:
+        dr = self.ranks[rank]
+        nxt = min(dr.next_group_time(), self._claim_at(dr))
+        dr.token += 1  # only the newest scheduled event of a rank counts
+        if nxt < math.inf:
+            self.push(max(nxt, t), self.READY, rank, dr.token)
+
+    def _claim_at(self, dr: DecodeRank) -> float:
+        if not self.core.accepting(dr.rank) or dr.rank in self.core.helping:
+            return math.inf  # draining for a switch, or helping the trainers: only its completions matter
+        if dr.rank in self.core.waiting and dr.active > 0:
+            return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
+        if dr.rank in self.core.waiting:
+            return math.inf  # woken by the core's actions
+        if self.in_flight.get(dr.rank):
+            return math.inf  # an assignment is on its way: its arrival schedules the next claim
+        return dr.claim_time(self._claim_seqs(dr))
+
+    def _claim_seqs(self, dr: DecodeRank) -> int:
+        return max(1, min(dr.slots, self.G * self.claim_groups))
+
+    @property
+    def G(self) -> int:
+        return self.group_size
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def run(self) -> SampleRunResult:
+        t0w = time.perf_counter()
+        topo = self.initial
+        self.emit(0.0, EventType.TOPOLOGY, step=0, train_ranks=format_ranks(range(topo.n_train)),
+                  rollout_ranks=format_ranks(range(topo.n_train, self.N)))
+        for r in range(self.N):
+            self.ranks[r].slots = self._batch(0).cap
+        self.do(0.0, self.core.start())
+        for r in self.core.rollout_ranks():
+            self.do(0.0, self.core.handle(RankReady(r, self._capacity(self.ranks[r]))))
+        for r in self.core.rollout_ranks():
+            self._schedule_rank(r, 0.0)
+        t = 0.0
+        while self.heap and not self.core.finished:
+            t, _, kind, key, payload = heapq.heappop(self.heap)
+            if kind == self.READY:
+                self._rank_event(t, key, payload)
+            elif kind == self.TRAIN:
+                self.do(t, self.core.handle(TrainChunkDone(key)))
+            elif kind == self.STEP:
+                self._step_done(t, key)
+            elif kind == self.WEIGHTS:
+                self.do(t, self.core.handle(WeightsArrived(key, payload)))
+            elif kind == self.SWITCH:
+                self._switch_done(t, key, payload)
+            elif kind == self.GEN:
+                self._gen_event(t, key, payload)
+            elif kind == self.BACK:
+                self._gen_back(t, key)
+            elif kind == self.CMD:
+                if isinstance(payload, Assign):
+                    self.in_flight[payload.rank] -= len(payload.groups) * self.G
+                self._apply(t, payload)
+            elif kind == self.HELP:
+                self.do(t, self.core.handle(HelpDone(key, payload)))
+                if self.core.accepting(key):
+                    self.do(t, self.core.handle(RankReady(key, self._capacity(self.ranks[key]))))
+                    self._schedule_rank(key, t)
+        if not self.core.finished:
+            raise RuntimeError(f"{self.name}: the simulated pipeline stalled at t={t:.1f}s before step {self.core.produced}")
+        r = self.res
+        r.total_s = t
+        r.samples = sum(self._batch(j).samples for j in range(self.K))
+        r.wall_s = time.perf_counter() - t0w
+        if self.log:
+            self.ev.sort(key=lambda e: e.t)
+            r.events = self.ev
+        return r
+
+    def _capacity(self, dr: DecodeRank) -> int:
+        coming = self.in_flight.get(dr.rank, 0)  # assigned, not arrived (command_latency_s > 0 only)
+        free = dr.slots - dr.active - coming
+        return max(1 if dr.active == 0 and not coming else 0, free // self.G)
+
+    def _rank_event(self, t: float, rank: int, token: int) -> None:
+        dr = self.ranks[rank]
+        core = self.core
+        if token != dr.token or core.ranks[rank].role is not Role.ROLLOUT:
+            return
+        done = dr.pop_groups(t)
+        dr.advance(t)
+        if done:
+            by_batch: dict[int, list[int]] = {}
+            for b, g in done:
+                by_batch.setdefault(b, []).append(g)
+                self.rank_batch[b][rank][1] = t
+            for b, gs in by_batch.items():
+                if self.mech.trainer_rollout:
+                    self._lat_done(t, b, gs)
+                self.do(t, core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs))))
+        active = dr.active
+        if active == 0:
+            self._idle(rank, t)
+        if core.ranks[rank].role is Role.ROLLOUT and not self.in_flight.get(rank):
+            cap = self._capacity(dr)
+            if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
+                self.do(t, core.handle(RankReady(rank, cap)))
+        self._schedule_rank(rank, t)
+
+    def _tokens(self, batch: int, groups) -> tuple[int, ...]:
+        """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
+        if not self.mech.gradient_helpers:
+            return ()
+        tokens = self._batch(batch).tokens_per_group
+        return tuple(tokens[g] for g in groups)
+
+    def _idle(self, rank: int, t: float) -> None:
+        s = self.busy_start.pop(rank, None)
+        if s is not None:
+            self.res.busy_rollout_gpu_s += t - s
+
+    # --- actions --------------------------------------------------------------------------------------------------
+    def do(self, t: float, actions) -> None:
+        if not actions:
+            return
+        c = self.latency
+        for a in actions:
+            if c > 0 and isinstance(a, _COMMANDS):
+                # the control plane: the command reaches its rank ``command_latency_s`` later; an assignment on its
+                # way counts against the rank's free slots meanwhile (so it is not offered the same room twice)
+                if isinstance(a, Assign):
+                    self.in_flight[a.rank] = self.in_flight.get(a.rank, 0) + len(a.groups) * self.G
+                self.push(t + c, self.CMD, 0, a)
+            else:
+                self._apply(t, a)
+
+    def _apply(self, t: float, a) -> None:
+        match a:
+            case Assign(rank, batch, groups, version):
+                if self.mech.trainer_rollout:
+                    self._lat_assign(t, batch, groups)
+                    if rank in self.core.generating:
+                        self._gen_assign(t, rank, batch, groups, version)
+                        return
+                self._assign(t, rank, batch, groups, version)
+            case Train(batch, groups, ranks, first):
+                self._train(t, batch, groups, ranks, first)
+            case Help(rank, batch, groups):
+                bi = self._batch(batch)
+                dur = self.helper_cost_s + float(bi.train_per_group[list(groups)].sum()) / self.helper_rate
+                self.res.busy_rollout_gpu_s += dur
+                self.res.helps += 1
+                if self.log:
+                    self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=str(rank), start=round(t, 6),
+                              end=round(t + dur, 6), samples=len(groups) * bi.group_size, helper=True)
+                self.push(t + dur, self.HELP, rank, batch)
+            case Step(batch, ranks):
+                dur = self.train_cfg.step_overhead_s
+                self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
+                self.res.busy_train_gpu_s += dur * len(ranks)
+                self.push(t + dur, self.STEP, batch, (t, ranks))
+            case SendWeights(rank, version, blocking):
+                self.push(t + self.sync_s, self.WEIGHTS, rank, version)
+                if blocking and self.log:
+                    self.emit(t, EventType.STAGE, step=version + self.s, stage="weight_sync", ranks=str(rank),
+                              start=round(t, 6), end=round(t + self.sync_s, 6))
+            case Switch(rank, to, sid):
+                self._switch(t, rank, to, sid)
+            case Decided(step, dec, sid):
+                self._decided(t, step, dec, sid)
+            case Restart():
+                raise RuntimeError("a trainer was lost in the simulator (not modelled)")
+
+    def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
+        bi = self._batch(batch)
+        dr = self.ranks[rank]
+        if dr.active == 0:
+            dr.slots = bi.cap
+            self.busy_start.setdefault(rank, t)  # a rank given work the moment it drained stays busy
+        else:
+            dr.slots = min(dr.slots, bi.cap)
+        self._admit(t, rank, batch, groups, version)
+        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
+        self._schedule_rank(rank, t)
+
+    def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
+        """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
+        that makes them is recorded."""
+        bi = self._batch(batch)
+        self.ranks[rank].admit(t, [x for g in groups for x in bi.lengths[g]], bi.u, [(batch, g) for g in groups],
+                               bi.group_size, pause + float(bi.prefill_s[list(groups)].sum()))
+        if self.record:
+            for g in groups:
+                self.res.versions[(batch, g)] = version
+
+    def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
+        bi = self._batch(batch)
+        n = len(ranks)
+        eff = efficiency(n, self.train_cfg.scaling_per_doubling)
+        dur = float(bi.train_per_group[list(groups)].sum()) / (n * eff)
+        extra = 0.0
+        if first:
+            self.train_start[batch] = t
+            self.topology_at_step[batch] = Topology(n, max(1, self.N - n))
+            if ranks != self.prev_trainers:  # a new trainer set: the staying trainers rebuild first
+                extra = self.pending_trainer_cost
+                self.pending_trainer_cost = 0.0
+                self.step_mixed.add(batch)
+                self.prev_trainers = ranks
+            full = float(bi.train_per_group.sum()) / (n * eff)
+            extra += max(0.0, self.pending_bg - self.overlap * full)  # deferred state the fwd/bwd cannot hide
+            self.pending_bg = 0.0
+            self.res.critical_s += extra
+        self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
+        self.res.busy_train_gpu_s += (dur + extra) * n
+        if self.log:
+            self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=format_ranks(ranks), start=round(t, 6),
+                      end=round(t + extra + dur, 6), tokens=bi.tokens_trained if first else 0,
+                      samples=len(groups) * bi.group_size)
+        self.push(t + extra + dur, self.TRAIN, batch)
+
+    def _step_done(self, t: float, batch: int) -> None:
+        bi = self._batch(batch)
+        self.do(t, self.core.handle(OptimizerStepDone(batch)))
+        by_rank = self.rank_batch.pop(batch, {})
+        if self.log:
+            self.emit(self.train_start.get(batch, t), EventType.STEP_START, step=batch)
+            self.emit(t, EventType.STEP_END, step=batch, samples=bi.samples, tokens_generated=bi.tokens_generated,
+                      tokens_trained=bi.tokens_trained)
+            for rank, (a, e) in by_rank.items():
+                self.emit(a, EventType.STAGE, step=batch, stage="rollout", ranks=str(rank), start=round(a, 6),
+                          end=round(e, 6), version=max(0, batch - self.s))
+        spans = [e - a for a, e in by_rank.values()]
+        now = self.core.topology()
+        topo = self.topology_at_step.get(batch, now)
+        self.res.topologies.append(str(topo))
+        if batch < self.K - 1:
+            # capacity, not overlapping wall time: while training waits for a whole batch (the barrier, or continuous
+            # rollout alone) the batch is ready when its slowest rank is (the longest busy span); with continuous
+            # rollout and streaming training a rank that finishes early moves on, so the pool's capacity is the mean,
+            # and the longest response's solo time is no tail that more GPUs cannot shorten (the next batch's head
+            # fills it): TAIL_SHARE_BARRIER_FREE.
+            # Training: the trainers' compute for the whole batch (helpers' groups included) on their set.
+            n_r, n_t = max(1, topo.n_rollout), max(1, topo.n_train)
+            overlap = self.mech.continuous_rollout and self.mech.streaming_training
+            roll = sum(spans) / n_r if overlap else max(spans, default=0.0)
+            eff = efficiency(n_t, self.train_cfg.scaling_per_doubling)
+            work = float(bi.train_per_group.sum())  # the batch's training compute on one GPU
+            train = work / (n_t * eff) + self.train_cfg.step_overhead_s
+            obs = Observation(
+                step=batch, topology=now, rollout_s=roll, train_s=train, rollout_tail_s=(self.tail_share if overlap else 1.0) * bi.tail_s,
+                weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
+                tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
+                mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
+            )
+            per_group = work / bi.groups  # the step's training per group on one GPU
+            per_token = work / max(1, sum(bi.tokens_per_group))
+            decode = latency = 0.0
+            if self.mech.trainer_rollout:  # rollout GPU-s per group the rollout ranks made; the slowest group
+                decode = sum(spans) / max(1, bi.groups - self.gen_groups.pop(batch, 0))
+                latency = self.lat.pop(batch, 0.0)
+            self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group, decode, latency, per_token)))
+        self.info.pop(batch - 2, None)
+
+    # --- switches -------------------------------------------------------------------------------------------------
+    def _decided(self, t: float, step: int, dec, sid: int | None) -> None:
+        if self.log:
+            extra = {}
+            if dec.resize:
+                extra = dict(target_train=dec.target.n_train, target_rollout=dec.target.n_rollout,
+                             expected_saving_s=round(dec.expected_saving_s, 6), cost_s=round(dec.critical_cost_s, 6))
+            self.emit(t, EventType.DECISION, step=step, action=dec.action.value, reason=dec.reason,
+                      imbalance=round(dec.imbalance, 6), **extra)
+        if sid is None:
+            return
+        old = self.topo
+        plan = self.costs.plan(old, dec.target)
+        crit = {g: 0.0 for g in OpGroup}
+        bg = 0.0
+        for p in plan:
+            if p.critical:
+                crit[p.group] += p.cost_s
+            elif p.group is OpGroup.TRAINERS:
+                bg += p.cost_s
+        overhead = sum(p.cost_s for p in plan)
+        self.switch_plans[sid] = (crit[OpGroup.MOVING] + crit[OpGroup.ALL], crit[OpGroup.TRAINERS], bg, overhead)
+        self.open_switches[sid] = abs(dec.target.n_train - old.n_train)
+        self.pending_trainer_cost += crit[OpGroup.TRAINERS]
+        self.pending_bg += bg
+        self.res.switches += 1
+        self.res.overhead_s += overhead
+        self.topo = dec.target
+        if self.log:
+            self.emit(t, EventType.SWITCH_START, switch_id=f"s{sid}", step=step, from_train=old.n_train,
+                      from_rollout=old.n_rollout, to_train=dec.target.n_train, to_rollout=dec.target.n_rollout,
+                      planned_critical_s=round(dec.critical_cost_s, 6), mode="optimized")
+            self.emit(t, EventType.TOPOLOGY, step=step, train_ranks=format_ranks(range(dec.target.n_train)),
+                      rollout_ranks=format_ranks(range(dec.target.n_train, self.N)))
+
+    def _switch(self, t: float, rank: int, to: Role, sid: int) -> None:
+        moving, _, _, _ = self.switch_plans.get(sid, (0.0, 0.0, 0.0, 0.0))
+        dr = self.ranks[rank]
+        if to is Role.TRAIN:
+            self._idle(rank, t)
+            dr.token += 1
+        if self.log:
+            self.emit(t, EventType.ROLE_CHANGE, step=self.core.produced, ranks=str(rank),
+                      from_role="rollout" if to is Role.TRAIN else "train", to_role=to.value)
+            self.emit(t, EventType.SWITCH_OP, switch_id=f"s{sid}", op="offload", ranks=str(rank), start=round(t, 6),
+                      end=round(t + moving, 6), critical=True)
+        self.push(t + moving, self.SWITCH, rank, sid)
+
+    def _switch_done(self, t: float, rank: int, sid: int) -> None:
+        self.do(t, self.core.handle(SwitchDone(rank)))
+        if self.core.role(rank) is Role.ROLLOUT:
+            dr = self.ranks[rank]
+            dr.slots = self._batch(min(self.K - 1, self.core.produced + self.s)).cap
+            self.do(t, self.core.handle(RankReady(rank, self._capacity(dr))))
+            self._schedule_rank(rank, t)
+        self.open_switches[sid] -= 1
+        if self.open_switches[sid] == 0 and self.log:
+            _, trainers, _, overhead = self.switch_plans[sid]
+            self.emit(t, EventType.SWITCH_END, switch_id=f"s{sid}", critical_path_s=round(trainers, 6),
+                      hidden_s=round(max(0.0, overhead - trainers), 6))
+
+    # --- trainer-gen -----------------------------------------------------------------------------------------------
+    def _gen_slots(self, batch: int) -> int:
+        """A generating trainer's KV room: the batch's cap times the share training leaves free (ASSUMPTION: the
+        trainer keeps its weights, gradients and optimizer shard resident, so ``trainer_gen_kv_fraction`` of it)."""
+        bi = self._batch(batch)
+        return max(bi.group_size, int(bi.cap * self.gen_kv))
+
+    def _lat_assign(self, t: float, batch: int, groups: tuple[int, ...]) -> None:
+        for g in groups:
+            self.assigned_at[(batch, g)] = t
+
+    def _lat_done(self, t: float, batch: int, groups) -> None:
+        """The longest assignment-to-end time of a group of ``batch`` so far (its slowest group: a trainer taking a
+        few groups comes back when the slowest of them ends)."""
+        worst = t - min(self.assigned_at.pop((batch, g)) for g in groups)
+        if worst > self.lat.get(batch, 0.0):
+            self.lat[batch] = worst
+
+    def _gen_assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
+        """A trainer decodes like a rollout GPU on its own ``DecodeRank``: half of ``trainer_gen_cost_s`` wakes its
+        engine (before the prefill), the other half puts it to sleep after its last group."""
+        self.ranks[rank].slots = self._gen_slots(batch)
+        self._admit(t, rank, batch, groups, version, self.gen_cost_s / 2)
+        self.gen_start[rank] = t
+        self.gen_groups[batch] = self.gen_groups.get(batch, 0) + len(groups)
+        self.res.trainer_gens += 1
+        self.res.trainer_gen_groups += len(groups)
+        self._schedule_gen(rank, t)
+
+    def _schedule_gen(self, rank: int, t: float) -> None:
+        dr = self.ranks[rank]
+        dr.token += 1
+        self.push(max(dr.next_group_time(), t), self.GEN, rank, dr.token)
+
+    def _gen_event(self, t: float, rank: int, token: int) -> None:
+        dr = self.ranks[rank]
+        if token != dr.token:
+            return
+        done = dr.pop_groups(t)
+        dr.advance(t)
+        if done:
+            b = done[0][0]
+            gs = tuple(g for _, g in done)
+            self._lat_done(t, b, gs)
+            self.do(t, self.core.handle(GroupsDone(rank, b, gs, self._tokens(b, gs))))
+        if dr.active == 0:
+            self.push(t + self.gen_cost_s / 2, self.BACK, rank)
+        else:
+            self._schedule_gen(rank, t)
+
+    def _gen_back(self, t: float, rank: int) -> None:
+        start = self.gen_start.pop(rank)
+        self.res.trainer_gen_over_s = max(self.res.trainer_gen_over_s, t - start - self.core.gen_budget.get(rank, math.inf))
+        self.res.busy_rollout_gpu_s += t - start  # a trainer generating is a rollout GPU meanwhile
+        if self.log:
+            b = self.core.generating.get(rank, self.core.produced)
+            self.emit(start, EventType.STAGE, step=b, stage="rollout", ranks=str(rank), start=round(start, 6),
+                      end=round(t, 6), version=max(0, b - self.s), trainer_generating=True)
+        self.do(t, self.core.handle(TrainerBack(rank)))
