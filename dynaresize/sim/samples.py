@@ -190,6 +190,7 @@ class _BatchInfo:
     u: float
     cap: int
     prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
+    prefill_list: list[float]  # the same as a list (a rank's admission sums a few of them in Python)
     train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
     tokens_per_group: list[int]  # trained tokens per group (0: dropped), reported with GroupsDone
     samples: int
@@ -307,7 +308,7 @@ class SamplePipeline:
             share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
             train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
             prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
-            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, train_gpu_s,
+            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, prefill.tolist(), train_gpu_s,
                             np.rint(per_group_tokens).astype(int).tolist(), b.samples, b.tokens_generated, b.tokens_trained,
                             ph.tail_s)
             self.info[j] = bi
@@ -367,10 +368,12 @@ class SamplePipeline:
         for r in self.core.rollout_ranks():
             self._schedule_rank(r, 0.0)
         t = 0.0
-        while self.heap and not self.core.finished:
-            t, _, kind, key, payload = heapq.heappop(self.heap)
-            if kind == self.READY:
-                self._rank_event(t, key, payload)
+        heap, core, steps, pop = self.heap, self.core, self.core.cfg.steps, heapq.heappop
+        rank_event = self._rank_event
+        while heap and (core.produced != steps or not core.finished):  # (finished: produced == steps and ...)
+            t, _, kind, key, payload = pop(heap)
+            if kind == 0:  # READY
+                rank_event(t, key, payload)
             elif kind == self.TRAIN:
                 self.do(t, self.core.handle(TrainChunkDone(key)))
             elif kind == self.STEP:
@@ -541,8 +544,17 @@ class SamplePipeline:
         """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
         that makes them is recorded."""
         bi = self._batch(batch)
-        self.ranks[rank].admit(t, [x for g in groups for x in bi.lengths[g]], bi.u, [(batch, g) for g in groups],
-                               bi.group_size, pause + float(bi.prefill_s[list(groups)].sum()))
+        if len(groups) <= 8:  # numpy's sum of a short array, by hand: a[0] + (0.0 + a[1] + a[2] + ...), bit for bit
+            pf = bi.prefill_list
+            rest = 0.0
+            for g in groups[1:]:
+                rest += pf[g]
+            prefill = pf[groups[0]] + rest
+        else:
+            prefill = float(bi.prefill_s[list(groups)].sum())
+        lengths = bi.lengths
+        self.ranks[rank].admit(t, [x for g in groups for x in lengths[g]], bi.u, [(batch, g) for g in groups],
+                               bi.group_size, pause + prefill)
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
