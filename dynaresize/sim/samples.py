@@ -544,12 +544,11 @@ class SamplePipeline:
         """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
         that makes them is recorded."""
         bi = self._batch(batch)
-        if len(groups) <= 8:  # numpy's sum of a short array, by hand: a[0] + (0.0 + a[1] + a[2] + ...), bit for bit
+        if len(groups) < 8:  # numpy sums fewer than 8 numbers from the first, in order: the same, bit for bit
             pf = bi.prefill_list
-            rest = 0.0
+            prefill = pf[groups[0]]
             for g in groups[1:]:
-                rest += pf[g]
-            prefill = pf[groups[0]] + rest
+                prefill += pf[g]
         else:
             prefill = float(bi.prefill_s[list(groups)].sum())
         lengths = bi.lengths

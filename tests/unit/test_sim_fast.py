@@ -49,7 +49,7 @@ WORLD = st.fixed_dictionaries(dict(
     helper_rate=st.floats(0.3, 1.0), helper_cost=st.floats(0, 1), gen_cost=st.floats(0, 2),
     latency=st.sampled_from([0.0, 0.0, 0.01, 0.2]), sync=st.floats(0, 1), train_frac=st.floats(0, 1),
     claim=st.integers(1, 4), chunks=st.integers(1, 8), mech=st.lists(st.booleans(), min_size=5, max_size=5),
-    eager=st.booleans(), seed=st.integers(0, 3),
+    prompt_sigma=st.sampled_from([0.0, 0.5]), eager=st.booleans(), seed=st.integers(0, 3),
 ))
 
 
@@ -65,7 +65,7 @@ def test_random_worlds_run_identically_on_the_reference_engine(w):
         f"sim.workload.prompts_per_step={w['prompts']}", f"sim.workload.responses_per_prompt={w['group']}",
         f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}",
         f"sim.workload.response_sigma={w['sigma']}", f"sim.workload.max_response_tokens={w['cap']}",
-        f"sim.workload.cap_share={w['cap_share']}", f"sim.rollout.max_seqs_per_gpu={w['slots']}",
+        f"sim.workload.cap_share={w['cap_share']}", f"sim.workload.prompt_tokens_sigma={w['prompt_sigma']}", f"sim.rollout.max_seqs_per_gpu={w['slots']}",
         f"pipeline.staleness_bound={w['staleness']}", f"sim.train.scaling_per_doubling={w['scaling']}",
         f"sim.train.step_overhead_s={w['overhead']}", f"sim.pipeline.helper_rate={w['helper_rate']}",
         f"sim.pipeline.helper_cost_s={w['helper_cost']}", f"sim.pipeline.trainer_gen_cost_s={w['gen_cost']}",
