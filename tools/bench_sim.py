@@ -8,17 +8,20 @@ greedy, the sample-level rows with each barrier-free mechanism added in turn, th
 a summary table, then ONE JSON object as the last line. Targets (issue 28): DynaResize with every mechanism >= 90%
 of the tight bound (``all_mechanisms_fraction_of_tight_bound``) and >= 85% of the work-conserving one
 (``all_mechanisms_fraction_of_bound``) in every scenario; ahead of the best static split with the barrier in every drifting scenario, never
-more than 1% behind it in a stationary one; the sample-level model at 4096 GPUs x 1000 steps under 60 s (the
-step-level one under 10 s). Scenarios on the empirical CPU model (cpu_quickstart) get no sample-level rows: that
-model has no decode physics to follow per GPU. The sample-level model costs about a millisecond of Python per GRPO
+more than 1% behind it in a stationary one; the sample-level model at 4096 GPUs x 1000 steps under 60 s and at 512
+GPUs x 500 steps under 10 s (the step-level one at 4096 x 1000 under 10 s), each run timed whole (not projected).
+Scenarios on the empirical CPU model (cpu_quickstart) get no sample-level rows: that model has no decode physics to
+follow per GPU. The sample-level model costs about a millisecond of Python per GRPO
 group on a busy machine, so scenarios longer than ``--steps-cap`` steps run (every row alike) with that many steps,
-said in their heading; the 4096-GPU sample-level timing runs ``--timing-steps`` steps and is projected to 1000.
+said in their heading. The timing runs (every mechanism, no event log) report wall and CPU seconds and the machine's
+load average beside them (the machine is shared: wall time moves with the load). ``--timing-only`` skips the scenarios.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,25 +40,26 @@ def scenarios() -> list[str]:
     return sorted(p.stem for p in (ROOT / "configs/sim").glob("*.yaml") if p.stem != "base")
 
 
-def timed_4096(samples: bool, steps: int) -> float:
-    """Wall seconds of one 4096-GPU run of ``steps`` steps (no event log)."""
-    cfg = load_config(ROOT / "configs/sim/scale_4096gpu.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
+def timed(name: str, samples: bool, steps: int) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds and the 1-minute load average at its end of one whole run of scenario ``name`` with
+    ``steps`` steps (sample level: every mechanism; no event log)."""
+    cfg = load_config(ROOT / f"configs/sim/{name}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = setup(cfg)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if samples:
         run_samples(s, s.initial, Mechanisms(True, True, True, True, True))
     else:
         run_dynamic(s, False)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0, os.getloadavg()[0]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", nargs="*", help="scenario names (default: every file in configs/sim except base)")
     ap.add_argument("--steps-cap", type=int, default=200, help="run longer scenarios with this many steps (0: as configured)")
-    ap.add_argument("--timing-steps", type=int, default=50, help="steps of the 4096-GPU sample-level timing run")
+    ap.add_argument("--timing-only", action="store_true", help="only the timing runs (no scenario)")
     args = ap.parse_args(argv)
-    names = args.scenarios or scenarios()
+    names = [] if args.timing_only else (args.scenarios or scenarios())
     out: dict = {"scenarios": {}}
     lines = []
     for name in names:
@@ -90,20 +94,25 @@ def main(argv: list[str] | None = None) -> int:
                      + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers",
                                                                          "trainer_rollout"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
-    wall_step = timed_4096(False, 1000)
-    wall_samples = timed_4096(True, args.timing_steps)
-    projected = wall_samples * 1000 / args.timing_steps
+    wall_step, _, _ = timed("scale_4096gpu", False, 1000)
+    w512, c512, l512 = timed("scale_512gpu", True, 500)
+    w4096, c4096, l4096 = timed("scale_4096gpu", True, 1000)
     print(f"{'scenario':<18} {'best':>10} {'dyn_step':>9} {'%bound':>8} {'dyn_all':>9} {'%bound':>8} {'%tight':>7} "
           f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'+tgen':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
     print("\n".join(lines))
     print("dyn_step: today's DynaResize (barrier, step level) vs the best static split; dyn_all: every mechanism (sample "
           "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers/+tgen: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
-    print(f"4096 GPUs x 1000 steps: step-level {wall_step:.2f} s; sample-level (all mechanisms) {wall_samples:.2f} s for "
-          f"{args.timing_steps} steps, projected {projected:.0f} s for 1000 (target 60 s: {'met' if projected <= 60 else 'MISSED'})")
+    print(f"4096 GPUs x 1000 steps: step-level {wall_step:.2f} s; sample-level (all mechanisms, whole run) {w4096:.1f} s "
+          f"wall, {c4096:.1f} s CPU, load {l4096:.1f} (target 60 s: {'met' if w4096 <= 60 else 'MISSED'})")
+    print(f"512 GPUs x 500 steps: sample-level (all mechanisms, whole run) {w512:.1f} s wall, {c512:.1f} s CPU, load "
+          f"{l512:.1f} (target 10 s: {'met' if w512 <= 10 else 'MISSED'})")
     out["sim_4096x1000_wall_s"] = round(wall_step, 3)
-    out["sim_4096_sample_level_steps"] = args.timing_steps
-    out["sim_4096_sample_level_wall_s"] = round(wall_samples, 3)
-    out["sim_4096x1000_sample_level_projected_s"] = round(projected, 1)
+    out["sim_4096x1000_sample_level_s"] = round(w4096, 1)
+    out["sim_4096x1000_sample_level_cpu_s"] = round(c4096, 1)
+    out["sim_512x500_sample_level_s"] = round(w512, 2)
+    out["sim_512x500_sample_level_cpu_s"] = round(c512, 2)
+    out["timing_load_avg_1min"] = [round(l512, 2), round(l4096, 2)]  # at the end of the 512 and the 4096 run
+    out["cpu_cores"] = os.cpu_count()
     print(json.dumps(out))
     return 0
 

@@ -341,15 +341,18 @@ class PipelineScheduler:
             return
         if self.vals:
             self._assign_validation(rank, r, out)
-        while self.first_open < self.n_steps and not self.batches[self.first_open].unclaimed:
-            self.first_open += 1
+        batches, n_steps = self.batches, self.n_steps
         j = self.first_open
-        last = min(self.n_steps - 1, self.produced + self.s)  # no later batch has its version yet
-        while r.capacity > 0 and j <= last and self._open(j):
-            b = self.batches[j]
+        while j < n_steps and not (batches[j].returned or batches[j].cursor < batches[j].groups):  # .unclaimed
+            j += 1
+        self.first_open = j
+        last = min(n_steps - 1, self.produced + self.s)  # no later batch has its version yet
+        cont = self.mech.continuous_rollout
+        while r.capacity > 0 and j <= last and (cont or j < self.released):  # self._open(j)
+            b = batches[j]
             usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
             room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
-            if b.unclaimed and usable and room > 0:
+            if (b.returned or b.cursor < b.groups) and usable and room > 0:
                 got = self._hand_out(rank, b, min(r.capacity, room), out)
                 r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
             j += 1
@@ -442,7 +445,7 @@ class PipelineScheduler:
                      out: list[Action], kept: tuple[bool, ...] = ()) -> None:
         b = self.batches[batch]
         r = self.ranks[rank]
-        if any(b.owner.get(g) != rank for g in groups) and r.lost:
+        if r.lost and any(b.owner.get(g) != rank for g in groups):
             return  # a late report of a rank already fenced off: its groups were handed out again
         if tokens:
             if len(tokens) != len(groups) or any(t < 0 for t in tokens):
@@ -618,8 +621,11 @@ class PipelineScheduler:
         """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
         help in ``_assign``)."""
         if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
+            # the versions of the batches with groups to hand out: no help changes them, so once for every rank
+            last = min(self.n_steps - 1, self.produced + self.s)
+            gen = {self.batches[j].version for j in range(self.first_open, last + 1) if self.batches[j].unclaimed}
             for rank in sorted(self.waiting):
-                if not self._offer_help(rank, out):
+                if not self._offer_help(rank, out, gen):
                     return  # not worth a helper now, for any rank (each help only shrinks what is left)
 
     def _group_cost(self, b: _Batch, g: int) -> float:
@@ -666,19 +672,25 @@ class PipelineScheduler:
         saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
         return tuple(reversed(chosen)) if saving > need else ()
 
-    def _offer_help(self, rank: int, out: list[Action]) -> bool:
+    def _offer_help(self, rank: int, out: list[Action], gen: set[int] | None = None) -> bool:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
         waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
         batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s`` (``_help_groups``).
-        False when a helper would not pay now, whichever rank it were."""
+        False when a helper would not pay now, whichever rank it were. ``gen``: the versions of the batches from
+        ``first_open`` to the newest open one that have unclaimed groups, where the caller knows them."""
         k = self.produced
         if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
             return False
         r, b = self.ranks[rank], self.batches[k]
         if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
             return True
-        last = min(self.n_steps - 1, self.produced + self.s)
-        if any(self.batches[j].unclaimed and self.batches[j].version in r.versions for j in range(self.first_open, last + 1)):
+        if gen is None:
+            last = min(self.n_steps - 1, self.produced + self.s)
+            generate = any(self.batches[j].unclaimed and self.batches[j].version in r.versions
+                           for j in range(self.first_open, last + 1))
+        else:
+            generate = not gen.isdisjoint(r.versions)
+        if generate:
             return True  # generation comes first: it waits for its even share of a batch, not for a version
         groups = self._help_groups()
         if not groups:

@@ -38,6 +38,8 @@ import heapq
 import math
 import time
 from bisect import bisect_right
+from itertools import accumulate, repeat
+from operator import mul, sub
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -127,12 +129,11 @@ class DecodeRank:
         if live and t > self.t0:
             d = self._done_iterations(t)
             live = [(max(r - d, _EPS), a, uu, g) for r, a, uu, g in live]
-        gid, n = self.next_gid, self.next_seq
-        for i, k in enumerate(keys):
-            self.gkey[gid + i] = k
-        live.extend((length, n + i, u, gid + i // group_size) for i, length in enumerate(lengths))
+        gid, n, m = self.next_gid, self.next_seq, len(lengths)
+        self.gkey.update(zip(range(gid, gid + len(keys)), keys))
+        live += zip(lengths, range(n, n + m), repeat(u, m), [gid + i // group_size for i in range(m)])
         self.next_gid += len(keys)
-        self.next_seq += len(lengths)
+        self.next_seq += m
         self._plan(t, pause, live)
 
     def _plan(self, t: float, pause: float, seqs: list[tuple[float, int, float, int]]) -> None:
@@ -142,22 +143,19 @@ class DecodeRank:
             return
         seqs.sort()  # by tokens left, then admission number (unique): a stable sort by tokens left
         t0 = t + pause
-        n, w = len(seqs), self.w
-        cost = [0.0] * n  # w + the per-iteration cost of the sequences still active in each segment
-        acc = 0.0  # that cost, summed from the end
-        for i in range(n - 1, -1, -1):
-            acc += seqs[i][2]
-            cost[i] = w + acc
-        marks = [0.0] * n
-        gend: dict[int, float] = {}
-        acc, prev = 0.0, 0.0
-        for i, (r, _, _, g) in enumerate(seqs):
-            acc += (r - prev) * cost[i]
-            prev = r
-            marks[i] = e = t0 + acc
-            gend[g] = e  # the last sequence of a group in completion order
+        w = self.w
+        rs, _, us, gs = zip(*seqs)
+        # the same floating-point operations, in the same order, as the plain loops they replace: the cost of each
+        # segment is w + the per-iteration costs of the sequences still active, summed from the end; a sequence's
+        # completion is t0 + the running sum of (tokens left - the previous one's) x its segment's cost
+        acc = list(accumulate(reversed(us)))
+        acc.reverse()
+        cost = [w + a for a in acc]
+        steps = accumulate(map(mul, map(sub, rs, (0.0,) + rs[:-1]), cost))
+        marks = [t0 + a for a in steps]
+        gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
         self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
-        self.groups = sorted((e, g) for g, e in gend.items())
+        self.groups = sorted(zip(gend.values(), gend.keys()))
         self.t_valid = t
 
     def next_group_time(self) -> float:
@@ -192,6 +190,7 @@ class _BatchInfo:
     u: float
     cap: int
     prefill_s: np.ndarray  # per group: its prompt's prefill seconds (once per prompt: the G responses share it)
+    prefill_list: list[float]  # the same as a list (a rank's admission sums a few of them in Python)
     train_per_group: np.ndarray  # trainer GPU-seconds at 1 GPU (eff tokens / rate) per group
     tokens_per_group: list[int]  # trained tokens per group (0: dropped), reported with GroupsDone
     samples: int
@@ -253,7 +252,12 @@ class SamplePipeline:
         self.sync_s = costs.weight_sync_s()
         self.train_cfg = sim.train
         self.info: dict[int, _BatchInfo] = {}
-        groups = tuple(self._batch(j).groups for j in range(self.K))
+        self.samples_of: dict[int, int] = {}  # batch -> its samples (kept when its _BatchInfo is dropped)
+        w = sim.workload
+        if w.trace is None and not w.dynamic_sampling.enabled:  # every batch has prompts_per_step groups
+            groups = (w.prompts_per_step,) * self.K  # (not drawing every batch up front: seconds at 1000 steps)
+        else:
+            groups = tuple(self.tab.physics(j).batch.prompts_generated for j in range(self.K))
         self.group_size = self._batch(0).group_size  # G: every batch's groups have the same size
         stream_min = max(1, min(groups) // max(1, stream_chunks))
         self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
@@ -304,10 +308,11 @@ class SamplePipeline:
             share = per_group_tokens / max(1.0, float(per_group_tokens.sum()))
             train_gpu_s = ph.train_tokens_eff / self.train_cfg.tokens_per_gpu_s * share
             prefill = b.prompt_lengths / self.tab.sim.rollout.prefill_tokens_per_s
-            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, train_gpu_s,
+            bi = _BatchInfo(np.asarray(L, dtype=float).reshape(n_groups, G).tolist(), G, n_groups, float(ph.u), ph.cap, prefill, prefill.tolist(), train_gpu_s,
                             np.rint(per_group_tokens).astype(int).tolist(), b.samples, b.tokens_generated, b.tokens_trained,
                             ph.tail_s)
             self.info[j] = bi
+            self.samples_of[j] = bi.samples
         return bi
 
     # --- event plumbing -------------------------------------------------------------------------------------------
@@ -321,19 +326,24 @@ class SamplePipeline:
 
     def _schedule_rank(self, rank: int, t: float) -> None:
         dr = self.ranks[rank]
-        nxt = min(dr.next_group_time(), self._claim_at(dr))
+        nxt = dr.groups[dr.gptr][0] if dr.gptr < len(dr.groups) else math.inf  # dr.next_group_time()
+        c = self._claim_at(dr)
+        if c < nxt:
+            nxt = c
         dr.token += 1  # only the newest scheduled event of a rank counts
         if nxt < math.inf:
-            self.push(max(nxt, t), self.READY, rank, dr.token)
+            self.seq += 1
+            heapq.heappush(self.heap, (nxt if nxt > t else t, self.seq, 0, rank, dr.token))  # kind READY
 
     def _claim_at(self, dr: DecodeRank) -> float:
-        if not self.core.accepting(dr.rank) or dr.rank in self.core.helping:
+        core, rank = self.core, dr.rank
+        r = core.ranks[rank]
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or rank in core.helping:  # not core.accepting(rank)
             return math.inf  # draining for a switch, or helping the trainers: only its completions matter
-        if dr.rank in self.core.waiting and dr.active > 0:
-            return dr.drain_time()  # it waits for work of a new version: the next chance is when it is empty
-        if dr.rank in self.core.waiting:
-            return math.inf  # woken by the core's actions
-        if self.in_flight.get(dr.rank):
+        if rank in core.waiting:
+            # it waits for work of a new version: the next chance is when it is empty (else woken by the core)
+            return dr.drain_time() if dr.active > 0 else math.inf
+        if self.in_flight and self.in_flight.get(rank):
             return math.inf  # an assignment is on its way: its arrival schedules the next claim
         return dr.claim_time(self._claim_seqs(dr))
 
@@ -358,10 +368,12 @@ class SamplePipeline:
         for r in self.core.rollout_ranks():
             self._schedule_rank(r, 0.0)
         t = 0.0
-        while self.heap and not self.core.finished:
-            t, _, kind, key, payload = heapq.heappop(self.heap)
-            if kind == self.READY:
-                self._rank_event(t, key, payload)
+        heap, core, steps, pop = self.heap, self.core, self.core.cfg.steps, heapq.heappop
+        rank_event = self._rank_event
+        while heap and (core.produced != steps or not core.finished):  # (finished: produced == steps and ...)
+            t, _, kind, key, payload = pop(heap)
+            if kind == 0:  # READY
+                rank_event(t, key, payload)
             elif kind == self.TRAIN:
                 self.do(t, self.core.handle(TrainChunkDone(key)))
             elif kind == self.STEP:
@@ -387,7 +399,7 @@ class SamplePipeline:
             raise RuntimeError(f"{self.name}: the simulated pipeline stalled at t={t:.1f}s before step {self.core.produced}")
         r = self.res
         r.total_s = t
-        r.samples = sum(self._batch(j).samples for j in range(self.K))
+        r.samples = sum(self.samples_of[j] if j in self.samples_of else self._batch(j).samples for j in range(self.K))
         r.wall_s = time.perf_counter() - t0w
         if self.log:
             self.ev.sort(key=lambda e: e.t)
@@ -395,33 +407,61 @@ class SamplePipeline:
         return r
 
     def _capacity(self, dr: DecodeRank) -> int:
-        coming = self.in_flight.get(dr.rank, 0)  # assigned, not arrived (command_latency_s > 0 only)
-        free = dr.slots - dr.active - coming
-        return max(1 if dr.active == 0 and not coming else 0, free // self.G)
+        coming = self.in_flight.get(dr.rank, 0) if self.in_flight else 0  # assigned, not arrived (command_latency_s > 0 only)
+        active = len(dr.seqs) - dr.head
+        free = dr.slots - active - coming
+        return max(1 if active == 0 and not coming else 0, free // self.group_size)
 
     def _rank_event(self, t: float, rank: int, token: int) -> None:
         dr = self.ranks[rank]
         core = self.core
-        if token != dr.token or core.ranks[rank].role is not Role.ROLLOUT:
+        crank = core.ranks[rank]
+        if token != dr.token or crank.role is not Role.ROLLOUT:
             return
-        done = dr.pop_groups(t)
-        dr.advance(t)
+        lim = t + _EPS
+        groups, p = dr.groups, dr.gptr
+        if p < len(groups) and groups[p][0] <= lim:  # dr.pop_groups(t)
+            gkey = dr.gkey
+            done = []
+            while p < len(groups) and groups[p][0] <= lim:
+                done.append(gkey.pop(groups[p][1]))
+                p += 1
+            dr.gptr = p
+        else:
+            done = None
+        if dr.planned:  # dr.advance(t)
+            marks, h, n = dr.t_marks, dr.head, len(dr.seqs)
+            while h < n and marks[h] <= lim:
+                h += 1
+            dr.head = h
+        if t > dr.t_valid:
+            dr.t_valid = t
         if done:
-            by_batch: dict[int, list[int]] = {}
-            for b, g in done:
-                by_batch.setdefault(b, []).append(g)
+            if len(done) == 1:
+                b, g = done[0]
                 self.rank_batch[b][rank][1] = t
-            for b, gs in by_batch.items():
+                by_batch = ((b, [g]),)
+            else:
+                bb: dict[int, list[int]] = {}
+                for b, g in done:
+                    bb.setdefault(b, []).append(g)
+                    self.rank_batch[b][rank][1] = t
+                by_batch = bb.items()
+            for b, gs in by_batch:
                 if self.mech.trainer_rollout:
                     self._lat_done(t, b, gs)
-                self.do(t, core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs))))
-        active = dr.active
+                acts = core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs)))
+                if acts:
+                    self.do(t, acts)
+        active = len(dr.seqs) - dr.head
         if active == 0:
             self._idle(rank, t)
-        if core.ranks[rank].role is Role.ROLLOUT and not self.in_flight.get(rank):
+        if crank.role is Role.ROLLOUT and not (self.in_flight and self.in_flight.get(rank)):
             cap = self._capacity(dr)
             if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
-                self.do(t, core.handle(RankReady(rank, cap)))
+                acts = core.handle(RankReady(rank, cap))
+                if acts:
+                    self.do(t, acts)
         self._schedule_rank(rank, t)
 
     def _tokens(self, batch: int, groups) -> tuple[int, ...]:
@@ -504,8 +544,16 @@ class SamplePipeline:
         """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
         that makes them is recorded."""
         bi = self._batch(batch)
-        self.ranks[rank].admit(t, [x for g in groups for x in bi.lengths[g]], bi.u, [(batch, g) for g in groups],
-                               bi.group_size, pause + float(bi.prefill_s[list(groups)].sum()))
+        if len(groups) < 8:  # numpy sums fewer than 8 numbers from the first, in order: the same, bit for bit
+            pf = bi.prefill_list
+            prefill = pf[groups[0]]
+            for g in groups[1:]:
+                prefill += pf[g]
+        else:
+            prefill = float(bi.prefill_s[list(groups)].sum())
+        lengths = bi.lengths
+        self.ranks[rank].admit(t, [x for g in groups for x in lengths[g]], bi.u, [(batch, g) for g in groups],
+                               bi.group_size, pause + prefill)
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
