@@ -48,7 +48,7 @@ def test_a_takeover_during_the_old_coordinators_checkpoint_neither_deletes_it_no
     faults = {"DYNARESIZE_TEST_STOP_AT": "3:stage_state.weights@step-4", "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
     # 60 s of heartbeat deadline: the hung rank is not declared lost meanwhile
     a = run(tmp_path / "runs", model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
-            "run.checkpoint_every=2", "redis.dead_after_heartbeats=120", "pipeline.schedule=lockstep",  # its takeover
+            "run.checkpoint_every=2", "redis.dead_after_heartbeats=120", "pipeline.schedule=barrier",
             wait=False, faults=faults)
     pids: list[int] = [a.pid]
     b = None
