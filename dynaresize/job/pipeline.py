@@ -799,6 +799,11 @@ class ContinuousSchedule:
             if self.replay is not None and self.checkpointed(k):
                 self.at.sent["stage_state"] = self.at.sent.get("stage_state", 0) + 1  # its id, as it was sent
             else:
+                if self.replay is not None and self.at_rec >= len(self.replay):
+                    # the old coordinator stopped in this checkpoint: live from here (its claims, the ranks' stored
+                    # acks judged and the events said by this coordinator; a checkpoint it gave up and went on from
+                    # is replayed as it was)
+                    self.go_live()
                 p.checkpointer.checkpoint(self.at)
         if self.replay is None:
             p.journal.write()
