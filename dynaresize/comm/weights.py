@@ -152,3 +152,52 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
                 off += t.numel()
             sink(items)
     return version_in, moved
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Point to point from trainer dp-rank 0 to one rollout rank: the barrier-free schedule's weight transport
+
+
+TAG_BASE = 1 << 20  # p2p tags of weight versions: TAG_BASE + version (no other p2p traffic of the world group uses them)
+
+
+def version_tag(version: int) -> int:
+    """The p2p tag of a version's transfer: two versions on their way to one rank never take each other's messages."""
+    return TAG_BASE + int(version)
+
+
+def send_weights_to(named: Named, dst: int, version: int, bucket_bytes: int = 64 << 20, group=None,
+                    device: torch.device | str = "cpu") -> int:
+    """Send ``named`` (version ``version``) to global rank ``dst`` alone, point to point over ``group`` (default:
+    the world group, pre-built), tagged with the version; the receiver calls :func:`recv_weights_from`. The same
+    header and buckets as :func:`broadcast_weights`. Returns the bytes sent."""
+    tag = version_tag(version)
+
+    def move(t: torch.Tensor) -> int:
+        dist.send(t, dst=dst, group=group, tag=tag)
+        return t.numel() * t.element_size()
+
+    return _transfer(named, dist.get_rank(), move, bucket_bytes, version, None, device)[1]
+
+
+def recv_weights_from(expected: Named, src: int, version: int, bucket_bytes: int = 64 << 20, group=None,
+                      device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], int]:
+    """Receive version ``version`` from global rank ``src`` (:func:`send_weights_to`) into FRESH host tensors (a
+    second buffer: ``expected``, this rank's own weights, only gives names, shapes and dtypes and is not touched).
+    Returns ``(name -> tensor, bytes received)``; a sender whose model or version differs is a
+    :class:`WeightSyncError`."""
+    tag = version_tag(version)
+    out: dict[str, torch.Tensor] = {}
+
+    def move(t: torch.Tensor) -> int:
+        dist.recv(t, src=src, group=group, tag=tag)
+        return t.numel() * t.element_size()
+
+    def keep(items: list[tuple[str, torch.Tensor]]) -> None:  # each bucket is a fresh tensor: its views are kept as is
+        for name, t in items:
+            out[name] = t if t.device.type == "cpu" else t.to("cpu")
+
+    got, moved = _transfer(expected, src, move, bucket_bytes, version, keep, device)
+    if got != version:
+        raise WeightSyncError(f"weights from rank {src}: expected version {version}, the sender sent {got}")
+    return out, moved

@@ -97,6 +97,13 @@ class PipelineConfig(Section):
         4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
         "rank has two commands queued, so it never waits for the coordinator between them)",
     )
+    weights_transport: Literal["comm", "file"] = Field(
+        "comm", description="barrier_free schedule: how a new policy version reaches the rollout ranks while they decode "
+        "with the old one. comm: from trainer rank 0 point to point over the communicators built at start-up (gloo on "
+        "CPU, NCCL on GPUs) into a second buffer on each rollout rank. file (the fallback): rank 0 stages it under "
+        "<run_dir>/weights/v<k> at its optimizer step and each rollout rank reads it (every rank reads the whole model "
+        "from shared storage per step). The barrier schedule always uses one blocking sync over the pre-built groups",
+    )
 
 
     @model_validator(mode="before")

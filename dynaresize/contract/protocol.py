@@ -16,7 +16,8 @@ train_chunk     :class:`TrainChunkPayload` (step, chunk key,           :class:`T
 optimizer_step  :class:`OptimizerStepPayload` (step, topology,         :class:`OptimizerStepResult` (version, metrics,
                 version after, denominator, publish)                   busy, published bytes)
 sync_weights    :class:`SyncPayload` (version, topology)               :class:`SyncResult` (bytes, seconds, version)
-fetch_weights   :class:`FetchWeightsPayload` (version)                 :class:`FetchWeightsResult` (version, started)
+fetch_weights   :class:`FetchWeightsPayload` (version, transport)      :class:`FetchWeightsResult` (version, started)
+push_weights    :class:`PushWeightsPayload` (version, ranks)           :class:`PushWeightsResult` (version, ranks)
 switch_role     :class:`SwitchPayload` (switch id, old/new trainers)  :class:`SwitchResult` (role, ops)
 stage_state     :class:`StagePayload` (tag)                            :class:`StageResult` (manifests, bytes)
 restore_state   :class:`StagePayload` (tag)                            :class:`RestoreResult` (version, seconds)
@@ -38,16 +39,18 @@ prefixes, see :mod:`dynaresize.comm.groups`), so a topology is one integer on th
 Two ways through a step. The barrier pipeline: ``generate`` (pull loop) on the rollout ranks, one ``train`` of the
 whole batch, a blocking ``sync_weights``. The barrier-free one (``dynaresize.schedule``): ``generate`` with the
 prompts (GRPO groups) the scheduler assigned, ``train_chunk`` per chunk of complete groups as they arrive, one
-``optimizer_step`` with the whole batch's normaliser (which also publishes the new weights to the run's weights
-directory), and ``fetch_weights`` to read a published version on a rollout rank in the background; the ``generate``
-that asks for that version installs it.
+``optimizer_step`` with the whole batch's normaliser (after which rank 0 keeps a copy of the new weights, or with
+the file fallback stages them to the run's weights directory), ``fetch_weights`` to receive a version on a rollout
+rank in the background into a second buffer (point to point from rank 0 over the pre-built world group once
+``push_weights`` tells rank 0 to send it; or read from the run's weights directory); the ``generate`` that asks for
+that version installs it.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -111,15 +114,35 @@ class GenerateResult(_Msg):
     prompts: list[int] | None = None  # the prompts asked for (generate with prompts), echoed
 
 
+WeightsTransport = Literal["comm", "file"]
+
+
 class FetchWeightsPayload(_Payload):
-    version: int = Field(ge=1, description="published policy version to read from the run's weights directory (v<version>)")
+    version: int = Field(ge=1, description="policy version to receive into a second buffer in the background")
+    transport: WeightsTransport = Field(
+        "file", description="comm: received from trainer rank 0 point to point over the pre-built world group (rank 0 "
+        "sends once the coordinator pushes it: push_weights); file (the fallback): read from the run's weights "
+        "directory (v<version>, staged by rank 0 at its optimizer step)")
+    again: bool = Field(False, description="comm: receive it even if this rank installed it or a newer one (a lost "
+                        "rank's groups of an older version handed to this rank)")
     keep: list[int] | None = Field(None, max_length=64, description="the versions the scheduler still counts in this "
                                    "rank's buffers: a fetched version not among them is dropped first (None: keep all)")
 
 
 class FetchWeightsResult(_Msg):
     version: int
-    started: bool  # False: this rank already holds or is reading that version
+    started: bool  # False: this rank already holds or is reading that version (comm: no receive posted, push nothing)
+
+
+class PushWeightsPayload(_Payload):
+    version: int = Field(ge=1, description="policy version rank 0 holds (kept at its optimizer step) and sends")
+    ranks: list[int] = Field(min_length=1, description="rollout ranks whose fetch_weights (transport comm) started a "
+                             "receive of this version: each gets it once, point to point")
+
+
+class PushWeightsResult(_Msg):
+    version: int
+    ranks: list[int]  # queued: sent by rank 0's background threads while it goes on with its commands
 
 
 class TrainChunkPayload(_Payload):
@@ -144,7 +167,12 @@ class OptimizerStepPayload(_Payload):
     version_after: int = Field(ge=1, description="policy version once this update is applied")
     denominator: float = Field(gt=0, description="the whole batch's normaliser: its response tokens (loss_norm=token) "
                                "or samples (sequence)")
-    publish: bool = Field(False, description="rank 0 stages the new weights as <weights dir>/v<version_after>")
+    publish: bool = Field(False, description="rank 0 publishes the new weights for the rollout ranks (transport)")
+    transport: WeightsTransport = Field(
+        "file", description="comm: rank 0 keeps a host copy for push_weights; file (the fallback): rank 0 stages it "
+        "as <weights dir>/v<version_after>")
+    keep_from: int | None = Field(None, ge=0, description="comm: the oldest version rank 0 keeps a copy of (what a "
+                                  "batch in flight may still need)")
 
 
 class OptimizerStepResult(_Msg):
@@ -226,6 +254,7 @@ COMMANDS: dict[str, CommandSpec] = {
     "optimizer_step": CommandSpec(OptimizerStepPayload, OptimizerStepResult),
     "sync_weights": CommandSpec(SyncPayload, SyncResult),
     "fetch_weights": CommandSpec(FetchWeightsPayload, FetchWeightsResult),
+    "push_weights": CommandSpec(PushWeightsPayload, PushWeightsResult),
     "switch_role": CommandSpec(SwitchPayload, SwitchResult),
     "stage_state": CommandSpec(StagePayload, StageResult),
     "restore_state": CommandSpec(StagePayload, RestoreResult),

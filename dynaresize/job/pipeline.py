@@ -9,8 +9,10 @@ The loop reads::
     observe  -> each ack becomes the core's event: GroupsDone + RankReady, WeightsArrived, TrainChunkDone,
                 OptimizerStepDone (+ StepMeasured for the resize policy), SwitchDone
     act      -> each action the core returns becomes a command: Assign -> ``generate`` (those prompts, that
-                version), SendWeights -> ``fetch_weights`` (read in the background from the snapshot rank 0 staged
-                at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
+                version), SendWeights -> ``fetch_weights`` (received in the background into a second buffer: with
+                ``pipeline.weights_transport: comm`` from rank 0 point to point over the world group built at
+                start-up, rank 0 sending once the rank's ack says the receive is posted (``push_weights``); with the
+                ``file`` fallback read from the snapshot rank 0 staged at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
                 ``optimizer_step`` (the batch's token or sequence count as the normaliser), Switch -> one
                 ``switch_role`` over the old and new trainers (the core's collective mode)
     drain    -> at a checkpoint, a stop or a time-out warning: the state of a step boundary of the static run
@@ -136,6 +138,9 @@ class ContinuousSchedule:
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
+        # barrier-free: how versions travel (comm: rank 0 -> each rank over the world group; file: the fallback)
+        self.transport = job.cfg.pipeline.weights_transport
+        self.gen_version: dict[int, int] = {}  # rollout rank -> newest version of the generates sent to it
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
         self.drain: int | None = None  # the step a drain stops at (a checkpoint, a stop)
         self.parked: list = []  # actions held back while draining
@@ -413,8 +418,13 @@ class ContinuousSchedule:
                 self.feed(ValidationDone(sent.rank, sent.version, sent.groups))
                 self.validated()
                 self.ready(sent.rank)
-            case "fetch_weights":
-                self.feed(WeightsArrived(sent.rank, sent.version))
+            case "fetch_weights" | "fetch_again":
+                if self.transport == "comm" and res[sent.rank].get("started"):
+                    self.send_push(sent.version, [sent.rank])  # the receive is posted: rank 0 sends it (exactly once)
+                if sent.kind == "fetch_weights":
+                    self.feed(WeightsArrived(sent.rank, sent.version))
+            case "push_weights":
+                pass
             case "sync_weights":
                 for r in sent.targets:
                     if r not in self.job.state.lost:
@@ -435,6 +445,7 @@ class ContinuousSchedule:
                     t.mixed = True
                 for r in sent.movers:
                     self.feed(SwitchDone(r))
+                    self.gen_version.pop(r, None)  # a former trainer holds the newest version: nothing to receive again
                     if self.core.role(r) is Role.ROLLOUT:
                         self.inflight_groups[r] = 0
                         self.ready(r)
@@ -567,7 +578,7 @@ class ContinuousSchedule:
                 raise
             self.p.recovery.shrink(e.ranks, e.why)
             if any(r in e.ranks for s in self.sent.values() for r in s.flight.ranks
-                   if s.kind not in ("generate", "validate", "fetch_weights", "switch_note")):
+                   if s.kind not in ("generate", "validate", "fetch_weights", "fetch_again", "switch_note")):
                 raise
             self.lost(sorted(e.ranks))
 
@@ -656,6 +667,7 @@ class ContinuousSchedule:
             items, _ = self.p.rollout.work(a.batch)
             self.p.svc.queue.publish(a.batch, items)
             self.published.add(a.batch)
+        self.again(a.rank, a.version)
         n = self.cfg.pipeline.groups_per_command
         for i in range(0, len(a.groups), n):
             part = a.groups[i:i + n]
@@ -671,6 +683,7 @@ class ContinuousSchedule:
             for r in range(self.job.world) if self.replay is None else ():  # an earlier launch's claims (none yet)
                 vq.release(a.version, r)
             self.validating[a.version] = time.monotonic()
+        self.again(a.rank, a.version)
         self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(a.groups)
         payload = self.p.rollout.payload(a.version, version=a.version, prompts=list(a.groups), validation=True)
         self.send("generate", [a.rank], payload, label="validate", version=a.version, groups=a.groups)
@@ -687,10 +700,24 @@ class ContinuousSchedule:
                     self.p.validation.record(v, time.monotonic() - t0)
 
     def send_fetch(self, rank: int, version: int) -> None:
-        """A background read of ``version``, with the versions the core still counts for the rank: a fetched version
-        the core dropped (no batch needs it) frees its buffer on the rank, as it did in the core."""
-        keep = sorted(set(self.core.versions_counted(rank)) | {version})
-        self.send("fetch_weights", [rank], {"version": version, "keep": keep}, version=version)
+        """The core sent ``version`` to ``rank``: the rank starts receiving it in the background (its ack is the
+        core's WeightsArrived; comm: once it says the receive is posted, rank 0 sends: ``send_push``)."""
+        keep = sorted(set(self.core.versions_counted(rank)) | {version})  # a version the core dropped frees its buffer
+        self.send("fetch_weights", [rank], {"version": version, "transport": self.transport, "keep": keep}, version=version)
+
+    def send_push(self, version: int, ranks: list[int]) -> None:
+        """comm: rank 0 sends ``version`` to ``ranks`` from the copy it kept at its optimizer step, on background
+        threads (acked once queued), point to point over the world group built at start-up."""
+        self.send("push_weights", [0], {"version": version, "ranks": ranks}, version=version)
+
+    def again(self, rank: int, version: int) -> None:
+        """comm: before a generate of ``version`` on ``rank``, which was already sent a generate of a newer version
+        (a lost rank's groups of an older version handed to it: it will have installed the newer one by then), the
+        rank receives ``version`` again from rank 0 (the file fallback reads the snapshot again by itself)."""
+        if not self.barrier and self.transport == "comm" and version < self.gen_version.get(rank, version):
+            self.send("fetch_weights", [rank], {"version": version, "transport": "comm", "again": True},
+                      label="fetch_again", version=version)
+        self.gen_version[rank] = max(version, self.gen_version.get(rank, version))
 
     def send_syncs(self) -> None:
         """Barrier: a version the core sent to the rollout pool goes in ONE blocking ``sync_weights`` from trainer
@@ -715,8 +742,14 @@ class ContinuousSchedule:
             self.p.tx.call(self.at, "sync_weights", [0] + self.job.rollouts(), {"version": version, "n_train": st.n_train,
                                                                               "lost": st.lost})
             return
-        self.p.tx.call(self.at, "fetch_weights", ranks, {"version": version})  # a no-op where the read is under way or done
+        # a no-op where the transfer is under way or done; comm: rank 0 sends where a receive started
+        fetched = self.p.tx.call(self.at, "fetch_weights", ranks, {"version": version, "transport": self.transport})
+        started = [r for r, a in sorted(fetched.acks.items()) if (a.result or {}).get("started")]
+        if self.transport == "comm" and started:
+            self.p.tx.call(self.at, "push_weights", [0], {"version": version, "ranks": started})
         self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+        for r in ranks:
+            self.gen_version[r] = max(version, self.gen_version.get(r, version))
 
     def send_chunk(self, a: Train) -> None:
         """A chunk of batch k's complete groups, as the whole batch has them (a group's advantages are its own)."""
@@ -740,9 +773,11 @@ class ContinuousSchedule:
 
     def send_step(self, a: Step) -> None:
         t = self.tally.setdefault(a.batch, Tally())
+        # comm: rank 0 keeps copies of the versions a batch in flight may still need (as the file path keeps snapshots)
+        keep = {"transport": self.transport, "keep_from": max(0, a.batch - self.core_cfg.staleness)}
         self.send("optimizer_step", list(a.ranks), {"step": a.batch, "n_train": len(a.ranks), "version_after": a.batch + 1,
-                                                    "denominator": self.denominator(t), "publish": not self.barrier},
-                  batch=a.batch)
+                                                    "denominator": self.denominator(t), "publish": not self.barrier,
+                                                    **(keep if not self.barrier else {})}, batch=a.batch)
 
     def decided(self, step: int, d: Decision, sid: int | None) -> None:
         self.job.events.emit("decision", step=step + 1, action=d.action.value, reason=d.reason,

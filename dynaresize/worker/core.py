@@ -21,14 +21,21 @@ The barrier-free schedule (``dynaresize.schedule``) uses four more commands, sti
 
 - ``generate`` with ``prompts``: the rank claims exactly those prompts' samples (``DataPlane.claim_prompts``) and
   generates them ``pull_batch`` at a time; asked for a version it has fetched, it installs that one first;
-- ``fetch_weights``: a rollout rank starts reading ``<weights_dir>/v<version>`` (written by rank 0's
-  ``optimizer_step(publish=True)``) into fresh host tensors on a background thread (at most ``max_incoming``
-  versions at a time); the read's interval is logged (``weight_sync``, ``background``) at the next command;
+- ``fetch_weights``: a rollout rank starts receiving a version into fresh host tensors (a second buffer) on a
+  background thread while it decodes with the old one (at most ``max_incoming`` versions at a time): with
+  ``transport: comm`` (the default schedule's) from rank 0 point to point over the world group built at start-up
+  (:mod:`dynaresize.comm.transport`); with ``file`` (the fallback) read from ``<weights_dir>/v<version>`` (written
+  by rank 0's ``optimizer_step(publish=True, transport="file")``); the interval is logged (``weight_sync``,
+  ``background``) at the next command;
+- ``push_weights`` (rank 0, comm): send a version kept at the optimizer step to the ranks whose fetch started a
+  receive, on one background thread per destination; acked once queued;
 - ``train_chunk``: forward and backward of a chunk of complete groups, loss as a sum (``ZeroTrainer.accumulate``);
 - ``optimizer_step``: the step of the chunks accumulated since the last one, divided by the whole batch's
-  normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 stages the new weights for the rollout ranks.
+  normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 keeps a host copy of the new weights (comm) or stages
+  them to the run's weights directory (file).
 
-The weight read is the only work a rank does off its main thread, and it makes no ``torch.distributed`` call.
+The weight transfers are the only work a rank does off its main thread: point-to-point sends and receives over the
+world group (no collective, no other group), or a file read.
 
 Continuous batching across commands (``rollout.max_running`` not 0; the transport drives it through :meth:`Worker.begin`,
 :meth:`Worker.advance` and :meth:`Worker.take_done`): a ``generate`` with ``prompts`` claims its samples and adds
@@ -52,7 +59,8 @@ import torch
 import torch.distributed as dist
 
 from dynaresize.comm import groups as G
-from dynaresize.comm.weights import broadcast_weights, send_weights_p2p
+from dynaresize.comm.transport import CommFetch, WeightSender
+from dynaresize.comm.weights import WeightSyncError, broadcast_weights, send_weights_p2p
 from dynaresize.engines import reshard as R
 from dynaresize.engines.protocol import Request
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
@@ -108,11 +116,12 @@ class WorkerSetup:
 
 @dataclass
 class _Incoming:
-    """A published version being read (or read) into host memory on a background thread, not installed yet."""
+    """A version being received (or received) into host memory on a background thread, not installed yet: from
+    rank 0 over the communicators (``CommFetch``) or, the file fallback, read from its snapshot (``Prefetch``)."""
 
     version: int
-    path: Path
-    read: Prefetch
+    path: Path | str  # the snapshot read, or where the weights come from (comm)
+    read: Prefetch | CommFetch
     logged: bool = False
 
 
@@ -139,6 +148,7 @@ class _Streamed:
 # to the new version sooner than the core's version bookkeeping allows for (a lost rank's groups of the old version
 # handed back to a rank that already installed the new one: tests/integration/test_continuous_schedule.py).
 CONCURRENT = frozenset({"ping"})
+GROUPS_CREATED_METRIC = "comm/groups_created_after_startup"  # logged by each rank at its shutdown (0 expected)
 
 
 @dataclass
@@ -158,6 +168,7 @@ class Worker:
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
     held: set[int] = field(default_factory=set)  # versions this rank fetched or installed (a refetch reads only these)
+    sender: WeightSender | None = None  # rank 0 with the comm transport: held versions, background sends
     stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
     done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
     _stream_mark: float = 0.0  # end of the last rollout stage interval this rank logged from the stream
@@ -291,6 +302,9 @@ class Worker:
 
     def _cmd_shutdown(self, **_: Any) -> dict[str, Any]:
         self.stopped = True
+        if self.setup.events is not None and self.groups is not None:  # the communicators were all built at start-up
+            self.setup.events.emit(EventType.METRIC, name=GROUPS_CREATED_METRIC, value=self.groups.created_after_startup(),
+                                   rank=self.rank)
         return {}
 
     # -- generate -------------------------------------------------------------------------------------------
@@ -328,6 +342,8 @@ class Worker:
     def _check_generate(self, version: int) -> None:
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank, not a rollout rank")
+        if version == self.version:
+            self.incoming.pop(version, None)  # received again (comm, again) but still held: nothing to install
         if version != self.version and version not in self.incoming and not self._refetch(version):
             fetched = f" (fetched: {', '.join(map(str, sorted(self.incoming)))})" if self.incoming else ""
             raise WorkerError(f"rank {self.rank} holds policy version {self.version}{fetched}, generate asks for {version}")
@@ -567,13 +583,15 @@ class Worker:
                 "version": self.version, "metrics": {**reduce_stats([stats]), **loss_means}}
 
     def _cmd_optimizer_step(self, step: int, n_train: int, version_after: int, denominator: float,
-                            publish: bool = False) -> dict[str, Any]:
+                            publish: bool = False, transport: str = "file", keep_from: int | None = None) -> dict[str, Any]:
         """The optimizer step of the chunks accumulated since the last one, their summed gradients divided by the
-        whole batch's ``denominator``. With ``publish``, rank 0 then stages the new weights as
-        ``<weights_dir>/v<version_after>`` (manifest last: a reader sees the whole snapshot or none)."""
+        whole batch's ``denominator``. With ``publish``, rank 0 then keeps a host copy of the new weights for
+        ``push_weights`` (``comm``; copies older than ``keep_from`` dropped), or stages them as
+        ``<weights_dir>/v<version_after>`` (``file``, the fallback; manifest last: a reader sees the whole snapshot
+        or none)."""
         trainer = self._trainer_for(n_train, version_after)
         target = None
-        if publish and self.rank == 0:
+        if publish and self.rank == 0 and transport == "file":
             if self.setup.weights_dir is None:
                 raise WorkerError(f"rank {self.rank}: optimizer_step publish=True needs the run's weights directory "
                                   "(WorkerSetup.weights_dir)")
@@ -589,7 +607,44 @@ class Worker:
             res = self.stager.stage(str(target), {n: t for n, t in self._weights()}, {"version": version_after})
             published, end = res.bytes, time.perf_counter()
             self._stage(Stage.WEIGHT_SYNC, step, t1, end, version=version_after, bytes=published, publish=True)
+        elif publish and self.rank == 0:  # comm: the copy the sends read while the trainers go on
+            published = self._sender().hold(version_after, self._weights(), keep_from)
+            end = time.perf_counter()
+            self._stage(Stage.WEIGHT_SYNC, step, t1, end, version=version_after, bytes=published, publish=True,
+                        transport="comm")
         return {"version": self.version, "metrics": stats, "busy_s": end - t0, "published_bytes": published}
+
+    def _sender(self) -> WeightSender:
+        if self.sender is None:
+            self.sender = WeightSender(self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
+        return self.sender
+
+    def _cmd_push_weights(self, version: int, ranks: list[int]) -> dict[str, Any]:
+        """Rank 0 sends ``version`` to each of ``ranks`` (their ``fetch_weights`` started a receive), point to point
+        on background threads, from the copy kept at the optimizer step; acked once queued. A version not kept is
+        this rank's own if it holds it (a resume, a restart: taken now)."""
+        if self.rank != 0 or self.trainer is None:
+            raise WorkerError(f"rank {self.rank}: only trainer rank 0 sends weights (push_weights)")
+        bad = sorted(r for r in ranks if r == 0 or not 0 <= r < self.setup.world)
+        if bad:
+            raise WorkerError(f"rank 0 cannot send weights to rank(s) {bad} (world of {self.setup.world})")
+        sender = self._sender()
+        if not sender.holds(version) and version == self.version:
+            sender.hold(version, self._weights())
+        try:
+            sender.push(version, ranks)
+        except WeightSyncError as e:
+            raise WorkerError(f"rank 0: {e}") from None
+        return {"version": version, "ranks": list(ranks)}
+
+    def _log_sends(self) -> None:
+        """Log rank 0's finished background sends (on the main thread)."""
+        if self.sender is None:
+            return
+        for rec in self.sender.take_sent():
+            extra = {"error": rec["error"]} if "error" in rec else {}
+            self._stage(Stage.WEIGHT_SYNC, max(0, rec["version"] - 1), rec["start"], rec["end"], version=rec["version"],
+                        bytes=int(rec.get("bytes", 0)), background=True, transport="comm", to=rec["rank"], **extra)
 
     def _loss_fn(self, batch: dict[str, torch.Tensor]):
         if self.setup.loss_fn is not None:
@@ -667,16 +722,19 @@ class Worker:
 
     # -- background weight transfer through the host -----------------------------------------------------------
 
-    def _cmd_fetch_weights(self, version: int, keep: list[int] | None = None) -> dict[str, Any]:
-        """Start reading published ``version`` into host memory on a background thread; ``started`` is False when
-        this rank already holds it (or a newer one) or is reading it. A read error surfaces at the install.
-        ``keep``: the versions the scheduler still counts for this rank; a fetched version it no longer counts (no
-        batch needs it) is dropped first, so the rank holds what the scheduler plans with."""
+    def _cmd_fetch_weights(self, version: int, transport: str = "file", again: bool = False,
+                           keep: list[int] | None = None) -> dict[str, Any]:
+        """Start receiving ``version`` into host memory (a second buffer) on a background thread while the engine
+        decodes with the one it holds: from rank 0 point to point over the world group (``comm``: rank 0 sends it
+        once the coordinator pushes it), or read from the snapshot rank 0 published (``file``, the fallback).
+        ``started`` is False when this rank already holds it (or a newer one) or is receiving it (``again``: comm,
+        received even if held). A transfer error surfaces at the install. ``keep``: the versions the scheduler still
+        counts for this rank; a fetched version it no longer counts (no batch needs it) is dropped first."""
         if self.rollout is None:
             raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
-        if self.setup.weights_dir is None:
+        if transport == "file" and self.setup.weights_dir is None:
             raise WorkerError(f"rank {self.rank}: fetch_weights needs the run's weights directory (WorkerSetup.weights_dir)")
-        if version <= self.version or version in self.incoming:
+        if version in self.incoming or (version <= self.version and not (again and transport == "comm")):
             self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
             return {"version": version, "started": False}
         if keep is not None:
@@ -686,6 +744,12 @@ class Worker:
             raise WorkerError(f"rank {self.rank} already holds {len(self.incoming)} fetched versions "
                               f"({', '.join(map(str, sorted(self.incoming)))}), at most {self.max_incoming}: "
                               f"install one (generate with its version) before fetching version {version}")
+        if transport == "comm":
+            read = CommFetch(self._weights(), 0, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
+            self.incoming[version] = _Incoming(version, read.source, read)
+            self.held.add(version)
+            self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
+            return {"version": version, "started": True}
         assert self.stager is not None
         path = Path(self.setup.weights_dir).resolve() / f"v{version}"
         self.incoming[version] = _Incoming(version, path, Prefetch(self.stager, path))
@@ -707,9 +771,11 @@ class Worker:
         return True
 
     def _log_reads(self) -> None:
-        """Log the interval of every finished background read not logged yet (on the main thread)."""
+        """Log the interval of every finished background read (or receive, or rank 0's send) not logged yet (on the
+        main thread)."""
         for inc in self.incoming.values():
             self._log_read(inc)
+        self._log_sends()
 
     def _log_read(self, inc: _Incoming) -> None:
         if inc.logged or inc.read.finished is None:
@@ -719,8 +785,9 @@ class Worker:
             tensors, _ = inc.read.result()
         except Exception:  # noqa: BLE001 - a failed read is reported by the install that needs it
             return
+        how = {"transport": "comm"} if isinstance(inc.read, CommFetch) else {}
         self._stage(Stage.WEIGHT_SYNC, max(0, inc.version - 1), inc.read.started, inc.read.finished, version=inc.version,
-                    bytes=sum(t.numel() * t.element_size() for t in tensors.values()), background=True)
+                    bytes=sum(t.numel() * t.element_size() for t in tensors.values()), background=True, **how)
 
     def _install(self, version: int) -> None:
         """Install fetched ``version`` (waiting for its read if it still runs) into the rollout engine in place;
@@ -729,7 +796,7 @@ class Worker:
         t0 = time.perf_counter()
         try:
             tensors, meta = inc.read.result()
-        except StagingError as e:
+        except (StagingError, WeightSyncError) as e:
             raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
                               f"{e}") from None
         self._log_read(inc)

@@ -283,6 +283,7 @@ VALID_PAYLOADS = {
     "optimizer_step": dict(step=3, n_train=2, version_after=4, denominator=517.0, publish=True),
     "sync_weights": dict(version=4, n_train=2, lost=[3]),
     "fetch_weights": dict(version=4),
+    "push_weights": dict(version=4, ranks=[2, 3]),
     "switch_role": dict(switch_id="s1", step=3, from_train=2, to_train=3),
     "stage_state": dict(tag="step-3_a.b"),
     "restore_state": dict(tag="step-3_a.b"),

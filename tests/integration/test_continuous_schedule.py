@@ -84,10 +84,43 @@ def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cach
     assert early_train, "no training chunk started before its batch was complete"
     assert sum(1 for r in recs for a in r.get("actions", []) if a["type"] == "Train") > STEPS  # streamed in chunks
 
+    weights_over_the_communicators(rd)
+
     replayed = replay_log(rd)
     assert len(replayed) > 50
     for what, logged, again in replayed:
         assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
+def weights_over_the_communicators(rd: Path) -> None:
+    """The default transport (``pipeline.weights_transport: comm``): every version a rollout rank installed came
+    from rank 0 point to point over the world group into a second buffer (rank 0 sent exactly what was received,
+    without an error), nothing went through the run directory, and no rank created a process group after start-up."""
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    syncs = [e for e in events if e.get("stage") == "weight_sync"]
+    recv = sorted((int(e["ranks"]), e["version"]) for e in syncs if e.get("background") and e.get("to") is None)
+    sent = sorted((e["to"], e["version"]) for e in syncs if e.get("to") is not None)
+    assert recv and all(e.get("transport") == "comm" for e in syncs if e.get("background") or e.get("publish"))
+    assert set(recv) <= set(sent) and not any(e.get("error") for e in syncs), (recv, sent)
+    installs = {(int(e["ranks"]), e["version"]) for e in syncs if not e.get("background") and not e.get("publish")}
+    assert installs and installs <= set(recv), installs - set(recv)
+    assert not (rd / "weights").exists() or not any((rd / "weights").iterdir()), "a snapshot went through the run directory"
+    created = {e["rank"]: e["value"] for e in events if e.get("name") == "comm/groups_created_after_startup"}
+    assert sorted(created) == [0, 1, 2, 3] and set(created.values()) == {0}, created
+
+
+def test_the_file_fallback_keeps_rl_semantics(tmp_path, model_cache, static_run):
+    """``pipeline.weights_transport: file``: the same barrier-free run with versions staged by rank 0 under
+    ``<run_dir>/weights/v<k>`` and read by each rollout rank: the static run's samples, versions and rewards."""
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}", *CONTINUOUS,
+        "pipeline.weights_transport=file")
+    rd = run_dir_of(tmp_path)
+    same_samples(batches(rd), batches(static_run))
+    assert any((rd / "weights").glob("v*/manifest.json")), "no snapshot in the run directory"
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    syncs = [e for e in events if e.get("stage") == "weight_sync"]
+    assert any(e.get("publish") for e in syncs) and any(e.get("background") for e in syncs)
+    assert not any(e.get("transport") for e in syncs)
 
 
 def test_the_barrier_schedule_on_the_core_keeps_rl_semantics_and_its_barrier(tmp_path, model_cache, static_run):

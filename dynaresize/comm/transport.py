@@ -1,0 +1,132 @@
+"""The barrier-free schedule's weight transport over the communicators (``pipeline.weights_transport: comm``).
+
+A new policy version goes from trainer dp-rank 0 (global rank 0, a trainer in every split) to each rollout rank
+that asked for it, point to point over the world group built at start-up (gloo here, NCCL on GPUs), into a second
+buffer on the receiver while it keeps decoding with the old one; the generate that asks for the version installs
+it. No process group is created for it (``comm.groups.created_after_startup()`` stays 0).
+
+- rank 0, :class:`WeightSender`: at its optimizer step it keeps a host copy of the new weights (:meth:`hold`; the
+  next step may change its own weights while copies are still on their way); ``push_weights`` queues a version
+  for some ranks (:meth:`push`). One thread per destination sends from the held copy, so the trainers' commands
+  never wait for a transfer and one slow or dead receiver holds up no other.
+- a rollout rank, :class:`CommFetch`: ``fetch_weights`` starts a thread that receives the version into fresh host
+  tensors; :meth:`CommFetch.result` gives them to the install (the interface of :class:`dynaresize.staging.Prefetch`,
+  the file path's reader).
+
+Every receive has exactly one send: the coordinator pushes a version to a rank only after that rank's
+``fetch_weights`` ack says it started a receive. Transfers of different versions carry different tags
+(:func:`dynaresize.comm.weights.version_tag`).
+
+Why point to point and not the pre-built sync group's broadcast: a collective needs every member at once, while
+here ranks ask at different times (each when its stream reaches the fetch), some ask again for an older version
+(a lost rank's groups handed out again), and a rank may be lost or switching meanwhile. The source sends the
+weights once per receiver (the broadcast of the barrier path sends them once per tree/ring); on NCCL the world
+group's point-to-point sends from a second thread beside the trainers' collectives are UNVERIFIED (no GPU here).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Sequence
+
+import torch
+
+from dynaresize.comm.weights import Named, WeightSyncError, recv_weights_from, send_weights_to
+
+log = logging.getLogger("dynaresize.worker")
+
+
+class CommFetch:
+    """One version received from ``src`` on a background thread into fresh host tensors (the second buffer)."""
+
+    def __init__(self, expected: Named, src: int, version: int, bucket_bytes: int, device: torch.device | str):
+        self.version = version
+        self.source = f"rank {src} (point to point over the world group)"
+        self._result: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
+        self._error: BaseException | None = None
+        self.bytes = 0
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+        # ``expected`` (this rank's own weights) gives names, shapes and dtypes only: it is never written here
+        self._th = threading.Thread(target=self._run, args=(list(expected), src, bucket_bytes, device), daemon=True,
+                                    name=f"weights-recv-v{version}")
+        self._th.start()
+
+    def _run(self, expected: Named, src: int, bucket_bytes: int, device) -> None:
+        try:
+            tensors, self.bytes = recv_weights_from(expected, src, self.version, bucket_bytes, device=device)
+            self._result = (tensors, {"version": self.version})
+        except BaseException as e:  # noqa: BLE001 - re-raised in result()
+            self._error = e
+        self.finished = time.perf_counter()
+
+    def result(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        self._th.join()
+        if self._error is not None:
+            raise WeightSyncError(f"receiving version {self.version} from {self.source}: "
+                                  f"{type(self._error).__name__}: {self._error}") from self._error
+        assert self._result is not None
+        return self._result
+
+
+class WeightSender:
+    """Rank 0's side: held versions (host copies) and one sending thread per destination rank."""
+
+    def __init__(self, bucket_bytes: int, device: torch.device | str):
+        self.bucket_bytes, self.device = bucket_bytes, device
+        self.held: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+        self._queues: dict[int, queue.Queue] = {}
+        self.sent: list[dict[str, Any]] = []  # (version, rank, bytes, start, end, error): read by the main thread
+        self.errors: list[str] = []
+
+    def hold(self, version: int, named: Named, keep_from: int | None = None) -> int:
+        """Keep a host copy of ``named`` as ``version``; versions older than ``keep_from`` are dropped (copies on
+        their way keep their own reference). Returns the bytes copied."""
+        copy = [(n, t.detach().to("cpu", copy=True)) for n, t in named]
+        with self._lock:
+            self.held[version] = copy
+            for v in [v for v in self.held if keep_from is not None and v < keep_from]:
+                del self.held[v]
+        return sum(t.numel() * t.element_size() for _, t in copy)
+
+    def holds(self, version: int) -> bool:
+        with self._lock:
+            return version in self.held
+
+    def push(self, version: int, ranks: Sequence[int]) -> None:
+        """Queue ``version`` for each of ``ranks`` (each receives it once; its thread sends in queue order)."""
+        with self._lock:
+            named = self.held.get(version)
+        if named is None:
+            raise WeightSyncError(f"rank 0 holds no copy of version {version} to send (held: "
+                                  f"{', '.join(map(str, sorted(self.held))) or 'none'})")
+        for r in ranks:
+            q = self._queues.get(r)
+            if q is None:
+                q = self._queues[r] = queue.Queue()
+                threading.Thread(target=self._serve, args=(r, q), daemon=True, name=f"weights-send-r{r}").start()
+            q.put((version, named))
+
+    def _serve(self, rank: int, q: queue.Queue) -> None:
+        while True:
+            version, named = q.get()
+            t0 = time.perf_counter()
+            rec: dict[str, Any] = {"version": version, "rank": rank, "start": t0}
+            try:
+                rec["bytes"] = send_weights_to(named, rank, version, self.bucket_bytes, device=self.device)
+            except Exception as e:  # noqa: BLE001 - a lost receiver: reported, the other destinations go on
+                rec["error"] = f"{type(e).__name__}: {e}"
+                log.warning("sending version %d to rank %d failed: %s", version, rank, rec["error"])
+            rec["end"] = time.perf_counter()
+            with self._lock:
+                self.sent.append(rec)
+
+    def take_sent(self) -> list[dict[str, Any]]:
+        """The transfers finished since the last call (for the event log, written on the main thread)."""
+        with self._lock:
+            out, self.sent = self.sent, []
+        return out
