@@ -1,6 +1,6 @@
 """The emulated runtime against the simulator (issue 17 part 3): same profile, same observed response lengths.
 
-For each row (static splits and dynamic resizing, lockstep barrier and continuous schedule) it runs the real job with
+For each row (static splits and dynamic resizing, barrier and continuous schedule) it runs the real job with
 the emulated accelerator (``dynaresize run CONFIG``, ``cluster.device: emulated``), then the sample-level simulator
 on the same profile and that run's own samples: the trace of its ``batches.jsonl`` (every sample's prompt and
 response length x ``emulation.tokens_per_token``), with work admitted the way the runtime admits it (one command's
@@ -94,7 +94,7 @@ def main() -> int:
 
     base = [f"run.steps={args.steps}", f"emulation.time_scale={args.time_scale}", *args.override]
     cfg = load_config(ROOT / args.config, base)
-    sched = {"lockstep": ["pipeline.schedule=lockstep"], "continuous": ["pipeline.schedule=continuous"]}
+    sched = {"barrier": ["pipeline.schedule=barrier"], "continuous": ["pipeline.schedule=continuous"]}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-emulated-") as tmp:
         def row(name: str, n_train: int, schedule: str, resize: bool) -> dict:
@@ -115,13 +115,13 @@ def main() -> int:
             return r
 
         init = cfg.cluster.initial_train
-        first = row(f"static {init}:{cfg.cluster.gpus - init}", init, "lockstep", False)
+        first = row(f"static {init}:{cfg.cluster.gpus - init}", init, "barrier", False)
         best = best_static_sim(first["_rd"], cfg.cluster.gpus)
         if best != init:
-            row(f"static {best}:{cfg.cluster.gpus - best}", best, "lockstep", False)
+            row(f"static {best}:{cfg.cluster.gpus - best}", best, "barrier", False)
         for n in sorted({init, best}):
             row(f"static {n}:{cfg.cluster.gpus - n}", n, "continuous", False)
-        row("dynamic", init, "lockstep", True)
+        row("dynamic", init, "barrier", True)
         dyn = row("dynamic", init, "continuous", True)
     head = ["row", "schedule", "runtime", "sim", "ratio", "ratio_no_latency", "switches", "sim_switches", "critical_s", "sim_critical_s",
             "faithful", "overrun_s"]
@@ -129,7 +129,7 @@ def main() -> int:
     print("  ".join(f"{h:>14}" for h in head))
     for r in rows:
         print("  ".join(f"{r[h]:>14.3f}" if isinstance(r[h], float) else f"{str(r[h]):>14}" for h in head))
-    barrier = [r for r in rows if r["schedule"] == "lockstep" and r["row"] != "dynamic"]
+    barrier = [r for r in rows if r["schedule"] == "barrier" and r["row"] != "dynamic"]
     best_rt = max(barrier, key=lambda r: r["runtime"])
     best_sim = max(barrier, key=lambda r: r["sim"])
     print(json.dumps({

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from pydantic import ValidationError
 
 from dynaresize import atomic
@@ -102,6 +103,18 @@ def with_values(cfg: Config, values: dict[str, object], origin: str) -> Config:
                                     for er in e.errors())) from None
 
 
+def ran_lockstep(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run of the retired lockstep loop: ``pipeline.schedule: lockstep`` in its own
+    config.yaml (loaded now as ``barrier``). That loop admitted one command's ``rollout.pull_batch`` samples at a time
+    and started both pools together after each sync: the simulator's ``sim.schedule: lockstep``."""
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return False
+    pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
+    return isinstance(pipeline, dict) and pipeline.get("schedule") == "lockstep"
+
+
 def _trace_steps(run_dir: Path) -> int:
     return len(load_trace(run_dir).steps)
 
@@ -112,7 +125,8 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     The run's own config (its GPU profile: ``sim.rollout``, ``sim.train``, ``switching.costs``; its cluster,
     policy and staleness), the workload the trace of its ``batches.jsonl`` with every length times
     ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (lockstep for
-    ``pipeline.schedule: lockstep``, with no coordinator gap: the modelled profile has none), and the control
+    a run of the retired lockstep loop, :func:`ran_lockstep`, with no coordinator gap: the modelled profile has
+    none), and the control
     plane's latency per command fitted from the run's log (``sim.command_latency_s``, wall seconds / time_scale: the
     runtime's commands take real time whatever the emulation's clock). Multiply the simulator's seconds by the
     returned ``emulation.time_scale`` to compare with the run's wall time.
@@ -132,9 +146,10 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
         "sim.workload.cap_share": 0.0, "sim.workload.cap_share_end": None, "sim.workload.dynamic_sampling.enabled": False,
         "sim.steps": steps,
     }
-    if cfg.pipeline.schedule == "lockstep":
+    lockstep = ran_lockstep(run_dir)
+    if lockstep:
         values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})
-    values.update(runtime_admission(cfg))
+    values.update(runtime_admission(cfg, lockstep))
     # the control plane's latency is real wall time, not emulated time: fitted from the run's own log (the gaps
     # between its spans, dynaresize.analysis.fit.fit_command_latency), in modelled seconds
     lat = fit_command_latency(load_run(run_dir))["command_latency_s"]
@@ -142,17 +157,18 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     return with_values(cfg, values, f"emulated run {run_dir}"), cfg.emulation.time_scale
 
 
-def runtime_admission(cfg: Config) -> dict[str, object]:
+def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     """How the runtime hands out and trains work, as the sample-level simulator's settings. In the continuous
     schedule (``rollout.max_running`` not 0) a rank batches continuously over its KV slots (``max_running``, null:
     ``pull_batch``, capped by ``sim.rollout.max_seqs_per_gpu``: dynaresize.emulation.engine), a sequence entering as
     one leaves: a simulated GPU with as many slots that claims one group at a time (its finest grain). Otherwise the
-    torch engine decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch`` samples in the lockstep
-    schedule), so a simulated GPU holds at most that many sequences and claims that many groups once it has drained.
+    torch engine decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch``
+    samples in a run of the retired lockstep loop, ``lockstep``), so a simulated GPU holds at most that many
+    sequences and claims that many groups once it has drained.
     A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
     p, r = cfg.pipeline, cfg.rollout
-    per_cmd = p.groups_per_command * r.group_size if p.on_core else r.pull_batch
-    if p.on_core and r.max_running != 0:
+    per_cmd = r.pull_batch if lockstep else p.groups_per_command * r.group_size
+    if not lockstep and r.max_running != 0:
         slots, claim = min(r.max_running or r.pull_batch, cfg.sim.rollout.max_seqs_per_gpu), 1
     else:
         slots, claim = max(1, per_cmd), max(1, per_cmd // r.group_size)

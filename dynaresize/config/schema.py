@@ -6,6 +6,7 @@ them and holds the few sections that belong to the job as a whole (``run``, ``cl
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -20,6 +21,8 @@ from dynaresize.sim.config import SimConfig
 from dynaresize.slurm.config import SlurmConfig
 from dynaresize.tasks.config import RewardConfig, TaskConfig
 from dynaresize.worker.config import ModelConfig, RolloutConfig, StagingConfig, TrainConfig
+
+log = logging.getLogger("dynaresize.config")
 
 
 class RunConfig(Section):
@@ -73,18 +76,14 @@ class ClusterConfig(Section):
 
 class PipelineConfig(Section):
     staleness_bound: int = Field(1, ge=0, description="Batch k is trained only on samples from policy versions >= k - bound (0: synchronous)")
-    mixed_switch: bool = Field(
-        True, description="Trainers moving to rollout join the rollout already in flight (the mixed step) instead of waiting for the step's end"
-    )
-    schedule: Literal["barrier_free", "barrier", "lockstep"] = Field(
-        "barrier_free", description="How the one-step-off pipeline runs. barrier_free: the scheduler core "
-        "(dynaresize.schedule) with continuous rollout (a rollout rank takes the next batch's groups as soon as it "
-        "holds the version that batch needs; weight versions reach each rank in the background) and (streaming_training) "
-        "trainers that start on complete groups. barrier: the same core with its step barrier (a batch opens once the "
-        "previous one is complete and its version exists, one blocking weight sync over the pre-built groups, training "
-        "once the batch is complete): the static one-step-off baseline. lockstep: the older hand-written loop of the same "
-        "barrier schedule (being retired). All three train the same samples, versions and loss. continuous: the old "
-        "name of barrier_free",
+    schedule: Literal["barrier_free", "barrier"] = Field(
+        "barrier_free", description="How the one-step-off pipeline runs, on the scheduler core (dynaresize.schedule). "
+        "barrier_free: continuous rollout (a rollout rank takes the next batch's groups as soon as it holds the version "
+        "that batch needs; weight versions reach each rank in the background) and (streaming_training) trainers that "
+        "start on complete groups. barrier: the core with its step barrier (a batch opens once the previous one is "
+        "complete and its version exists, one blocking weight sync over the pre-built groups, training once the batch "
+        "is complete): the static one-step-off baseline. Both train the same samples, versions and loss. Old names: "
+        "continuous (barrier_free), lockstep (barrier)",
     )
     streaming_training: bool = Field(
         True, description="continuous schedule: trainers run forward/backward on a batch's complete GRPO groups as they "
@@ -107,15 +106,25 @@ class PipelineConfig(Section):
     )
 
 
+    @model_validator(mode="before")
+    @classmethod
+    def _retired_mixed_switch(cls, data: Any) -> Any:
+        """``mixed_switch`` (the retired lockstep loop's mixed step) is read and ignored, with one line saying why:
+        every run directory written before carries it."""
+        if isinstance(data, dict) and "mixed_switch" in data:
+            data = {k: v for k, v in data.items() if k != "mixed_switch"}
+            log.warning("pipeline.mixed_switch is ignored: the mixed step went with the lockstep loop (the barrier-free "
+                        "schedule lets the other rollout ranks keep decoding while a switch waits for the training-batch "
+                        "boundary); remove the key")
+        return data
+
     @field_validator("schedule", mode="before")
     @classmethod
     def _old_names(cls, v: Any) -> Any:
-        return {"continuous": "barrier_free"}.get(v, v) if isinstance(v, str) else v
-
-    @property
-    def on_core(self) -> bool:
-        """Whether the scheduler core drives the run (every schedule but the retiring lockstep loop)."""
-        return self.schedule != "lockstep"
+        if v == "lockstep":
+            log.warning("pipeline.schedule: lockstep is now barrier (the same static one-step-off schedule, on the "
+                        "scheduler core); set pipeline.schedule: barrier")
+        return {"continuous": "barrier_free", "lockstep": "barrier"}.get(v, v) if isinstance(v, str) else v
 
 
 class FaultsConfig(Section):

@@ -187,7 +187,6 @@ class TrainPayload(_Payload):
     batch_key: str = Field(description="Redis key of the training batch (JSON, written by the coordinator)")
     n_train: int = Field(ge=1)
     version_after: int = Field(ge=1, description="policy version once this update is applied")
-    snapshot: bool = Field(False, description="keep a copy of the weights before the update (a mixed-step switch follows)")
 
 
 class TrainResult(_Msg):
@@ -217,9 +216,6 @@ class SwitchPayload(_Payload):
     step: int = Field(ge=0)
     from_train: int = Field(ge=1)
     to_train: int = Field(ge=1)
-    rollout_version: int | None = Field(
-        None, ge=0, description="mixed step: ranks leaving training roll out with the weights kept before the last update"
-    )
 
 
 class SwitchResult(_Msg):

@@ -20,7 +20,6 @@ from dynaresize.job.reporting import Reporter
 from dynaresize.job.rollout import Rollout
 from dynaresize.job.runtime import Job, Services
 from dynaresize.job.switching import Switching
-from dynaresize.job.training import Training
 from dynaresize.job.transport import Transport
 from dynaresize.job.validation import Validation
 
@@ -44,7 +43,6 @@ class Parts:
     tx: Transport
     recovery: Recovery
     rollout: Rollout
-    training: Training
     switching: Switching
     validation: Validation
     checkpointer: Checkpointer
@@ -145,10 +143,8 @@ def wire(job: Job, svc: Services, planner: Planner, launcher_factory: Callable[.
          stop_requested: threading.Event, on_step: Callable[[dict], None] | None) -> Parts:
     tx = Transport(job, svc)
     recovery = Recovery(job, svc, planner)
-    rollout = Rollout(job, svc, tx, recovery)
-    training = Training(job, tx)
     checkpointer = Checkpointer(job, svc, tx)
-    return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=rollout, training=training,
-                 switching=Switching(job, tx, rollout, training), validation=Validation(job, svc, tx, rollout),
+    return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=Rollout(job, svc),
+                 switching=Switching(job, tx), validation=Validation(job, svc),
                  checkpointer=checkpointer, journal=Journal(job, svc),
                  ranks=Ranks(job, svc, tx, planner, launcher_factory, stop_requested), reporter=Reporter(job, svc, on_step))

@@ -1,27 +1,16 @@
-"""The coordinator: the RL schedule, one screen per step, with the expensive transitions as named steps.
+"""The coordinator: starts the run, hands the schedule to the scheduler core, ends the run.
 
 One-step-off pipeline with staleness bound ``s`` (``pipeline.staleness_bound``, default 1): while trainers train
 on batch ``k`` (producing policy version ``k+1``), rollout ranks already generate batch ``k+s`` with version ``k``.
-Then the new weights go to the rollout ranks. Each iteration reads::
-
-    observe  -> what the last step measured (stage times, tokens)
-    decide   -> the resizing policy (pure; the simulator runs the very same code)
-    switch   -> if the policy asks: ranks change role in place (no process restart, no new communicator)
-    generate -> batch k+s, pulled by the rollout ranks from a work queue (dynamic dispatch)
-    train    -> batch k on the trainers (GRPO loss, DeepSpeed ZeRO)
-    sync     -> version k+1 from the trainers to the rollout ranks
+The pure scheduler core (:mod:`dynaresize.schedule`) decides every command, driven by
+:class:`dynaresize.job.pipeline.ContinuousSchedule`: ``pipeline.schedule: barrier_free`` (the default: continuous
+rollout, streaming training) or ``barrier`` (the static one-step-off baseline); docs/schedule.md. Resizes go
+through the pure resizing policy (the simulator runs the very same code); ranks change role in place (no process
+restart, no new communicator), each switch a short list of fine-grained operations in the event log.
 
 Invariants (tested): batch ``k`` only holds samples of versions ``>= k - s``; every sample is seeded by (seed, step,
 prompt, index), so which rank generates it never changes it; a resize in the middle of a rollout neither drops nor
 duplicates a sample (the work queue is keyed by sample).
-
-Where a switch happens: trainers -> rollout runs *inside* the step (the mixed step, ``pipeline.mixed_switch``):
-the leaving trainers take part in training batch k, then switch and pull what is left of the rollout of batch
-k+s, with the weights that batch is generated from (kept before the update), so every sample keeps the version a
-static run gives it. Rollout -> trainers runs at the step boundary (the new trainers are needed from the first
-forward pass of the next training step). Each switch is a short list of fine-grained operations, each in the
-event log with its rank, start, end, bytes and whether it was on the critical path (the optimizer state's
-stage-in is deferred to the first optimizer step on the new topology, hidden behind forward and backward).
 
 Stop and resume: SIGINT/SIGTERM ask for a stop; the step in flight finishes, the ranks stage their state under
 ``checkpoints/``, the coordinator writes ``checkpoints/coordinator.json``, and ``dynaresize run --resume RUN_DIR``
@@ -44,7 +33,6 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -65,19 +53,11 @@ from dynaresize.job.pipeline import ContinuousSchedule
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import kill_leftovers
 from dynaresize.job.reporting import open_metrics, summary
-from dynaresize.job.rollout import BuiltBatch
 from dynaresize.job.runtime import Job
 from dynaresize.job.state import JobState
-from dynaresize.job.training import TrainResult
 from dynaresize.job.transport import Phase
 
 log = logging.getLogger("dynaresize.job")
-
-
-@dataclass
-class StepResult:
-    built: BuiltBatch  # the batch trained, with its assembly's stats
-    trained: TrainResult  # the loss and the trainers' results
 
 
 @dataclass
@@ -224,9 +204,8 @@ class Coordinator:
 
     def _take_over(self, p: Parts) -> bool:
         """A resume takes the ranks of a live earlier launch over (the journal), or clears what is left of it."""
-        core = self.cfg.pipeline.on_core
-        attached = self.resume and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None, core=core)
-        if attached and core:  # the core's schedule goes on from the start of its segment, replayed
+        attached = self.resume and p.journal.attach(p.planner, own_launcher=self.launcher_factory is not None)
+        if attached:  # the core's schedule goes on from the start of its segment, replayed
             from dynaresize.job.takeover import last_segment
 
             self.segment = last_segment(self.run_dir)
@@ -265,53 +244,7 @@ class Coordinator:
     # the schedule
 
     def loop(self) -> None:
-        p, job, steps = self.parts, self.job, self.cfg.run.steps
-        k = job.state.step
-        if self.cfg.pipeline.on_core:  # the scheduler core decides (job.pipeline), with or without its step barrier
-            self.at = Phase(f"c{k}")
-            segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
-            ContinuousSchedule(job, p, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()
-            return
-        p.validation.run(self.at, job.state.version)  # before any update (version 0), unless done before a resume
-        for j in range(k, min(k + job.bound, steps)):  # fill the pipeline: batches k .. k+s-1 (there after a resume)
-            self.at = Phase(f"f{j}")
-            p.rollout.generate(self.at, j, wait=True)
-        while k < steps and not self.stop_requested.is_set():
-            t_step = time.monotonic()
-            self.at = Phase(f"s{k}")
-            job.events.emit("step_start", step=k)
-            result = self.step(k)
-            k = job.state.step = k + 1
-            job.state.loop_s += time.monotonic() - t_step
-            job.state.elapsed_s = job.elapsed()
-            p.reporter.report(k - 1, result.built, result.trained)
-            if p.checkpointer.due(k):
-                p.checkpointer.checkpoint(self.at)
-            p.journal.write()
-            if self.preemption is not None and self.preemption.poll().value != "continue":
-                break  # checkpointed by the preemption hook; requeued or stopping
-
-    def step(self, k: int) -> StepResult:
-        """observe and decide, switch at the boundary, generate batch k+s, train batch k (a mixed step switches
-        the leaving trainers inside it), sync version k+1, validate it."""
-        p, job, at, bound = self.parts, self.job, self.at, self.job.bound
-        decision = p.planner.decide(k)
-        resize = decision is not None and decision.resize
-        mixed = resize and p.planner.mixed_ok(decision)
-        if resize and not mixed:
-            p.switching.switch(at, k, decision)
-        ahead = k + bound
-        gen = p.rollout.generate(at, ahead, wait=False) if ahead < self.cfg.run.steps and bound > 0 else None
-        if bound == 0:
-            p.rollout.generate(at, k, wait=True)
-        built = p.rollout.make_batch(at, k)
-        train = p.training.start(at, k, built.batch, snapshot=mixed)
-        if mixed:
-            trained = p.switching.mixed_step(at, k, decision, gen, train, built.batch)
-        else:  # the step's training and the rollout beside it
-            trained = p.training.wait(train, built.batch)
-            job.last.rollout_s = p.rollout.await_generate(at, gen) if gen is not None else 0.0
-        job.switched_last = resize
-        p.training.sync_weights(at, k + 1)
-        p.validation.run(at, k + 1)  # every rollout rank holds version k+1 and waits for the next step's commands
-        return StepResult(built, trained)
+        """The schedule on the scheduler core (``job.pipeline``), with or without its step barrier."""
+        self.at = Phase(f"c{self.job.state.step}")
+        segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
+        ContinuousSchedule(self.job, self.parts, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()

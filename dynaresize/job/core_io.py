@@ -57,8 +57,8 @@ def sampling(cfg: Config) -> DynamicSampling | None:
 class PlannedPolicy:
     """The resize policy the core consults: ``policy.forced_splits`` (tests, experiments) at the steps it names, else
     the planner's :class:`~dynaresize.policy.ResizePolicy` (when ``policy.enabled``), else hold. The core asks after
-    ``T_k`` (``obs.step == k``); a forced split at step ``k + 1`` answers it, as the lockstep loop moves before step
-    ``k + 1``. Pure, like the policy it wraps."""
+    ``T_k`` (``obs.step == k``); a forced split at step ``k + 1`` answers it (the split that trains batch
+    ``k + 1``). Pure, like the policy it wraps."""
 
     def __init__(self, policy, forced: dict[int, int], enabled: bool):
         self.policy, self.forced, self.enabled = policy, dict(forced), enabled

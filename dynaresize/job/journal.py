@@ -10,7 +10,6 @@ from dataclasses import asdict
 
 from dynaresize.control.commands import FencedError
 from dynaresize.contract.keys import Keys
-from dynaresize.job.checkpointing import rewind_batches
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import LAUNCH_FILE, leftover_ranks
 from dynaresize.job.runtime import Job, Services, StepTimes
@@ -34,22 +33,21 @@ class Journal:
         """The state after the last finished step, in Redis, written only while this coordinator's epoch is the
         job's (one Lua script): what a coordinator that takes over continues from (:meth:`attach`)."""
         job, bus = self.job, self.svc.bus
-        data = {"state": asdict(job.state), "last": asdict(job.last), "switched_last": job.switched_last}
+        data = {"state": asdict(job.state), "last": asdict(job.last)}
         keys = Keys(job.job_id)
         if not int(self.script(keys=[keys.epoch, keys.journal], args=[bus.epoch, json.dumps(data)])):
             bus.check_epoch()
             raise FencedError(f"job {job.job_id}: journal not written (epoch {bus.epoch} is not the job's)")
 
-    def attach(self, planner: Planner, own_launcher: bool, core: bool = False) -> bool:
+    def attach(self, planner: Planner, own_launcher: bool) -> bool:
         """``--resume`` while the ranks of the run are still alive (the coordinator was killed or hung, its ranks
         were not; its Redis either still answers and was adopted, or died with it and was started again on the same
         port from its append-only file): take the ranks over as they are, from the journal, instead of restarting
-        them from the last checkpoint. The new epoch (taken already) fences off the old coordinator; the step in flight is run
-        again with the same command ids, so what the ranks already applied is answered from their stored acks.
-        ``own_launcher``: the ranks are started by a launcher of the caller's (Slurm), never taken over.
-        ``core``: a schedule on the scheduler core, which replays its ``schedule.jsonl`` segment instead of running a
-        step again (:mod:`dynaresize.job.takeover`): the segment must be of this launch, and ``batches.jsonl`` is
-        rewound once the replay is over, not here."""
+        them from the last checkpoint. The new epoch (taken already) fences off the old coordinator; the schedule
+        replays its ``schedule.jsonl`` segment (:mod:`dynaresize.job.takeover`), which must be of this launch, and
+        sends the commands in flight again with the same ids, so what the ranks already applied is answered from
+        their stored acks (``batches.jsonl`` is rewound once the replay is over, not here).
+        ``own_launcher``: the ranks are started by a launcher of the caller's (Slurm), never taken over."""
         from dynaresize.job.launcher import AttachedRanks
 
         job, svc, cfg = self.job, self.svc, self.job.cfg
@@ -79,27 +77,22 @@ class Journal:
             time.sleep(0.2)
         if launch.get("incarnation") != st.incarnation or any(r not in live for r in want):
             return False  # run() stops what is left of that launch
-        if core:
-            from dynaresize.job.takeover import last_segment
+        from dynaresize.job.takeover import last_segment
 
-            seg = last_segment(job.run_dir)
-            if seg is None or seg.header.get("incarnation") != st.incarnation:
-                log.warning("schedule.jsonl has no segment of launch %d with its start state: resuming from the "
-                            "checkpoint", st.incarnation)
-                return False
+        seg = last_segment(job.run_dir)
+        if seg is None or seg.header.get("incarnation") != st.incarnation:
+            log.warning("schedule.jsonl has no segment of launch %d with its start state: resuming from the "
+                        "checkpoint", st.incarnation)
+            return False
         st.elapsed_s, st.loop_s = max(st.elapsed_s, job.state.elapsed_s), max(st.loop_s, job.state.loop_s)
         job.state = st
         job.last = StepTimes(**j.get("last", {}))
-        job.switched_last = bool(j.get("switched_last", False))
         planner.reset()
         svc.launcher = AttachedRanks(job.run_dir, {r: live[r] for r in want})
-        if not core:
-            rewind_batches(job.run_dir, job.state.step, job.events)
         epoch = svc.bus.epoch
-        how = ("the schedule is replayed from schedule.jsonl and the commands in flight sent again" if core else
-               "the step in flight runs again")
         job.events.emit("control", what="attach", reason=f"took over {len(want)} live rank(s) of launch {st.incarnation} "
-                        f"at step {st.step} with epoch {epoch}; {how}, applied commands answered from their acks",
+                        f"at step {st.step} with epoch {epoch}; the schedule is replayed from schedule.jsonl and the "
+                        "commands in flight sent again, applied commands answered from their acks",
                         epoch=epoch)
         log.warning("attached to %d live ranks at step %d (epoch %d)", len(want), st.step, epoch)
         return True

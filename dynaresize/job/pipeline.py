@@ -1,5 +1,6 @@
-"""The continuous schedule (``pipeline.schedule: continuous``): the coordinator drives the pure scheduler core
-(:mod:`dynaresize.schedule`) from the ranks' acks, with no step barrier.
+"""The runtime's schedule: the coordinator drives the pure scheduler core (:mod:`dynaresize.schedule`) from the
+ranks' acks, for ``pipeline.schedule: barrier_free`` (the default: no step barrier) and ``barrier`` (the core's step
+barrier: the static one-step-off baseline; a version reaches the pool in one blocking ``sync_weights``).
 
 The loop reads::
 
@@ -14,10 +15,11 @@ The loop reads::
                 ``file`` fallback read from the snapshot rank 0 staged at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
                 ``optimizer_step`` (the batch's token or sequence count as the normaliser), Switch -> one
                 ``switch_role`` over the old and new trainers (the core's collective mode)
-    drain    -> at a checkpoint, a stop or a time-out warning: the state a lockstep checkpoint has (batches k ..
-                k+s-1 generated, nothing in flight), the checkpoint, then on
+    drain    -> at a checkpoint, a stop or a time-out warning: the state of a step boundary of the static run
+                (batches k .. k+s-1 generated, nothing in flight), the checkpoint, then on
 
-What keeps the RL semantics of the lockstep run (``tests/integration/test_continuous_schedule.py`` compares them):
+What keeps the RL semantics of the static barrier run (``tests/integration/test_continuous_schedule.py`` compares
+them):
 the core assigns batch ``j``'s groups only to a rank holding version ``max(0, j - s)``; a rank refuses to generate
 with another version; every sample is seeded by its key; a chunk's advantages are its groups' (GRPO normalises
 within a group); the optimizer step divides the gradients summed over every chunk and trainer by the whole batch's
@@ -51,11 +53,11 @@ from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
+from dynaresize.job.reporting import TrainResult
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.job.takeover import Segment, StoredAcks, fence_aborted, redo_id, replace_log
 from dynaresize.job.switching import Started
-from dynaresize.job.training import TrainResult
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
 from dynaresize.policy.types import Action as PolicyAction
@@ -143,7 +145,7 @@ class ContinuousSchedule:
         self.drain: int | None = None  # the step a drain stops at (a checkpoint, a stop)
         self.parked: list = []  # actions held back while draining
         self.stopping = False
-        self.t_step: float | None = None  # the loop's clock: from the first batch complete (lockstep: after the fill)
+        self.t_step: float | None = None  # the loop's clock: from the first batch to train complete
         self.checked = time.monotonic()
         # a takeover: the segment's records still to be replayed (None: live), and the ranks' stored acks
         self.replay: list[dict] | None = None
@@ -175,7 +177,7 @@ class ContinuousSchedule:
                 self.go_live()
             self.wait_for_the_rest()
             if self.core.finished:
-                self.install_newest(self.job.state.step)  # the end's checkpoint, like a lockstep run's
+                self.install_newest(self.job.state.step)  # the end's checkpoint: every rollout rank holds the last version
         finally:
             self.job.events = self.events
             self.p.tx.replay = None
@@ -393,7 +395,7 @@ class ContinuousSchedule:
             self.redo(sent, ack)
             return
         if not ack.ok:
-            self.p.tx.require(AckResult({ack.rank: ack}, []), sent.kind, [ack.rank])
+            self.failed(sent, ack)
         sent.acks[ack.rank] = ack
         if not sent.complete():
             return
@@ -518,8 +520,8 @@ class ContinuousSchedule:
         raise JobError(f"batch {j}: dynamic sampling found too few groups with unequal rewards")
 
     def clock_starts(self) -> None:
-        """The loop's time counts from the first batch to train being complete, as the lockstep loop's counts from
-        the end of its fill (so loop seconds per step compare)."""
+        """The loop's time counts from the first batch to train being complete (the pipeline's fill is not a step),
+        so loop seconds per step compare across schedules."""
         k = self.job.state.step
         if self.t_step is None and k < self.cfg.run.steps and self.core.complete(k):
             self.t_step = time.monotonic()
@@ -528,7 +530,7 @@ class ContinuousSchedule:
         return float(t.tokens if self.cfg.train.loss_norm == "token" else t.samples)
 
     def whole_batch(self, k: int, results: list) -> BuiltBatch:
-        """Batch k as the lockstep run builds it (the report's rewards, scores and statistics), from the samples
+        """Batch k as the whole-batch assembly builds it (the report's rewards, scores and statistics), from the samples
         its chunks read (every group went through one chunk)."""
         rollout, svc = self.p.rollout, self.p.svc
         items, texts = rollout.work(k)
@@ -551,13 +553,26 @@ class ContinuousSchedule:
             if v.isdigit() and int(v) < keep:
                 shutil.rmtree(path, ignore_errors=True)
 
+    def failed(self, sent: Sent, ack) -> None:
+        """A rank's command failed. A collective one (a switch, a sync, a chunk, a step) fails on the survivors when a
+        peer dies in the middle of it (gloo: "Connection reset by peer"): the peer's loss (``RanksLost``: the restart
+        path), not the survivor's error. So the peers still owing an ack are watched up to the heartbeat deadline;
+        when they answer or live on, the failure is the rank's own (one message)."""
+        peers = [r for r in sent.flight.ranks if r != ack.rank and r not in sent.acks]
+        deadline = time.monotonic() + self.cfg.redis.heartbeat_s * self.cfg.redis.dead_after_heartbeats
+        while peers and time.monotonic() < deadline:
+            self.p.tx.check_alive(peers, sent.kind)
+            peers = list(self.p.svc.bus.await_acks(sent.flight.cmd.command_id, peers, timeout=0.5).missing)
+        self.p.tx.require(AckResult({ack.rank: ack}, []), sent.kind, [ack.rank])
+
     def check_ranks(self) -> None:
         """A rank lost while commands wait on it: a rollout rank is fenced off and its groups handed out again (the
         core's RankLost); a trainer, or a loss the job cannot absorb, goes to the restart path."""
         busy = {r for s in self.sent.values() for r in s.flight.ranks if r not in s.acks}
         watched = sorted(busy | set(self.core.rollout_ranks()) - set(self.job.state.lost))  # an idle one too
-        try:
-            self.p.tx.check_alive(watched, "continuous schedule")
+        owed = sorted({s.kind for s in self.sent.values() for r in s.flight.ranks if r not in s.acks})
+        try:  # the message names the commands in flight (a trainer lost in a switch: switch_role)
+            self.p.tx.check_alive(watched, ", ".join(owed) or "the schedule")
         except RanksLost as e:
             if not self.p.recovery.can_shrink(e.ranks):
                 raise
@@ -800,7 +815,7 @@ class ContinuousSchedule:
         return [r for r, a in sorted(held.acks.items()) if int((a.result or {}).get("version", k)) != k]
 
     def install_newest(self, k: int) -> None:
-        """Before a checkpoint at step k every rollout rank holds version k, as after a lockstep step's sync (a
+        """Before a checkpoint at step k every rollout rank holds version k, as after a barrier run's sync (a
         resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
         self.deliver(self.behind(k), k)
 
@@ -819,6 +834,11 @@ class ContinuousSchedule:
             if self.replay is not None and self.checkpointed(k):
                 self.at.sent["stage_state"] = self.at.sent.get("stage_state", 0) + 1  # its id, as it was sent
             else:
+                if self.replay is not None and self.at_rec >= len(self.replay):
+                    # the old coordinator stopped in this checkpoint: live from here (its claims, the ranks' stored
+                    # acks judged and the events said by this coordinator; a checkpoint it gave up and went on from
+                    # is replayed as it was)
+                    self.go_live()
                 p.checkpointer.checkpoint(self.at)
         if self.replay is None:
             p.journal.write()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -13,9 +13,14 @@ from dynaresize import atomic
 from dynaresize.job.errors import JobError, OperatorStop
 from dynaresize.job.rollout import BuiltBatch
 from dynaresize.job.runtime import Job, Services
-from dynaresize.job.training import TrainResult
 
 log = logging.getLogger("dynaresize.job")
+
+
+@dataclass
+class TrainResult:
+    loss: float  # the global loss: the per-rank shares add up to it
+    results: list[dict] = field(default_factory=list)  # each trainer's ack result, by rank (loss metrics)
 
 
 def open_metrics(job: Job):

@@ -42,8 +42,7 @@ class Job:
     run_dir: Path
     state: JobState
     events: EventLog | None = None  # opened by Coordinator.run()
-    last: StepTimes = field(default_factory=StepTimes)  # what the last step measured (the policy's observation)
-    switched_last: bool = False  # the last step switched roles (the policy's observation says so; journaled)
+    last: StepTimes = field(default_factory=StepTimes)  # what the last step measured (the report's figures)
     t_start: float = field(default_factory=time.monotonic)
     elapsed_before: float | None = None  # state.elapsed_s when this process first measured it
     job_id: str = ""  # the run's Redis namespace and fencing identity (dynaresize.rundir.job_id; filled in)

@@ -1,5 +1,5 @@
-"""Role switches: ranks move between training and rollout in place (no process restart, no new communicator),
-at the step boundary or inside the step (the mixed step)."""
+"""Role switches: ranks move between training and rollout in place (no process restart, no new communicator), at
+a training-batch boundary of the scheduler core's schedule (one ``switch_role`` over the old and new trainers)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,7 @@ import time
 from dataclasses import dataclass
 
 from dynaresize.events import Role, format_ranks
-from dynaresize.contract.batch import TrainBatch
-from dynaresize.job.rollout import Rollout
 from dynaresize.job.runtime import Job
-from dynaresize.job.training import Training, TrainResult
 from dynaresize.job.transport import InFlight, Phase, Transport
 
 log = logging.getLogger("dynaresize.job")
@@ -29,20 +26,12 @@ class Started:
 
 
 class Switching:
-    def __init__(self, job: Job, tx: Transport, rollout: Rollout, training: Training):
-        self.job, self.tx, self.rollout, self.training = job, tx, rollout, training
+    def __init__(self, job: Job, tx: Transport):
+        self.job, self.tx = job, tx
 
-    def switch(self, at: Phase, k: int, decision, ranks=None, rollout_version: int | None = None, mode: str = "optimized") -> str:
-        """Move ranks between roles in place. ``ranks`` get the command now (default: all; ranks outside the old
-        and new trainer sets only take note of the new split, so they may get it later)."""
-        started = self.begin(at, k, decision, ranks, rollout_version, mode)
-        self.tx.wait(started.sent.cmd, started.sent.ranks, "switch_role")
-        return self.finish(started)
-
-    def begin(self, at: Phase, k: int, decision, ranks=None, rollout_version: int | None = None,
-              mode: str = "optimized") -> "Started":
-        """Send a switch without waiting for it (the continuous schedule hears its acks with every other rank's);
-        :meth:`finish` once every rank acked."""
+    def begin(self, at: Phase, k: int, decision, ranks=None) -> "Started":
+        """Send a switch to ``ranks`` (default: every live rank) without waiting for it (the schedule hears its acks
+        with every other rank's); :meth:`finish` once every rank acked."""
         job, st, events = self.job, self.job.state, self.job.events
         old, new = st.n_train, decision.target.n_train
         sid = f"sw{len(st.switches)}-s{k}"
@@ -50,13 +39,11 @@ class Switching:
         n_alive = len(job.alive())
         events.emit(
             "switch_start", switch_id=sid, step=k, from_train=old, from_rollout=n_alive - old, to_train=new,
-            to_rollout=n_alive - new, planned_critical_s=round(decision.critical_cost_s, 4), mode=mode,
+            to_rollout=n_alive - new, planned_critical_s=round(decision.critical_cost_s, 4), mode="optimized",
         )
         payload = {"switch_id": sid, "step": k, "from_train": old, "to_train": new}
-        if rollout_version is not None:
-            payload["rollout_version"] = rollout_version
         st.switches.append({"switch_id": sid, "step": k, "from": f"{old}:{n_alive - old}", "to": f"{new}:{n_alive - new}",
-                            "mode": mode, "critical_path_s": None, "hidden_s": 0.0})
+                            "mode": "optimized", "critical_path_s": None, "hidden_s": 0.0})
         return Started(sid, k, old, new, self.tx.send(at, "switch_role", ranks, payload))
 
     def finish(self, started: "Started") -> str:
@@ -76,18 +63,3 @@ class Switching:
                 rec["critical_path_s"] = round(critical, 4)
         log.info("switch %s at step %d: %d -> %d trainers, %.2f s on the critical path", sid, k, old, new, critical)
         return sid
-
-    def mixed_step(self, at: Phase, k: int, decision, gen: InFlight | None, train: InFlight, batch: TrainBatch) -> TrainResult:
-        """The mixed step: batch k trains on the old trainer set while the rollout of batch k+s runs; then the
-        leaving trainers switch and pull what is left of that rollout. Two rollouts (the old pool's and the
-        newcomers') and one training pass; the old rollout ranks learn the new split when their rollout is done."""
-        old, new = self.job.state.n_train, decision.target.n_train
-        trained = self.training.wait(train, batch)
-        sid = self.switch(at, k, decision, ranks=range(old), rollout_version=self.job.state.version, mode="mixed")
-        late = []
-        if gen is not None:
-            joined = self.tx.send(at, "generate", range(new, old), gen.payload, step=gen.step)
-            late = [InFlight(joined.cmd, joined.ranks, gen.step, gen.sent_at)]
-        self.job.last.rollout_s = self.rollout.await_generate(at, gen, *late) if gen is not None else 0.0
-        self.tx.call(at, "switch_role", range(old, self.job.world), {"switch_id": sid, "step": k, "from_train": old, "to_train": new})
-        return trained

@@ -46,10 +46,6 @@ class InFlight:
     def payload(self) -> dict:
         return self.cmd.payload
 
-    def wall_sent_at(self) -> float:
-        """When it was sent, on the wall clock the ranks' acks are stamped with."""
-        return time.time() - (time.monotonic() - self.sent_at)
-
 
 class Transport:
     def __init__(self, job: Job, svc: Services):

@@ -1,22 +1,20 @@
-"""Validation (a dataset task with ``val_files``): held-out prompts, scored like training samples, never trained on."""
+"""Validation (a dataset task with ``val_files``): held-out prompts, scored like training samples, never trained on.
+Which passes are due and their queue here; the scheduler core hands a pass out as versioned work (docs/schedule.md)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import time
 
 from dynaresize.job.batching import reward_errors
-from dynaresize.job.rollout import Rollout
 from dynaresize.job.runtime import Job, Services
-from dynaresize.job.transport import Phase, Transport
 
 log = logging.getLogger("dynaresize.job")
 
 
 class Validation:
-    def __init__(self, job: Job, svc: Services, tx: Transport, rollout: Rollout):
-        self.job, self.svc, self.tx, self.rollout = job, svc, tx, rollout
+    def __init__(self, job: Job, svc: Services):
+        self.job, self.svc = job, svc
 
     def due(self, version: int) -> bool:
         task, cfg = self.svc.task, self.job.cfg
@@ -46,26 +44,6 @@ class Validation:
         items = val_items(self.svc.task.val_samples(), self.svc.tokenizer, self.job.cfg.run.seed, version, ds.val_samples)
         self.queue().publish(version, items)
         return len(items)
-
-    def run(self, at: Phase, version: int) -> None:
-        """Generate ``val_samples`` responses per validation prompt with policy ``version`` (held by every rollout
-        rank now), through the validation queue; record the mean reward and pass@k. Seeds depend on (run seed,
-        prompt, index) only, so every pass answers the same draws and a resized run matches a static one."""
-        if not self.due(version):
-            return
-        job = self.job
-        t0 = time.monotonic()
-        vq = self.queue()
-        self.publish(version)
-        payload = self.rollout.payload(version, validation=True)
-        for _ in range(3):
-            if vq.done(version) >= vq.total(version) or not job.rollouts():
-                break
-            for r in range(job.world):  # claims of a rank lost in an earlier attempt go back to the queue
-                vq.release(version, r)
-            sent = self.tx.send(at, "generate", job.rollouts(), payload)
-            self.rollout.await_rollout(sent.cmd, job.rollouts(), version)
-        self.record(version, time.monotonic() - t0)
 
     def record(self, version: int, seconds: float) -> None:
         """The pass of ``version`` is generated: its mean reward and pass@k to the state, the events, the metric

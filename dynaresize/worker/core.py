@@ -515,11 +515,9 @@ class Worker:
 
     # -- train ----------------------------------------------------------------------------------------------
 
-    def _cmd_train(self, step: int, batch_key: str, n_train: int, version_after: int, snapshot: bool = False) -> dict[str, Any]:
+    def _cmd_train(self, step: int, batch_key: str, n_train: int, version_after: int) -> dict[str, Any]:
         if self.setup.data is None:
             raise WorkerError("no data plane: train needs the batch store")
-        # a mixed-step switch follows: keep the weights this step starts from (the rollout version of the next batch)
-        self._snapshot = (self.version, [(n, t.detach().clone()) for n, t in self._weights()]) if snapshot else None
         t0 = time.perf_counter()
         tb = self.setup.data.batch(batch_key)
         pending = self.trainer is not None and self.trainer.has_pending_state()
@@ -845,8 +843,7 @@ class Worker:
             ev.emit(EventType.SWITCH_OP, switch_id=switch_id, op=op, ranks=format_ranks([self.rank]),
                     start=start + off, end=end + off, critical=critical, bytes=int(bytes))
 
-    def _cmd_switch_role(self, switch_id: str, step: int, from_train: int, to_train: int,
-                         rollout_version: int | None = None) -> dict[str, Any]:
+    def _cmd_switch_role(self, switch_id: str, step: int, from_train: int, to_train: int) -> dict[str, Any]:
         if from_train != self.n_train:
             raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, switch {switch_id} says {from_train}")
         cands = self.groups.trainer_counts()
@@ -902,8 +899,6 @@ class Worker:
             self._build_trainer(to_train)
         elif self.rollout is None:
             self.module.eval()
-            if rollout_version is not None:  # mixed step: roll out with the weights of the batch in flight
-                self._restore_snapshot(rollout_version, switch_id)
             self._build_rollout()
         self._op(switch_id, SwitchOp.ENGINE_BUILD, t0, pc())
         # optimizer reshard (point to point over the union group); installed at the first step
@@ -921,20 +916,6 @@ class Worker:
             emu.end_switch()
         result_ops = self.ops[first:]
         return {"role": self.role.value, "from_role": old_role.value, "ops": result_ops}
-
-    def _restore_snapshot(self, version: int, switch_id: str) -> None:
-        snap = getattr(self, "_snapshot", None)
-        if snap is None or snap[0] != version:
-            have = "none" if snap is None else f"version {snap[0]}"
-            raise WorkerError(f"rank {self.rank}: switch {switch_id} wants weights of version {version}, snapshot: {have}")
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for (n, p), (sn, st) in zip(self._weights(), snap[1]):
-                if n != sn:
-                    raise WorkerError(f"rank {self.rank}: snapshot holds {sn!r} where the model has {n!r}")
-                p.copy_(st)
-        self.version, self._snapshot = version, None
-        self._op(switch_id, SwitchOp.WEIGHT_LOAD, t0, time.perf_counter(), bytes=sum(t.numel() * t.element_size() for _, t in snap[1]))
 
     def _defer(self, parts: list[Partition] | Callable[[], list[Partition]], switch_id: str) -> None:
         assert self.trainer is not None

@@ -278,12 +278,13 @@ def test_non_utf8_and_surrogates():
 # -- payloads --------------------------------------------------------------------------------------------------
 VALID_PAYLOADS = {
     "generate": dict(step=3, version=2, pull_batch=8, max_tokens=16, temperature=1.0, top_p=0.9, prompts=[4, 0, 9]),
-    "train": dict(step=3, batch_key="dr:j:batch:3", n_train=2, version_after=4, snapshot=True),
+    "train": dict(step=3, batch_key="dr:j:batch:3", n_train=2, version_after=4),
     "train_chunk": dict(step=3, batch_key="dr:j:chunk:3:0", n_train=2, version=3),
     "optimizer_step": dict(step=3, n_train=2, version_after=4, denominator=517.0, publish=True),
     "sync_weights": dict(version=4, n_train=2, lost=[3]),
     "fetch_weights": dict(version=4),
-    "switch_role": dict(switch_id="s1", step=3, from_train=2, to_train=3, rollout_version=3),
+    "push_weights": dict(version=4, ranks=[2, 3]),
+    "switch_role": dict(switch_id="s1", step=3, from_train=2, to_train=3),
     "stage_state": dict(tag="step-3_a.b"),
     "restore_state": dict(tag="step-3_a.b"),
     "ping": {},

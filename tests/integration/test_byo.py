@@ -167,7 +167,7 @@ def test_byo_job_resized_and_static_train_on_the_same_samples(byo):
                          clip, "pipeline.schedule=barrier_free", "pipeline.groups_per_command=1")
     assert dyn.returncode == 0, dyn.stdout[-3000:] + dyn.stderr[-3000:]
     st = dynaresize_run(root, config(root, model_dir, "static"), "policy.enabled=false", "run.seed=5", steps, clip,
-                        "pipeline.schedule=lockstep")
+                        "pipeline.schedule=barrier")
     assert st.returncode == 0, st.stdout[-3000:] + st.stderr[-3000:]
     d_dir, s_dir = run_dir(root, "dyn"), run_dir(root, "static")
 
@@ -266,13 +266,13 @@ def test_bad_setups_fail_fast_with_one_message(byo, tmp_path):
 def test_validation_on_the_barrier_free_schedule_measures_what_the_barrier_run_does(byo):
     """Validation passes as versioned work of the scheduler core: the prompts of version v's pass go to rollout ranks
     holding v, interleaved with the training work (no barrier). With resizing both ways, the run trains the static
-    lockstep run's samples and measures the same mean reward and pass@k for every validated version."""
+    barrier run's samples and measures the same mean reward and pass@k for every validated version."""
     root, model_dir = byo
     no_ds = "algorithm.dynamic_sampling.enabled=false"
     free = dynaresize_run(root, config(root, model_dir, "val-free"), no_ds, "pipeline.schedule=barrier_free", "run.steps=6",
                           "policy.forced_splits={1: 1, 3: 3}", "run.seed=5", "pipeline.groups_per_command=1")
     assert free.returncode == 0, free.stdout[-3000:] + free.stderr[-3000:]
-    st = dynaresize_run(root, config(root, model_dir, "val-static"), no_ds, "pipeline.schedule=lockstep", "run.steps=6",
+    st = dynaresize_run(root, config(root, model_dir, "val-static"), no_ds, "pipeline.schedule=barrier", "run.steps=6",
                         "policy.enabled=false", "run.seed=5")
     assert st.returncode == 0, st.stdout[-3000:] + st.stderr[-3000:]
     f_dir, s_dir = run_dir(root, "val-free"), run_dir(root, "val-static")

@@ -2,8 +2,8 @@
 on CPU, GRPO, the scheduler core driving the coordinator.
 
 - RL semantics: with the same seed, a continuous run (continuous rollout, streaming training, one resize each way)
-  and a static lockstep run train on the same samples, from the same policy versions, with the same rewards and
-  losses within the lockstep tests' tolerance; and the continuous run really had no barrier (a batch's generation
+  and a static barrier run (``pipeline.schedule: barrier``, policy off) train on the same samples, from the same
+  policy versions, with the same rewards and losses within 1e-3; and the continuous run really had no barrier (a batch's generation
   started before the previous batch was complete, training started before its batch was complete).
 - Replay: the run's ``schedule.jsonl`` fed to a fresh core gives the same actions.
 - Faults: a rollout rank lost while two batches are in flight and a weight version is on its way to it (its
@@ -31,9 +31,9 @@ CONTINUOUS = ["pipeline.schedule=continuous", "task.dataset.val_every=0", "pipel
 @pytest.fixture(scope="module")
 def static_run(tmp_path_factory, model_cache) -> Path:
     parent = tmp_path_factory.mktemp("static")
-    # the static barrier run of the hand-written lockstep loop: a reference independent of the scheduler core
+    # the static barrier run: the baseline every schedule's RL semantics are compared against
     run(parent, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", "task.dataset.val_every=0",
-        "pipeline.schedule=lockstep")
+        "pipeline.schedule=barrier")
     return run_dir_of(parent)
 
 
@@ -125,7 +125,7 @@ def test_the_file_fallback_keeps_rl_semantics(tmp_path, model_cache, static_run)
 
 def test_the_barrier_schedule_on_the_core_keeps_rl_semantics_and_its_barrier(tmp_path, model_cache, static_run):
     """``pipeline.schedule: barrier``: the same core with its barrier mechanisms, the static one-step-off baseline.
-    Resizing both ways, it trains the static lockstep run's samples, versions and rewards; a batch's groups are
+    Resizing both ways, it trains the static barrier run's samples, versions and rewards; a batch's groups are
     assigned only once the previous batch is complete, training waits for the whole batch, and each version reaches
     the pool in one blocking sync over the pre-built group (no snapshot through the run directory)."""
     from dynaresize.job.core_io import replay_log
@@ -189,7 +189,7 @@ def test_a_lost_trainer_restarts_every_rank_from_the_continuous_checkpoint(tmp_p
 
 def test_sigterm_drains_checkpoints_and_the_resume_goes_on_with_the_static_runs_samples(tmp_path, model_cache, static_run):
     """An operator's stop of a continuous run: the step in flight finishes, the coordinator drains to the state of a
-    lockstep checkpoint, the ranks stage it; ``--resume`` starts the core there and ends with the static run's
+    step boundary of the static run, the ranks stage it; ``--resume`` starts the core there and ends with the static run's
     samples, versions and losses, no step trained twice."""
     import os
     import signal

@@ -234,7 +234,7 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(tmp_path, no_
     assert sorted(p.name for p in (ck / "damaged").iterdir()) == ["step-4.1", "step-4.2"]
 
 
-@pytest.mark.parametrize("schedule", ["lockstep", "continuous"])
+@pytest.mark.parametrize("schedule", ["barrier", "continuous"])
 def test_redis_on_a_full_disk_is_waited_out_and_the_run_completes(tmp_path, tmpfs, no_strays, model_cache, schedule):
     """The run's redis/ directory on a real 16 MiB tmpfs, filled by a file after step 1: redis-server exits on its
     failed append-only-file write; the watchdog names the full disk and waits (redis.write_wait_s) instead of
@@ -246,7 +246,7 @@ def test_redis_on_a_full_disk_is_waited_out_and_the_run_completes(tmp_path, tmpf
 
     run_dir = tmp_path / "run"
     rd = tmpfs(run_dir / "redis", 16 << 20)
-    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=lockstep"]
+    extra = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=barrier"]
     p = subprocess.Popen(_driver(run_dir, model_cache, "redis.write_wait_s=120", *extra), cwd=ROOT, env=_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     no_strays.append(p)

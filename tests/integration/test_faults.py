@@ -150,17 +150,19 @@ def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_c
     assert stopped_at < steps, "rank 2 was stopped before the run ended"
 
 
-KILLS = "1:switch_role.offload@step-3,0:stage_state.weights@step-4"
+# the run's one switch (the forced split; on the core the batch it lands on is timing) and step 4's checkpoint
+KILLS = "1:switch_role.offload,0:stage_state.weights@step-4"
 RESTART = [f"run.seed={SEED}", "run.checkpoint_every=2", "policy.enabled=false", "policy.forced_splits={3: 3}"]
 
 
 def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_with_the_same_training(tmp_path, model_cache):
-    """The lockstep loop's kill points (its switch at step 3, its checkpoint at step 4); on the scheduler core a trainer
-    killed mid-chunk is test_continuous_schedule.py's."""
+    """FAULTS row 2 on the barrier schedule: a trainer killed in the middle of the run's switch (2 -> 3 trainers),
+    rank 0 in the middle of staging the checkpoint of step 4; a trainer killed mid-chunk on the barrier-free schedule is
+    test_continuous_schedule.py's."""
     steps = 6
-    run(tmp_path / "ref", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=lockstep")
+    run(tmp_path / "ref", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=barrier")
     faults = {"DYNARESIZE_TEST_KILL_AT": KILLS, "DYNARESIZE_TEST_KILL_ONCE": str(tmp_path / "markers")}
-    run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=lockstep", faults=faults)
+    run(tmp_path / "faulty", model_cache, f"run.steps={steps}", *RESTART, "pipeline.schedule=barrier", faults=faults)
     assert sorted(os.listdir(tmp_path / "markers")) == ["rank0-stage_state.weights", "rank1-switch_role.offload"]
     rd, ref = run_dir_of(tmp_path / "faulty"), run_dir_of(tmp_path / "ref")
     got, want = assert_nothing_lost(rd, steps), batches(ref)
@@ -168,16 +170,19 @@ def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_wit
     assert len(restarts) == 2, restarts
     assert "switch_role" in restarts[0]["reason"] and "stage_state" in restarts[1]["reason"]
     assert all("checkpoint checkpoints/step-2 (step 2)" in r["reason"] for r in restarts)  # step-4's never completed
-    for g, w in zip(got, want):  # the training a run without faults does
-        assert g["keys"] == w["keys"] and g["versions"] == w["versions"] and g["n_train"] == w["n_train"]
+    for g, w in zip(got, want):  # the training a run without faults does (the split each batch trains on is timing)
+        assert g["keys"] == w["keys"] and g["versions"] == w["versions"] and g["rewards"] == w["rewards"]
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-3, abs=1e-5), g["step"]
+    for run_ in (got, want):
+        n_train = [b["n_train"] for b in run_]
+        assert n_train[0] == 2 and n_train[-1] == 3 and n_train == sorted(n_train), n_train  # one switch, 2 -> 3
 
 
 def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_off(tmp_path, model_cache):
     steps = 8
-    # a takeover of the live ranks: the lockstep loop's (the scheduler core's is not built yet, docs/schedule.md)
+    # a takeover of the live ranks on the barrier schedule (both schedules, two batches in flight: test_takeover_core.py)
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", "policy.forced_splits={4: 3}",
-            "pipeline.schedule=lockstep", wait=False)
+            "pipeline.schedule=barrier", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 3, "step 3", a)
     pids = {r: pid_of(rd, r) for r in range(4)}
@@ -194,7 +199,9 @@ def test_a_new_coordinator_takes_over_the_live_ranks_and_the_old_one_is_fenced_o
     out_b, _ = b.communicate(timeout=600)
     assert b.returncode == 0, out_b[-4000:]
     got = assert_nothing_lost(rd, steps)
-    assert [g["n_train"] for g in got][3:6] == [2, 3, 3], "the forced split after the takeover still happened once"
+    n_train = [g["n_train"] for g in got]  # the forced split after the takeover happened once (its batch is timing)
+    assert n_train[:4] == [2] * 4 and n_train[-1] == 3 and n_train == sorted(n_train), n_train
+    assert len([e for e in events(rd) if e.get("type") == "switch_start"]) == 1
     # the same rank processes all along: no restart, no second start-up, state kept
     assert {r: pid_of(rd, r) for r in range(4)} == pids
     for r in range(4):
@@ -212,7 +219,7 @@ def test_a_killed_coordinator_is_replaced_and_its_ranks_outlive_it(tmp_path, mod
     registry included) and takes the ranks over; a command interrupted by the outage is waited out, not failed."""
     steps = 6
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
-            "pipeline.schedule=lockstep", wait=False)  # a takeover of the live ranks: the lockstep loop's
+            "pipeline.schedule=barrier", wait=False)  # a takeover of the live ranks
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 2, "step 2", a)
     pids = {r: pid_of(rd, r) for r in range(4)}

@@ -7,7 +7,8 @@
 - A second coordinator (``--resume``) that restarts the ranks, on both schedules: the first hangs (SIGSTOP), the
   second takes the run over (its ranks restart from the checkpoint), the first comes back and finds its ranks
   gone: it restarts nothing, takes no epoch, says who took over, exits 3; the second completes with every step
-  once. (A takeover of the live ranks on lockstep: ``test_faults.py::test_a_new_coordinator_takes_over_...``.)
+  once. (A takeover of the live ranks: ``test_faults.py::test_a_new_coordinator_takes_over_...`` and
+  ``test_takeover_core.py``.)
 """
 
 from __future__ import annotations
@@ -93,23 +94,23 @@ def test_two_jobs_of_one_name_on_one_redis_keep_their_keys_ranks_and_epochs_apar
         r.close()
 
 
-@pytest.mark.parametrize("schedule", ["lockstep", "continuous"])
+@pytest.mark.parametrize("schedule", ["barrier", "continuous"])
 def test_a_second_coordinator_that_restarts_the_ranks_fences_the_first_for_good(tmp_path, model_cache, schedule):
-    """The second coordinator restarts the ranks (the continuous schedule never attaches; on lockstep the resume
-    goes through the test-side entry, whose own launcher never attaches either), so the first one, continued, has
+    """The second coordinator restarts the ranks (on the barrier schedule the resume goes through the test-side
+    entry, whose own launcher never attaches), so the first one, continued, has
     its ranks dead under it. Whichever it meets first (its next send, or the lost ranks and so its automatic
     restart or a shrink) it must leave the run alone: no restart, no epoch, no rank fenced, and it says who took
     over. Which path a run takes is timing; each is proved on its own by ``tests/contract/test_commands.py``
     (``test_the_automatic_restart_of_a_fenced_coordinator_...``, ``test_a_fenced_coordinator_fences_no_rank_...``)."""
     steps = 8
-    sched = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=lockstep"]
+    sched = ["pipeline.schedule=continuous", "task.dataset.val_every=0"] if schedule == "continuous" else ["pipeline.schedule=barrier"]
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false",
             "run.checkpoint_every=2", *sched, wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
     wait_for(lambda: n_batches(rd) >= 3, "step 3", a)
     os.kill(a.pid, signal.SIGSTOP)  # the first coordinator hangs; its ranks and Redis live on
     try:
-        b = run(tmp_path, model_cache, resume=rd, wait=False, faults={} if schedule == "lockstep" else None)
+        b = run(tmp_path, model_cache, resume=rd, wait=False, faults={} if schedule == "barrier" else None)
         wait_for(lambda: len(controls(rd, "resume")) >= 1 and n_batches(rd) >= 5, "the second coordinator to train", b)
     finally:
         os.kill(a.pid, signal.SIGCONT)  # the first comes back: its ranks were replaced by the second's

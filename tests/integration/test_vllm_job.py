@@ -4,11 +4,11 @@ processes, DeepSpeed on CPU, in-place weight reloads into the running engines.
 RL semantics: with the same seed, a run on the continuous schedule that resizes both ways (2:2 -> 1:3 -> 3:1: a
 vLLM rollout rank becomes a trainer and back, trainers become vLLM rollout ranks; fetched versions installed into
 running engines in the background) trains on the same samples, from the same policy versions, as a static
-lockstep vLLM run.
+vLLM run.
 
 Rewards: a sample's tokens are drawn from its own seed, so they match whenever the weights match; the weights of
 the two runs differ only by the trainers' float summation order (other trainer counts reduce gradients in another
-order: the lockstep tests' 1e-3 loss tolerance), so a token flips only where its draw lands within that rounding
+order: the semantics tests' 1e-3 loss tolerance), so a token flips only where its draw lands within that rounding
 of a boundary of the sampling distribution. The test allows one differing reward in 16 and a per-step mean within
 0.05 (a flipped token changes one sample of 32). Measured when written: 0 of 96 rewards differed.
 """

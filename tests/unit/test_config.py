@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -106,8 +107,30 @@ def test_the_old_schedule_name_is_an_alias():
     assert load_config("configs/quickstart.yaml", ["pipeline.schedule=continuous"]).pipeline.schedule == "barrier_free"
 
 
+def test_an_old_lockstep_config_runs_the_barrier_schedule_with_one_line_naming_it(caplog):
+    """The hand-written lockstep loop is gone: ``lockstep`` is the same static one-step-off schedule on the core."""
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        cfg = load_config("configs/quickstart.yaml", ["pipeline.schedule=lockstep"])
+    assert cfg.pipeline.schedule == "barrier"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0] and "pipeline.schedule: barrier" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        load_config("configs/quickstart.yaml", ["pipeline.schedule=barrier"])
+    assert not caplog.records
+
+
+def test_the_mixed_step_setting_is_read_and_ignored_with_one_line_saying_why(caplog):
+    """Every run directory written before carries ``pipeline.mixed_switch``: it loads, and says why it is ignored."""
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        cfg = load_config("configs/quickstart.yaml", ["pipeline.mixed_switch=true"])
+    assert not hasattr(cfg.pipeline, "mixed_switch") and "mixed_switch" not in cfg.pipeline.model_dump()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "pipeline.mixed_switch is ignored" in lines[0] and "keep decoding" in lines[0], lines
+
+
 def test_validation_and_dynamic_sampling_run_on_every_schedule():
-    for sched in ("barrier_free", "barrier", "lockstep"):
+    for sched in ("barrier_free", "barrier"):
         assert load_config("configs/quickstart.yaml", [f"pipeline.schedule={sched}", "task.dataset.val_every=2",
                                                        "algorithm.dynamic_sampling.enabled=true"])
 
@@ -118,7 +141,7 @@ def test_the_continuous_schedule_is_named_in_the_error_for_an_unknown_value():
 
 
 def test_vllm_runs_on_either_schedule_but_not_on_the_emulated_accelerator():
-    for schedule in ("lockstep", "barrier", "barrier_free"):
+    for schedule in ("barrier", "barrier_free"):
         cfg = load_config("configs/quickstart.yaml", [f"pipeline.schedule={schedule}", "task.dataset.val_every=0",
                                                        "rollout.engine=vllm"])
         assert (cfg.rollout.engine, cfg.pipeline.schedule) == ("vllm", schedule)

@@ -28,7 +28,7 @@ def obs(step: int, n_train: int = 2, train_s: float = 1.0) -> Observation:
 
 def test_a_forced_split_answers_the_consultation_after_the_step_before_it():
     p = PlannedPolicy(Always(), {2: 1}, enabled=False)
-    _, d = p.step(PolicyState(), obs(1))  # after T_1: the lockstep loop would move before step 2
+    _, d = p.step(PolicyState(), obs(1))  # after T_1: the split that trains batch 2
     assert d.resize and d.target == Topology(1, 3) and "forced" in d.reason
     _, d = p.step(PolicyState(), obs(2))  # no forced split for step 3 and the policy is off
     assert not d.resize and d.target == Topology(2, 2)

@@ -84,6 +84,10 @@ def _emulated_run(tmp_path: Path, *more: str) -> Path:
     cfg = load_config(TRACE_RUN / "config.yaml", ["cluster.device=emulated", "emulation.time_scale=0.01",
                                                   "emulation.tokens_per_token=150", "run.name=emu", *more])
     write_resolved(cfg, rd)
+    if not any(m.startswith("pipeline.schedule=") for m in more):  # the trace run's own: the retired lockstep loop,
+        own = yaml.safe_load((rd / "config.yaml").read_text())  # as a run directory of its time says it
+        own["pipeline"]["schedule"] = "lockstep"
+        (rd / "config.yaml").write_text(yaml.safe_dump(own, sort_keys=False))
     for f in ("events.jsonl", "batches.jsonl"):
         shutil.copy(TRACE_RUN / f, rd / f)
     return rd
