@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", nargs="*", help="scenario names (default: every file in configs/sim except base)")
     ap.add_argument("--steps-cap", type=int, default=200, help="run longer scenarios with this many steps (0: as configured)")
-    ap.add_argument("--timing-steps", type=int, default=50, help="steps of the 4096-GPU sample-level timing run")
+    ap.add_argument("--timing-steps", type=int, default=50, help="steps of the 4096-GPU sample-level timing run (0: skip)")
+    ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
+                    help="policy.predictor values whose all-mechanisms run is compared side by side (the configured one's "
+                         "is the table's main row)")
     args = ap.parse_args(argv)
     names = args.scenarios or scenarios()
     out: dict = {"scenarios": {}}
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if capped:
             cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false", f"sim.steps={args.steps_cap}"])
         samples = cfg.sim.rollout.model == "physics"
-        r = compare(setup(cfg), samples=samples)
+        r = compare(setup(cfg), samples=samples, predictors=tuple(args.predictors))
         sm = r["summary"]
         print(f"== {name}: {cfg.cluster.gpus} GPUs, {cfg.sim.steps} steps, start {sm['initial_split']}"
               + (" (steps capped by --steps-cap)" if capped else ""))
@@ -90,6 +93,15 @@ def main(argv: list[str] | None = None) -> int:
                      + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers",
                                                                          "trainer_rollout"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
+    preds = [(n, sc.get("all_mechanisms_by_predictor", {})) for n, sc in out["scenarios"].items()]
+    if any(bp for _, bp in preds):
+        print("every mechanism, by policy.predictor (gain vs the best static barrier split; % of the work-conserving / tight bound; switches):")
+        for n, bp in preds:
+            print(f"{n:<18} " + " | ".join(f"{p}: {100 * v['gain_vs_best_static']:+.1f}% {100 * v['fraction_of_bound']:.1f}% "
+                                           f"{100 * v['fraction_of_tight_bound']:.1f}% {v['switches']} sw" for p, v in bp.items()))
+    if args.timing_steps <= 0:
+        print(json.dumps(out))
+        return 0
     wall_step = timed_4096(False, 1000)
     wall_samples = timed_4096(True, args.timing_steps)
     projected = wall_samples * 1000 / args.timing_steps
