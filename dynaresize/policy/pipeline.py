@@ -14,9 +14,11 @@ hand-out rules (oldest batch first, one version per GPU, at most an even share o
 when ``claim_groups`` groups of slots are free or the GPU drained, waiting GPUs served when a version arrives), the
 versions (``T_k``'s optimizer step makes version ``k + 1``, which reaches the GPUs ``sync_s`` later), streaming
 training (a chunk of the batch's finished groups once ``stream_min_groups`` are ready, on ``n_train`` trainers at
-the measured per-group cost and data-parallel efficiency) and the control-plane latency per command. The batches
+the measured per-group cost and data-parallel efficiency), gradient helpers (a drained rollout GPU with nothing to
+generate trains some of the ready groups when that pays, priced as the core prices it) and the control-plane latency
+per command. The batches
 are the run's own recent ones (:class:`~dynaresize.policy.types.PipelineWorkload`, cycled); the period is the
-mean step time once the pipeline has filled. Not modelled: gradient helpers, trainer-gen, switches, preemption.
+mean step time once the pipeline has filled. Not modelled: trainer-gen, switches, preemption.
 
 Pure and deterministic: the same workloads and split give the same period (no clock, no randomness); results are
 memoised by their inputs.
@@ -89,6 +91,9 @@ class PipelinePredictor:
         version_at = [0.0] + [math.inf] * K  # when version v reaches the GPUs
         produced = 0  # versions made (optimizer steps taken)
         t_busy = False
+        helping: dict[int, int] = {}  # rollout GPU -> groups of the batch in training it is computing gradients of
+        helps_open = [0] * K  # per batch: helps not finished
+        trainers_started = [False] * K
         ends = [0.0] * K
         heap: list = []
         seq = 0
@@ -143,8 +148,38 @@ class PipelinePredictor:
                 j += 1
             if cap > 0:
                 waiting.add(r)
+                if dr.active == 0:
+                    offer_help(r, t)
             else:
                 waiting.discard(r)
+
+        def offer_help(r: int, t: float) -> None:
+            """The core's gradient helper: a drained GPU holding the version of the batch in training takes a share
+            of its ready groups when the batch's training then ends sooner by more than (margin - 1) x the cost."""
+            k = produced
+            x = wl[k] if k < K else None
+            if x is None or x.helper_rate <= 0 or not trainers_started[k] or not ready[k] or r in helping or version_at[k] > t + _EPS:
+                return
+            tpg = x.train_s_per_group
+            total = sum(tpg[g] for g in ready[k])
+            h, hc = x.helper_rate, x.helper_cost_s
+            share = (total / rate - hc) / (1.0 / rate + 1.0 / h)
+            if share <= 0 or total / rate - max((total - share) / rate, share / h + hc) <= (x.helper_margin - 1.0) * hc:
+                return
+            chosen, acc = [], 0.0
+            for g in reversed(ready[k]):
+                if acc + tpg[g] <= share:
+                    chosen.append(g)
+                    acc += tpg[g]
+            if not chosen:
+                return
+            ready[k] = [g for g in ready[k] if g not in set(chosen)]
+            trained[k] += len(chosen)
+            helps_open[k] += 1
+            helping[r] = k
+            waiting.discard(r)
+            token[r] += 1
+            push(t + c + hc + acc / h, 4, r)
 
         def try_train(t: float) -> None:
             nonlocal t_busy
@@ -154,12 +189,28 @@ class PipelinePredictor:
             left = ngroups[k] - trained[k]
             if left == 0 or len(ready[k]) < min(w0.stream_min_groups, left):
                 return
-            chunk, ready[k] = ready[k], []
+            take = len(ready[k])
+            if wl[k].helper_rate > 0:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
+                take = min(take, max(1, -(-ngroups[k] // max(1, wl[k].train_chunks))))
+            chunk, ready[k] = ready[k][:take], ready[k][take:]
             trained[k] += len(chunk)
             t_busy = True
+            trainers_started[k] = True
+            if ready[k]:
+                for r in sorted(waiting):
+                    if ranks[r].active == 0 and ready[k]:
+                        offer_help(r, t)
             tpg = wl[k].train_s_per_group
             dur = sum(tpg[g] for g in chunk) / rate
             push(t + c + dur, 1, k)
+
+        def maybe_step(t: float, k: int) -> None:
+            nonlocal t_busy
+            if k == produced and trained[k] == ngroups[k] and not ready[k] and helps_open[k] == 0 and not t_busy:
+                t_busy = True  # the optimizer step
+                push(t + c + w0.step_overhead_s, 2, k)
+            elif not t_busy:
+                try_train(t)
 
         for r in range(n_r):
             assign(r, 0.0)
@@ -189,11 +240,14 @@ class PipelinePredictor:
                     try_train(t)
             elif kind == 1:  # a training chunk done
                 t_busy = False
-                if trained[key] == ngroups[key]:
-                    t_busy = True  # the optimizer step
-                    push(t + c + w0.step_overhead_s, 2, key)
-                else:
-                    try_train(t)
+                maybe_step(t, key)
+            elif kind == 4:  # a help done: the GPU is a rollout GPU again
+                k = helping.pop(key)
+                helps_open[k] -= 1
+                if not t_busy:
+                    maybe_step(t, k)
+                assign(key, t)
+                schedule(key, t)
             elif kind == 2:  # optimizer step done: version key + 1 is made, reaches the GPUs sync_s later
                 t_busy = False
                 ends[key] = t

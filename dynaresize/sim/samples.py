@@ -588,7 +588,9 @@ class SamplePipeline:
         return PipelineWorkload(
             tuple(x for g in bi.lengths for x in g), bi.group_size, bi.cap, self.w, bi.u,
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
-            self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min)
+            self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
+            self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
+            self.core.cfg.train_chunks)
 
     # --- switches -------------------------------------------------------------------------------------------------
     def _decided(self, t: float, step: int, dec, sid: int | None) -> None:

@@ -15,7 +15,7 @@ from dynaresize.sim.compare import run_samples, setup
 from dynaresize.sim.samples import SamplePipeline, SampleSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-MECH = Mechanisms(True, True, False, False)  # continuous rollout, streaming training; no resizing (no helpers: not modelled)
+MECH = Mechanisms(True, True, False, True)  # continuous rollout, streaming training, gradient helpers; no resizing
 
 
 def _world(gpus: int, mean: int, steps: int):
@@ -42,7 +42,7 @@ def test_pure_and_deterministic():
 @pytest.mark.parametrize("split", [Topology(6, 2), Topology(5, 3), Topology(4, 4)])
 def test_predicts_the_simulated_barrier_free_period(split):
     """On a static split the predicted period is within 10% of the simulator's steady-state step time (what it
-    leaves out: gradient helpers, and which GPU the next group lands on)."""
+    leaves out: which GPU the next group lands on, a help's exact chunking)."""
     s, pipe = _world(8, 300, 30)
     trace = tuple(pipe._workload(pipe._batch(j)) for j in range(10, 14))
     predicted = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling).period_s(trace, split)
