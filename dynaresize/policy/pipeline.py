@@ -78,7 +78,7 @@ class PipelinePredictor:
         s, c, sync, G = max(1, w0.staleness), w0.command_latency_s, w0.sync_s, w0.group_size
         n_r, n_t = topo.n_rollout, topo.n_train
         rate = n_t * _eff(n_t, self.per_doubling)
-        ranks = [DecodeRank(r, w.iteration_s) for r, w in zip(range(n_r), [w0] * n_r)]
+        ranks = [DecodeRank(r, w0.iteration_s) for r in range(n_r)]
         for dr in ranks:
             dr.slots = wl[0].kv_slots
         held_v: list[int | None] = [None] * n_r  # the version a GPU decodes with (None: drained)

@@ -28,6 +28,11 @@ tests/unit/test_policy.py and test_policy_noise.py):
 8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
 
+Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
+(:mod:`dynaresize.policy.predictor`); ``pipeline`` plays each candidate forward on the run's recent batches
+(:mod:`dynaresize.policy.pipeline`) wherever the observation carries its batch (the barrier-free schedule), and then
+rule 3's imbalance is the predicted relative gain of the best candidate, against ``min_relative_gain``.
+
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
 
