@@ -55,6 +55,12 @@ class PipelinePredictor:
         self.plays = 0  # forward plays run (the cache's misses), for the bench
 
     def period_s(self, trace: Sequence[PipelineWorkload], topo: Topology) -> float:
+        steps = self.step_times(trace, topo)
+        return sum(steps) / len(steps)
+
+    def step_times(self, trace: Sequence[PipelineWorkload], topo: Topology) -> tuple[float, ...]:
+        """The played step times once the pipeline has filled (one per measured step; the period is their mean). Two
+        splits' step times are paired: step i replays the same batch in both."""
         key = (tuple(trace), topo.n_train, topo.n_rollout)
         got = self._cache.get(key)
         if got is None:
@@ -65,7 +71,7 @@ class PipelinePredictor:
         return got
 
     # --- the forward play (pure) -------------------------------------------------------------------------------------
-    def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> float:
+    def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> tuple[float, ...]:
         from dynaresize.sim.samples import DecodeRank  # the simulator's decode model (imported late: sim imports policy)
 
         if not trace:
@@ -261,5 +267,4 @@ class PipelinePredictor:
                     schedule(r, t)
         if produced < K:
             raise RuntimeError(f"pipeline play of {topo} stalled at batch {produced}")
-        k0 = self.warmup - 1
-        return (ends[K - 1] - ends[k0]) / (K - 1 - k0)
+        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, K))

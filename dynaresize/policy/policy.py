@@ -202,6 +202,14 @@ class ResizePolicy:
             total = total + ((now_fn(est=e_hi) - per_fn(est=e_hi)) - (now_fn(est=e_lo) - per_fn(est=e_lo))) ** 2 / 4
         return np.sqrt(total)
 
+    def _played_noise(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """Standard error of the played gain per step, from its spread over the replayed batches (paired steps)."""
+        now = np.array(self.pipeline.step_times(est.trace, cur))
+        if len(now) < 2:
+            return np.zeros(len(cands))
+        d = now[None, :] - np.array([self.pipeline.step_times(est.trace, c) for c in cands])
+        return d.std(axis=1, ddof=1) / math.sqrt(len(now))
+
     def _z(self, state: PolicyState, step: int) -> float:
         """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
         cfg = self.cfg
@@ -235,7 +243,10 @@ class ResizePolicy:
         gain = now - per
         ok = gain > 0
         if cfg.noise_z > 0 and ok.any():
-            ok &= gain > self._z(state, step) * self._noise(est, now_fn, per_fn)
+            noise = self._noise(est, now_fn, per_fn)
+            if self._piped(est):  # and the played gain's own spread: step i replays the same batch on both splits
+                noise = np.maximum(noise, self._played_noise(est, cur, cands))
+            ok &= gain > self._z(state, step) * noise
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
         costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
