@@ -1,15 +1,18 @@
-"""The resize policy on stationary workloads at sample level (barrier-free), for several tail shares side by side.
+"""The resize policy on stationary workloads at sample level (barrier-free), for its predictors and tail shares side by side.
 
 For each case (cluster size x mean response length x seed, ``configs/sim/stationary_8gpu.yaml``, start 3/4 of the
 GPUs training) it runs continuous rollout + streaming training + gradient helpers + resizing once per tail share
 (``SamplePipeline``'s ``tail_share``: the share of a batch's longest response that the policy's observation reports
 as a rollout tail; ``TAIL_SHARE_BARRIER_FREE`` is the default), and compares each run with the best static split with
-the same mechanisms (a local search over splits from the step-level best, shared by the shares). The issue's target
-(13, item 6): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
-table, then ONE JSON line.
+the same mechanisms (a local search over splits from the step-level best, shared by the shares). Each share runs
+once per ``policy.predictor`` (``--predictors``: capacity, pipeline), on the same workloads. The issue's target
+(13, item 6; 28): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
+table, then ONE JSON line (``cases``; per row ``cases_within``, the cases within the target, and
+``ms_per_decision``, the run's wall time per step beyond the static run's: what the policy costs).
 
-    .venv/bin/python tools/bench_robustness.py                       # 24 cases x shares 1, 0.5, 0.25, 0 (~6 min)
-    .venv/bin/python tools/bench_robustness.py --gpus 8 --shares 0.5 --steps 100
+    .venv/bin/python tools/bench_robustness.py                       # 24 cases x both predictors (~10 min)
+    .venv/bin/python tools/bench_robustness.py --shares 1 0.5 0.25 0 --predictors capacity   # the tail shares
+    .venv/bin/python tools/bench_robustness.py --gpus 8 --steps 100
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import argparse
 import itertools
 import json
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,31 +48,43 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--means", type=int, nargs="*", default=[300, 1000, 3000, 6000], help="mean response tokens")
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--shares", type=float, nargs="*", default=[1.0, 0.5, 0.25, 0.0, TAIL_SHARE_BARRIER_FREE],
-                    help="tail shares to compare (default: the whole tail, half, a quarter, none, and the default)")
+    ap.add_argument("--shares", type=float, nargs="*", default=[TAIL_SHARE_BARRIER_FREE],
+                    help="tail shares to compare (default: the default; 1 0.5 0.25 0: the whole tail, half, a quarter, none)")
+    ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
+                    help="policy.predictor values to compare")
     args = ap.parse_args(argv)
     shares = list(dict.fromkeys(args.shares))
-    res: dict[float, list[tuple[float, int]]] = {sh: [] for sh in shares}
+    rows_of = [(p, sh) for p in dict.fromkeys(args.predictors) for sh in shares]
+    label = {k: f"{k[0]} {k[1]:g}" for k in rows_of}
+    res: dict[tuple, list[tuple[float, int, float]]] = {k: [] for k in rows_of}
     for g, m, seed in itertools.product(args.gpus, args.means, args.seeds):
         s = setup(stationary(g, m, seed, args.steps))
         split, best = best_static_samples(s, BARRIER_FREE)
+        t0 = time.perf_counter()
+        run_samples(s, split, replace(BARRIER_FREE, resize=False))
+        static_wall = time.perf_counter() - t0
         cells = []
-        for sh in shares:
-            dyn = run_samples(s, s.initial, BARRIER_FREE, tail_share=sh)
+        for p, sh in rows_of:
+            sp = replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": p})}))
+            t0 = time.perf_counter()
+            dyn = run_samples(sp, s.initial, BARRIER_FREE, tail_share=sh)
+            extra_ms = 1000 * max(0.0, time.perf_counter() - t0 - static_wall) / args.steps
             loss = dyn.total_s / best - 1
-            res[sh].append((loss, dyn.switches))
-            cells.append(f"share {sh:g}: {dyn.switches} sw {100 * loss:+.2f}%{' MISS' if dyn.switches > 2 or loss > 0.01 else ''}")
+            res[(p, sh)].append((loss, dyn.switches, extra_ms))
+            cells.append(f"{label[(p, sh)]}: {dyn.switches} sw {100 * loss:+.2f}%{' MISS' if dyn.switches > 2 or loss > 0.01 else ''}")
         print(f"{g:3d} GPUs, {m:5d} tokens, seed {seed}: best {str(split):>6} | " + " | ".join(cells), flush=True)
     print()
-    print(f"{'tail share':>10} {'ok (<=2 sw, <=1%)':>18} {'worst loss':>11} {'most sw':>8} {'within 3%':>10}")
-    out = {"cases": len(res[shares[0]]), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "shares": {}}
-    for sh in shares:
-        rows = res[sh]
-        ok = sum(1 for loss, sw in rows if loss <= 0.01 and sw <= 2)
-        worst, most = max(loss for loss, _ in rows), max(sw for _, sw in rows)
-        within3 = sum(1 for loss, _ in rows if loss <= 0.03)
-        print(f"{sh:>10g} {f'{ok} / {len(rows)}':>18} {100 * worst:>10.2f}% {most:>8} {f'{within3} / {len(rows)}':>10}")
-        out["shares"][f"{sh:g}"] = {"ok": ok, "worst_loss": round(worst, 4), "most_switches": most, "within_3pct": within3}
+    print(f"{'predictor, tail share':>22} {'ok (<=2 sw, <=1%)':>18} {'worst loss':>11} {'most sw':>8} {'within 3%':>10} {'ms/decision':>12}")
+    out = {"cases": len(res[rows_of[0]]), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "rows": {}}
+    for k in rows_of:
+        rows = res[k]
+        ok = sum(1 for loss, sw, _ in rows if loss <= 0.01 and sw <= 2)
+        worst, most = max(r[0] for r in rows), max(r[1] for r in rows)
+        within3 = sum(1 for r in rows if r[0] <= 0.03)
+        ms = sum(r[2] for r in rows) / len(rows)
+        print(f"{label[k]:>22} {f'{ok} / {len(rows)}':>18} {100 * worst:>10.2f}% {most:>8} {f'{within3} / {len(rows)}':>10} {ms:>12.1f}")
+        out["rows"][label[k]] = {"predictor": k[0], "tail_share": k[1], "cases_within": ok, "worst_loss": round(worst, 4),
+                                 "most_switches": most, "within_3pct": within3, "ms_per_decision": round(ms, 2)}
     print(json.dumps(out))
     return 0
 

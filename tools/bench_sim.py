@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", nargs="*", help="scenario names (default: every file in configs/sim except base)")
     ap.add_argument("--steps-cap", type=int, default=200, help="run longer scenarios with this many steps (0: as configured)")
     ap.add_argument("--timing-only", action="store_true", help="only the timing runs (no scenario)")
+    ap.add_argument("--no-timing", action="store_true", help="skip the whole timed 512- and 4096-GPU runs")
+    ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
+                    help="policy.predictor values whose all-mechanisms run is compared side by side (the configured one's "
+                         "is the table's main row)")
     args = ap.parse_args(argv)
     names = [] if args.timing_only else (args.scenarios or scenarios())
     out: dict = {"scenarios": {}}
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         if capped:
             cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false", f"sim.steps={args.steps_cap}"])
         samples = cfg.sim.rollout.model == "physics"
-        r = compare(setup(cfg), samples=samples)
+        r = compare(setup(cfg), samples=samples, predictors=tuple(args.predictors))
         sm = r["summary"]
         print(f"== {name}: {cfg.cluster.gpus} GPUs, {cfg.sim.steps} steps, start {sm['initial_split']}"
               + (" (steps capped by --steps-cap)" if capped else ""))
@@ -94,14 +98,24 @@ def main(argv: list[str] | None = None) -> int:
                      + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers",
                                                                          "trainer_rollout"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
-    wall_step, _, _ = timed("scale_4096gpu", False, 1000)
-    w512, c512, l512 = timed("scale_512gpu", True, 500)
-    w4096, c4096, l4096 = timed("scale_4096gpu", True, 1000)
+    preds = [(n, sc.get("all_mechanisms_by_predictor", {})) for n, sc in out["scenarios"].items()]
+    if any(bp for _, bp in preds):
+        print("every mechanism, by policy.predictor (gain vs the best static barrier split; % of the work-conserving / tight bound; switches):")
+        for n, bp in preds:
+            print(f"{n:<18} " + " | ".join(f"{p}: {100 * v['gain_vs_best_static']:+.1f}% {100 * v['fraction_of_bound']:.1f}% "
+                                           f"{100 * v['fraction_of_tight_bound']:.1f}% {v['switches']} sw" for p, v in bp.items()))
+    if not args.no_timing:
+        wall_step, _, _ = timed("scale_4096gpu", False, 1000)
+        w512, c512, l512 = timed("scale_512gpu", True, 500)
+        w4096, c4096, l4096 = timed("scale_4096gpu", True, 1000)
     print(f"{'scenario':<18} {'best':>10} {'dyn_step':>9} {'%bound':>8} {'dyn_all':>9} {'%bound':>8} {'%tight':>7} "
           f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'+tgen':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
     print("\n".join(lines))
     print("dyn_step: today's DynaResize (barrier, step level) vs the best static split; dyn_all: every mechanism (sample "
           "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers/+tgen: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
+    if args.no_timing:
+        print(json.dumps(out))
+        return 0
     print(f"4096 GPUs x 1000 steps: step-level {wall_step:.2f} s; sample-level (all mechanisms, whole run) {w4096:.1f} s "
           f"wall, {c4096:.1f} s CPU, load {l4096:.1f} (target 60 s: {'met' if w4096 <= 60 else 'MISSED'})")
     print(f"512 GPUs x 500 steps: sample-level (all mechanisms, whole run) {w512:.1f} s wall, {c512:.1f} s CPU, load "

@@ -49,7 +49,8 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
         return None
     est = d.get("estimates")
     return PolicyState(
-        estimates=Estimates(**est) if est else None,
+        estimates=Estimates(**{k: v for k, v in est.items() if k != "trace"}) if est else None,  # (the pipeline
+        # predictor's batches are not restored: a restarted coordinator replays from its next batches)
         signal_dir=int(d.get("signal_dir", 0)),
         signal_count=int(d.get("signal_count", 0)),
         steps_since_resize=int(d.get("steps_since_resize", 10**9)),

@@ -28,6 +28,11 @@ tests/unit/test_policy.py and test_policy_noise.py):
 8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
 
+Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
+(:mod:`dynaresize.policy.predictor`); ``pipeline`` plays each candidate forward on the run's recent batches
+(:mod:`dynaresize.policy.pipeline`) wherever the observation carries its batch (the barrier-free schedule), and then
+rule 3's imbalance is the predicted relative gain of the best candidate, against ``min_relative_gain``.
+
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
 
@@ -41,6 +46,7 @@ import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
+from dynaresize.policy.pipeline import PipelinePredictor
 from dynaresize.policy.predictor import StageModel
 from dynaresize.policy.types import Action, Decision, Estimates, LeftSplit, Observation, PolicyState, Topology
 
@@ -56,6 +62,9 @@ class ResizePolicy:
         self.costs = costs
         self.candidates = tuple(candidates)
         self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior)
+        self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling) if cfg.predictor == "pipeline" else None
+        ts = sorted({c.n_train for c in self.candidates})
+        self._unit = min((b - a for a, b in zip(ts, ts[1:])), default=1)
         self._state = self.initial_state()
 
     def initial_state(self) -> PolicyState:
@@ -69,8 +78,11 @@ class ResizePolicy:
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         cfg, cur = self.cfg, obs.topology
         est = state.estimates if obs.mixed and state.estimates else self.model.update(state.estimates, obs)
+        if self.pipeline is not None:  # the batches the pipeline predictor replays (a mixed step's batch too)
+            trace = state.estimates.trace if state.estimates is not None else ()
+            est = replace(est, trace=(trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ())
         state = replace(self._observe(state, obs), estimates=est, steps_since_resize=state.steps_since_resize + 1)
-        imb, direction = self.model.imbalance(est, cur)
+        imb, direction = self._imbalance(est, cur)
 
         def hold(reason: str, st: PolicyState) -> tuple[PolicyState, Decision]:
             return st, Decision(Action.HOLD, cur, reason, imbalance=imb)
@@ -83,8 +95,9 @@ class ResizePolicy:
         reverted = self._revert(state, est, cur, horizon, obs.step) if horizon > 0 else None
         if reverted is not None:
             return reverted
-        if imb <= cfg.imbalance_threshold:
-            return hold(f"balanced (imbalance {imb:.3f} <= {cfg.imbalance_threshold})", replace(state, signal_count=0, signal_dir=0))
+        threshold = cfg.min_relative_gain if self._piped(est) else cfg.imbalance_threshold  # pipeline: imb is a gain
+        if imb <= threshold:
+            return hold(f"balanced (imbalance {imb:.3f} <= {threshold})", replace(state, signal_count=0, signal_dir=0))
         count = state.signal_count + 1 if direction == state.signal_dir else 1
         state = replace(state, signal_dir=direction, signal_count=count)
         if count < cfg.consecutive_signals:
@@ -98,7 +111,7 @@ class ResizePolicy:
         if isinstance(pick, str):
             return hold(pick, state)
         target, gain_s, cost = pick
-        now = self.model.period_s(est, cur)
+        now = self._period(est, cur)
         saving = gain_s * horizon
         gain = gain_s / now if now > 0 else 0.0
         if gain < cfg.min_relative_gain:
@@ -109,12 +122,47 @@ class ResizePolicy:
         return self._resize(state, est, cur, target, reason, cost, imb, saving, obs.step)
 
     # --- helpers (pure) -------------------------------------------------------------------------------------------
+    def _piped(self, est: Estimates) -> bool:
+        """Whether the pipeline predictor is in use for these estimates (configured, and batches observed)."""
+        return self.pipeline is not None and bool(est.trace)
+
+    def _period(self, est: Estimates, topo: Topology) -> float:
+        """The predicted period of ``topo``: the pipeline predictor's where in use, else the capacity model's."""
+        if self._piped(est):
+            return self.pipeline.period_s(est.trace, topo)
+        return self.model.period_s(est, topo)
+
+    def _window(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> list[Topology]:
+        """The candidates the pipeline predictor plays: within ``pipeline_window`` units of the current split or of
+        the capacity model's best (0: all)."""
+        w = self.cfg.pipeline_window
+        if w <= 0 or not cands:
+            return list(cands)
+        cap = self.model.periods(est, np.array([c.n_rollout for c in cands]), np.array([c.n_train for c in cands]))
+        best = cands[int(np.argmin(cap))]
+        lim = w * self._unit
+        return [c for c in cands if min(abs(c.n_train - cur.n_train), abs(c.n_train - best.n_train)) <= lim]
+
+    def _imbalance(self, est: Estimates, cur: Topology) -> tuple[float, int]:
+        """Capacity model: (|rollout - train| / max, +1 if rollout is slower). Pipeline predictor: the predicted
+        relative gain of the best candidate, +1 if it has more rollout GPUs than ``cur``."""
+        if not self._piped(est):
+            return self.model.imbalance(est, cur)
+        cands = self._window(est, cur, [c for c in self.candidates if c != cur and c.total == cur.total])
+        now = self._period(est, cur)
+        if not cands or now <= 0:
+            return 0.0, 0
+        per = [self._period(est, c) for c in cands]
+        i = int(np.argmin(per))
+        gain = (now - per[i]) / now
+        return (max(0.0, gain), 1 if cands[i].n_rollout > cur.n_rollout else -1) if gain > 0 else (0.0, 0)
+
     def _observe(self, state: PolicyState, obs: Observation) -> PolicyState:
         """Track how far off the model is on the current split: measured period / the period it predicted before
         seeing this step (a running mean over the clean steps, the newest 10 weighing most)."""
         if obs.mixed or state.estimates is None:
             return state
-        pred = self.model.period_s(state.estimates, obs.topology)
+        pred = self._period(state.estimates, obs.topology)
         if pred <= 0:
             return state
         x = obs.period_s / pred
@@ -135,7 +183,7 @@ class ResizePolicy:
         for m in left:
             if m.steps < MEMORY_MIN_STEPS:
                 continue
-            pred = self.model.period_s(est, m.topology)
+            pred = self._period(est, m.topology)
             if m.predicted_s > 0 and abs(pred / m.predicted_s - 1.0) <= tol:
                 out[m.topology] = (pred * m.ratio, m)
         return out
@@ -154,6 +202,14 @@ class ResizePolicy:
             total = total + ((now_fn(est=e_hi) - per_fn(est=e_hi)) - (now_fn(est=e_lo) - per_fn(est=e_lo))) ** 2 / 4
         return np.sqrt(total)
 
+    def _played_noise(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """Standard error of the played gain per step, from its spread over the replayed batches (paired steps)."""
+        now = np.array(self.pipeline.step_times(est.trace, cur))
+        if len(now) < 2:
+            return np.zeros(len(cands))
+        d = now[None, :] - np.array([self.pipeline.step_times(est.trace, c) for c in cands])
+        return d.std(axis=1, ddof=1) / math.sqrt(len(now))
+
     def _z(self, state: PolicyState, step: int) -> float:
         """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
         cfg = self.cfg
@@ -163,6 +219,8 @@ class ResizePolicy:
     def _choose(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[Topology, float, float] | str:
         cfg, m = self.cfg, self.model
         cands = [c for c in self.candidates if c != cur and c.total == cur.total]
+        if self._piped(est):
+            cands = self._window(est, cur, cands)
         if not cands:
             return "no faster split predicted"
         nr = np.array([c.n_rollout for c in cands])
@@ -176,6 +234,8 @@ class ResizePolicy:
             return m.periods(est, nr, nt, tail)
 
         now, per = now_fn(), per_fn()
+        if self._piped(est):  # the pipeline's periods; the noise stays the capacity model's sensitivity to its estimates
+            now, per = self._period(est, cur), np.array([self._period(est, c) for c in cands])
         memory = self._memory(state.left, est)
         for i, c in enumerate(cands):
             if c in memory:  # never predicted faster than it was measured
@@ -183,7 +243,10 @@ class ResizePolicy:
         gain = now - per
         ok = gain > 0
         if cfg.noise_z > 0 and ok.any():
-            ok &= gain > self._z(state, step) * self._noise(est, now_fn, per_fn)
+            noise = self._noise(est, now_fn, per_fn)
+            if self._piped(est):  # and the played gain's own spread: step i replays the same batch on both splits
+                noise = np.maximum(noise, self._played_noise(est, cur, cands))
+            ok &= gain > self._z(state, step) * noise
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
         costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
@@ -208,7 +271,7 @@ class ResizePolicy:
         if mem is None or last.topology.total != cur.total:
             return None
         then, m = mem
-        here = self.model.period_s(est, cur) * state.here_ratio
+        here = self._period(est, cur) * state.here_ratio
         floor = max(0.0, est.tail_var) / here ** 2 if here > 0 else 0.0  # a few steps do not show the noise: the tail's
         noise = here * math.sqrt(max(state.here_ratio_var, floor) / state.here_steps + max(m.ratio_var, floor) / m.steps)
         gain_s = here - then
@@ -225,7 +288,7 @@ class ResizePolicy:
                 imb: float, saving: float, step: int) -> tuple[PolicyState, Decision]:
         left = tuple(x for x in state.left if x.topology not in (cur, target))
         if state.here_ratio is not None and state.here_steps > 0:
-            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self.model.period_s(est, cur), state.here_steps),)
+            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self._period(est, cur), state.here_steps),)
         new_state = replace(
             state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=self.cfg.cooldown_steps,
             history=(state.history + (str(cur),))[-8:], here_ratio=None, here_ratio_var=0.0, here_steps=0, left=left[-4:],

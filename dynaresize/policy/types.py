@@ -31,6 +31,32 @@ class Topology:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineWorkload:
+    """One finished batch as the barrier-free pipeline predictor replays it (:mod:`dynaresize.policy.pipeline`): the
+    batch's own response lengths and training cost, and the rollout GPUs' decode model. Observed, not configured:
+    the simulator fills it from the batch it simulated; a runtime would fill it from the batch's logged lengths and
+    its engine's measured iteration costs."""
+
+    lengths: tuple[float, ...]  # response tokens per sequence, group by group (group_size consecutive per group)
+    group_size: int
+    kv_slots: int  # sequences a rollout GPU holds at once (KV memory, max_num_seqs)
+    iteration_s: float  # fixed seconds per decode iteration of a GPU
+    seq_iteration_s: float  # seconds per decode iteration per active sequence (compute + KV reads)
+    prefill_s_per_group: float  # prefill seconds per group admitted (stalls the GPU's decoding)
+    train_s_per_group: tuple[float, ...]  # training compute per group on one trainer GPU, seconds
+    step_overhead_s: float = 0.0  # the optimizer step
+    sync_s: float = 0.0  # a weight version reaching a rollout GPU after the optimizer step
+    command_latency_s: float = 0.0  # the control plane, per command (measured; 0: unknown)
+    staleness: int = 1  # batches in flight: batch j is made by version j - staleness
+    claim_groups: int = 4  # a GPU asks for work when this many groups of slots are free (or it drained)
+    stream_min_groups: int = 1  # streaming training starts a chunk once this many groups are ready
+    helper_rate: float = 0.0  # gradient helpers: an idle rollout GPU's training rate relative to a trainer (0: none)
+    helper_cost_s: float = 0.0  # gradient helpers: overhead per help
+    helper_margin: float = 1.5  # a help must save more than its cost times this
+    train_chunks: int = 8  # with helpers, a training chunk takes at most 1/train_chunks of the batch (micro-chunks)
+
+
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the coordinator (or the simulator) measured for one finished RL step."""
 
@@ -44,6 +70,7 @@ class Observation:
     tokens_trained: int = 0
     mixed: bool = False  # the step overlapped a resize: its times describe no single split (not used to learn)
     steps_left: int | None = None  # steps still to train after the next decision takes effect (None: unknown)
+    workload: PipelineWorkload | None = None  # the batch, for the pipeline predictor (None: capacity model only)
 
     @property
     def period_s(self) -> float:
@@ -101,6 +128,7 @@ class Estimates:
     tail_var: float = 0.0  # EWMA variance of the observed tail, s^2 (the step-to-step noise of the longest response)
     train_var: float = 0.0  # EWMA variance of the observed train work, relative (squared fraction)
     observations: int = 1  # observations the estimates were learned from
+    trace: tuple[PipelineWorkload, ...] = ()  # the newest observed batches (oldest first), for the pipeline predictor
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,7 +162,14 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
 )
 
 
-def compare(s: Setup, samples: bool = True) -> dict:
+def with_predictor(s: Setup, predictor: str) -> Setup:
+    """The same world with ``policy.predictor`` set (the workload, table and costs shared)."""
+    return replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": predictor})}))
+
+
+def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) -> dict:
+    """Every row of the comparison; ``predictors``: ``policy.predictor`` values besides the configured one whose
+    all-mechanisms sample-level run is added (row and ``summary['all_mechanisms_by_predictor']``)."""
     t0 = time.perf_counter()
     choices = static_choices(s)
     s.table.sweep([c.n_rollout for c in choices])
@@ -183,6 +190,11 @@ def compare(s: Setup, samples: bool = True) -> dict:
         for row, key, mech in SAMPLE_ROWS:
             mech_runs[key] = run_samples(s, s.initial, mech, name=row)
         extra.extend(mech_runs.values())
+        by_pred = {s.cfg.policy.predictor: mech_runs["trainer_rollout"]}
+        for p in predictors:
+            if p not in by_pred:
+                by_pred[p] = run_samples(with_predictor(s, p), s.initial, SAMPLE_ROWS[-1][2], name=f"dyn all, predictor {p}")
+                extra.append(by_pred[p])
     n_samples = best.samples
     rows = []
     for r in statics + [dyn, naive, greedy] + extra:
@@ -227,6 +239,10 @@ def compare(s: Setup, samples: bool = True) -> dict:
                                   switches=r.switches, wall_s=r.wall_s, helps=r.helps, trainer_gens=r.trainer_gens)
                         for key, r in mech_runs.items()},
         )
+        summary["all_mechanisms_by_predictor"] = {
+            p: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
+                    fraction_of_tight_bound=tight.total_s / r.total_s, switches=r.switches, wall_s=r.wall_s)
+            for p, r in by_pred.items()}
         prev = best.total_s
         for key, r in mech_runs.items():  # the share each mechanism adds, in the order they are turned on
             summary["mechanisms"][key]["adds"] = prev / r.total_s - 1

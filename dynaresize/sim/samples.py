@@ -46,6 +46,7 @@ import numpy as np
 
 from dynaresize.events import Event, EventType, format_ranks, make_event
 from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostModel, Topology
+from dynaresize.policy.types import PipelineWorkload
 from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
@@ -260,6 +261,7 @@ class SamplePipeline:
             groups = tuple(self.tab.physics(j).batch.prompts_generated for j in range(self.K))
         self.group_size = self._batch(0).group_size  # G: every batch's groups have the same size
         stream_min = max(1, min(groups) // max(1, stream_chunks))
+        self.stream_min = stream_min
         self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
         self.gen_cost_s, self.gen_kv = trainer_gen_cost_s, trainer_gen_kv_fraction
         self.gen_start: dict[int, float] = {}  # generating trainer -> when it was sent
@@ -617,6 +619,7 @@ class SamplePipeline:
                 weight_sync_s=0.0 if self.mech.continuous_rollout else (self.sync_s if batch >= self.s + 1 else 0.0),
                 tokens_generated=bi.tokens_generated, tokens_trained=bi.tokens_trained,
                 mixed=batch in self.step_mixed or bool(self.core.switching) or topo != now,
+                workload=self._workload(bi) if overlap else None,
             )
             per_group = work / bi.groups  # the step's training per group on one GPU
             per_token = work / max(1, sum(bi.tokens_per_group))
@@ -626,6 +629,16 @@ class SamplePipeline:
                 latency = self.lat.pop(batch, 0.0)
             self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group, decode, latency, per_token)))
         self.info.pop(batch - 2, None)
+
+    def _workload(self, bi: _BatchInfo) -> PipelineWorkload:
+        """The finished batch as the policy's pipeline predictor replays it (its lengths, its training per group, the
+        decode model and the pipeline's settings)."""
+        return PipelineWorkload(
+            tuple(x for g in bi.lengths for x in g), bi.group_size, bi.cap, self.w, bi.u,
+            float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
+            self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
+            self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
+            self.core.cfg.train_chunks)
 
     # --- switches -------------------------------------------------------------------------------------------------
     def _decided(self, t: float, step: int, dec, sid: int | None) -> None:

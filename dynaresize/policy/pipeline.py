@@ -1,0 +1,270 @@
+"""A predictor of the barrier-free pipeline's period: play a candidate split forward on the run's own recent batches.
+
+The capacity model (:mod:`dynaresize.policy.predictor`) predicts a split's rollout as ``tail + work / n_rollout``.
+Without a step barrier the pace is also set by the latency chain, which is not monotone in the pool size: a rollout
+GPU decodes one weight version at a time, batch ``j`` needs the version of ``T_{j-s-1}``, each GPU holds at most an
+even share of a batch in flight, and a GPU's share fits its KV slots in one or several decode waves; so on some
+pool sizes two batches are in flight and a step takes half a batch's latency, on others one (docs/simulator.md,
+"What the policy's model cannot see").
+
+:class:`PipelinePredictor` plays a split forward with the sample-level simulator's step model, stripped to what
+sets the period: per rollout GPU continuous batching with its KV slots (:class:`~dynaresize.sim.samples.DecodeRank`,
+the simulator's own decode model: ``iteration_s + sum of the active sequences' per-iteration cost``), the core's
+hand-out rules (oldest batch first, one version per GPU, at most an even share of a batch in flight per GPU, claims
+when ``claim_groups`` groups of slots are free or the GPU drained, waiting GPUs served when a version arrives), the
+versions (``T_k``'s optimizer step makes version ``k + 1``, which reaches the GPUs ``sync_s`` later), streaming
+training (a chunk of the batch's finished groups once ``stream_min_groups`` are ready, on ``n_train`` trainers at
+the measured per-group cost and data-parallel efficiency), gradient helpers (a drained rollout GPU with nothing to
+generate trains some of the ready groups when that pays, priced as the core prices it) and the control-plane latency
+per command. The batches
+are the run's own recent ones (:class:`~dynaresize.policy.types.PipelineWorkload`, cycled); the period is the
+mean step time once the pipeline has filled. Not modelled: trainer-gen, switches, preemption.
+
+Pure and deterministic: the same workloads and split give the same period (no clock, no randomness); results are
+memoised by their inputs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from typing import Sequence
+
+from dynaresize.policy.types import PipelineWorkload, Topology
+
+_EPS = 1e-9
+
+
+def _eff(n: int, per_doubling: float) -> float:
+    return per_doubling ** math.log2(n) if n > 1 else 1.0
+
+
+class PipelinePredictor:
+    """``period_s(trace, topo)``: the barrier-free period of ``topo`` on the batches of ``trace`` (oldest first).
+
+    ``warmup_steps`` batches fill the pipeline before the steps measured (``len(trace)`` of them, at least
+    ``min_measured``); ``train_scaling_per_doubling`` is the policy's data-parallel efficiency model.
+    """
+
+    def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 3, min_measured: int = 3, cache_size: int = 4096):
+        self.per_doubling = train_scaling_per_doubling
+        self.warmup = warmup_steps
+        self.min_measured = min_measured
+        self.cache_size = cache_size
+        self._cache: dict = {}
+        self.plays = 0  # forward plays run (the cache's misses), for the bench
+
+    def period_s(self, trace: Sequence[PipelineWorkload], topo: Topology) -> float:
+        steps = self.step_times(trace, topo)
+        return sum(steps) / len(steps)
+
+    def step_times(self, trace: Sequence[PipelineWorkload], topo: Topology) -> tuple[float, ...]:
+        """The played step times once the pipeline has filled (one per measured step; the period is their mean). Two
+        splits' step times are paired: step i replays the same batch in both."""
+        key = (tuple(trace), topo.n_train, topo.n_rollout)
+        got = self._cache.get(key)
+        if got is None:
+            if len(self._cache) >= self.cache_size:
+                self._cache.clear()
+            got = self._cache[key] = self._play(tuple(trace), topo)
+            self.plays += 1
+        return got
+
+    # --- the forward play (pure) -------------------------------------------------------------------------------------
+    def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> tuple[float, ...]:
+        from dynaresize.sim.samples import DecodeRank  # the simulator's decode model (imported late: sim imports policy)
+
+        if not trace:
+            raise ValueError("the pipeline predictor needs at least one observed batch")
+        m = max(len(trace), self.min_measured)
+        K = self.warmup + m
+        # batch j of the play is the trace's batch (j - warmup) mod len(trace): the measured steps see each once
+        wl = [trace[(j - self.warmup) % len(trace)] for j in range(K)]
+        w0 = trace[-1]
+        s, c, sync, G = max(1, w0.staleness), w0.command_latency_s, w0.sync_s, w0.group_size
+        n_r, n_t = topo.n_rollout, topo.n_train
+        rate = n_t * _eff(n_t, self.per_doubling)
+        ranks = [DecodeRank(r, w0.iteration_s) for r in range(n_r)]
+        for dr in ranks:
+            dr.slots = wl[0].kv_slots
+        held_v: list[int | None] = [None] * n_r  # the version a GPU decodes with (None: drained)
+        held_n: list[dict[int, int]] = [dict() for _ in range(n_r)]  # batch -> groups in flight on the GPU
+        waiting: set[int] = set()
+        cursor = [0] * K  # next group never handed out, per batch
+        ngroups = [len(x.lengths) // G for x in wl]
+        ready: list[list[int]] = [[] for _ in range(K)]  # finished groups not trained yet
+        trained = [0] * K
+        version_at = [0.0] + [math.inf] * K  # when version v reaches the GPUs
+        produced = 0  # versions made (optimizer steps taken)
+        t_busy = False
+        helping: dict[int, int] = {}  # rollout GPU -> groups of the batch in training it is computing gradients of
+        helps_open = [0] * K  # per batch: helps not finished
+        trainers_started = [False] * K
+        ends = [0.0] * K
+        heap: list = []
+        seq = 0
+        token = [0] * n_r
+
+        def push(t: float, kind: int, key: int, tok: int = 0) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(heap, (t, seq, kind, key, tok))
+
+        def version_of(j: int) -> int:
+            return max(0, j - s)
+
+        def schedule(r: int, t: float) -> None:
+            dr = ranks[r]
+            nxt = dr.next_group_time()
+            if r not in waiting:
+                claim = max(1, min(dr.slots, G * w0.claim_groups))
+                free = dr.slots - dr.active
+                nxt = min(nxt, dr.claim_time(claim) if (free < claim and dr.active) else t)
+            elif dr.active:
+                nxt = min(nxt, dr.drain_time())
+            token[r] += 1
+            if nxt < math.inf:
+                push(max(nxt, t), 0, r, token[r])
+
+        def assign(r: int, t: float) -> None:
+            """The core's hand-out: oldest batch first, one version per GPU, at most an even share in flight."""
+            dr = ranks[r]
+            dr.advance(t)
+            cap = max(1 if dr.active == 0 else 0, (dr.slots - dr.active) // G)
+            j = next((i for i in range(K) if cursor[i] < ngroups[i]), K)
+            last = min(K - 1, produced + s)
+            while cap > 0 and j <= last:
+                v = version_of(j)
+                usable = version_at[v] <= t + _EPS and (held_v[r] is None or held_v[r] == v)
+                room = -(-ngroups[j] // n_r) - held_n[r].get(j, 0)
+                if cursor[j] < ngroups[j] and usable and room > 0:
+                    n = min(cap, room, ngroups[j] - cursor[j])
+                    gs = range(cursor[j], cursor[j] + n)
+                    cursor[j] += n
+                    x = wl[j]
+                    if dr.active == 0:
+                        dr.slots = x.kv_slots
+                    else:
+                        dr.slots = min(dr.slots, x.kv_slots)
+                    lens = [y for g in gs for y in x.lengths[g * G:(g + 1) * G]]
+                    dr.admit(t, lens, x.seq_iteration_s, [(j, g) for g in gs], G, c + x.prefill_s_per_group * n)
+                    held_v[r] = v
+                    held_n[r][j] = held_n[r].get(j, 0) + n
+                    cap = 0 if n == room else cap - n
+                j += 1
+            if cap > 0:
+                waiting.add(r)
+                if dr.active == 0:
+                    offer_help(r, t)
+            else:
+                waiting.discard(r)
+
+        def offer_help(r: int, t: float) -> None:
+            """The core's gradient helper: a drained GPU holding the version of the batch in training takes a share
+            of its ready groups when the batch's training then ends sooner by more than (margin - 1) x the cost."""
+            k = produced
+            x = wl[k] if k < K else None
+            if x is None or x.helper_rate <= 0 or not trainers_started[k] or not ready[k] or r in helping or version_at[k] > t + _EPS:
+                return
+            tpg = x.train_s_per_group
+            total = sum(tpg[g] for g in ready[k])
+            h, hc = x.helper_rate, x.helper_cost_s
+            share = (total / rate - hc) / (1.0 / rate + 1.0 / h)
+            if share <= 0 or total / rate - max((total - share) / rate, share / h + hc) <= (x.helper_margin - 1.0) * hc:
+                return
+            chosen, acc = [], 0.0
+            for g in reversed(ready[k]):
+                if acc + tpg[g] <= share:
+                    chosen.append(g)
+                    acc += tpg[g]
+            if not chosen:
+                return
+            ready[k] = [g for g in ready[k] if g not in set(chosen)]
+            trained[k] += len(chosen)
+            helps_open[k] += 1
+            helping[r] = k
+            waiting.discard(r)
+            token[r] += 1
+            push(t + c + hc + acc / h, 4, r)
+
+        def try_train(t: float) -> None:
+            nonlocal t_busy
+            k = produced
+            if t_busy or k >= K:
+                return
+            left = ngroups[k] - trained[k]
+            if left == 0 or len(ready[k]) < min(w0.stream_min_groups, left):
+                return
+            take = len(ready[k])
+            if wl[k].helper_rate > 0:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
+                take = min(take, max(1, -(-ngroups[k] // max(1, wl[k].train_chunks))))
+            chunk, ready[k] = ready[k][:take], ready[k][take:]
+            trained[k] += len(chunk)
+            t_busy = True
+            trainers_started[k] = True
+            if ready[k]:
+                for r in sorted(waiting):
+                    if ranks[r].active == 0 and ready[k]:
+                        offer_help(r, t)
+            tpg = wl[k].train_s_per_group
+            dur = sum(tpg[g] for g in chunk) / rate
+            push(t + c + dur, 1, k)
+
+        def maybe_step(t: float, k: int) -> None:
+            nonlocal t_busy
+            if k == produced and trained[k] == ngroups[k] and not ready[k] and helps_open[k] == 0 and not t_busy:
+                t_busy = True  # the optimizer step
+                push(t + c + w0.step_overhead_s, 2, k)
+            elif not t_busy:
+                try_train(t)
+
+        for r in range(n_r):
+            assign(r, 0.0)
+        for r in range(n_r):
+            schedule(r, 0.0)
+        while heap and produced < K:
+            t, _, kind, key, tok = heapq.heappop(heap)
+            if kind == 0:  # a rollout GPU: groups done, slots free, or drained
+                r = key
+                if tok != token[r]:
+                    continue
+                dr = ranks[r]
+                done = dr.pop_groups(t)
+                dr.advance(t)
+                for j, g in done:
+                    held_n[r][j] -= 1
+                    if not held_n[r][j]:
+                        del held_n[r][j]
+                    ready[j].append(g)
+                if dr.active == 0:
+                    held_v[r] = None
+                free = dr.slots - dr.active
+                if dr.active == 0 or (r not in waiting and free >= max(1, min(dr.slots, G * w0.claim_groups))):
+                    assign(r, t)
+                schedule(r, t)
+                if done:
+                    try_train(t)
+            elif kind == 1:  # a training chunk done
+                t_busy = False
+                maybe_step(t, key)
+            elif kind == 4:  # a help done: the GPU is a rollout GPU again
+                k = helping.pop(key)
+                helps_open[k] -= 1
+                if not t_busy:
+                    maybe_step(t, k)
+                assign(key, t)
+                schedule(key, t)
+            elif kind == 2:  # optimizer step done: version key + 1 is made, reaches the GPUs sync_s later
+                t_busy = False
+                ends[key] = t
+                produced = key + 1
+                push(t + c + sync, 3, produced)
+                try_train(t)
+            else:  # version key reaches the GPUs: waiting GPUs take work
+                version_at[key] = t
+                for r in sorted(waiting):
+                    assign(r, t)
+                    schedule(r, t)
+        if produced < K:
+            raise RuntimeError(f"pipeline play of {topo} stalled at batch {produced}")
+        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, K))

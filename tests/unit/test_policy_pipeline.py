@@ -1,0 +1,71 @@
+"""The pipeline predictor (policy.predictor: pipeline): pure, close to the simulator it replays, and a fallback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dynaresize.config.loader import load_config
+from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
+from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
+from dynaresize.policy.pipeline import PipelinePredictor
+from dynaresize.schedule import Mechanisms
+from dynaresize.sim.compare import run_samples, setup
+from dynaresize.sim.samples import SamplePipeline, SampleSettings
+
+ROOT = Path(__file__).resolve().parents[2]
+MECH = Mechanisms(True, True, False, True)  # continuous rollout, streaming training, gradient helpers; no resizing
+
+
+def _world(gpus: int, mean: int, steps: int):
+    cfg = load_config(ROOT / "configs/sim/stationary_8gpu.yaml", [
+        f"sim.steps={steps}", "sim.write_events=false", f"cluster.gpus={gpus}", f"cluster.initial_train={gpus // 2}",
+        f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}", "run.seed=0"])
+    s = setup(cfg)
+    p = cfg.sim.pipeline
+    pipe = SamplePipeline("t", s.table, s.initial, MECH, s.costs, None,
+                          SampleSettings(cfg.pipeline.staleness_bound, False, 0.9, p.claim_groups, p.stream_chunks))
+    return s, pipe
+
+
+def test_pure_and_deterministic():
+    _, pipe = _world(8, 300, 8)
+    trace = tuple(pipe._workload(pipe._batch(j)) for j in range(4))
+    a, b = PipelinePredictor(0.95), PipelinePredictor(0.95)
+    for topo in (Topology(5, 3), Topology(6, 2), Topology(3, 5)):
+        x = a.period_s(trace, topo)
+        assert x > 0 and x == b.period_s(trace, topo) == a.period_s(trace, topo)
+    assert a.plays == 3  # memoised by its inputs
+
+
+@pytest.mark.parametrize("split", [Topology(6, 2), Topology(5, 3), Topology(4, 4)])
+def test_predicts_the_simulated_barrier_free_period(split):
+    """On a static split the predicted period is within 10% of the simulator's steady-state step time (what it
+    leaves out: which GPU the next group lands on, a help's exact chunking)."""
+    s, pipe = _world(8, 300, 30)
+    trace = tuple(pipe._workload(pipe._batch(j)) for j in range(10, 14))
+    predicted = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling).period_s(trace, split)
+    s20 = setup(s.cfg.model_copy(update={"sim": s.cfg.sim.model_copy(update={"steps": 20})}))
+    measured = (run_samples(s, split, MECH).total_s - run_samples(s20, split, MECH).total_s) / 10
+    assert predicted == pytest.approx(measured, rel=0.10)
+
+
+def test_without_a_batch_the_pipeline_policy_is_the_capacity_policy():
+    costs = SwitchCostModel(SwitchCostConfig(), OptimizationsConfig())
+    cands = candidate_topologies(8)
+    pols = [ResizePolicy(PolicyConfig(predictor=p), costs, cands) for p in ("capacity", "pipeline")]
+    topo, decisions = Topology(6, 2), []
+    for k in range(30):
+        obs = Observation(k, topo, rollout_s=100.0 + 7 * (k % 3), train_s=40.0, rollout_tail_s=10.0, steps_left=100)
+        d = [p.decide(obs) for p in pols]
+        assert d[0] == d[1]
+        decisions.append(d[0])
+        topo = d[0].target
+    assert any(d.resize for d in decisions)
+
+
+def test_config_names_the_predictors():
+    assert PolicyConfig().predictor == "capacity"
+    with pytest.raises(Exception):
+        PolicyConfig(predictor="oracle")
