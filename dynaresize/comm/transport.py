@@ -34,42 +34,33 @@ from typing import Any, Sequence
 
 import torch
 
+from dynaresize.background import Background
 from dynaresize.comm.weights import Named, WeightSyncError, recv_weights_from, send_weights_to
 
 log = logging.getLogger("dynaresize.worker")
 
 
-class CommFetch:
+class CommFetch(Background):
     """One version received from ``src`` on a background thread into fresh host tensors (the second buffer)."""
 
     def __init__(self, expected: Named, src: int, version: int, bucket_bytes: int, device: torch.device | str):
         self.version = version
         self.source = f"rank {src} (point to point over the world group)"
-        self._result: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-        self._error: BaseException | None = None
         self.bytes = 0
-        self.started = time.perf_counter()
-        self.finished: float | None = None
         # ``expected`` (this rank's own weights) gives names, shapes and dtypes only: it is never written here
-        self._th = threading.Thread(target=self._run, args=(list(expected), src, bucket_bytes, device), daemon=True,
-                                    name=f"weights-recv-v{version}")
-        self._th.start()
+        want = list(expected)
 
-    def _run(self, expected: Named, src: int, bucket_bytes: int, device) -> None:
-        try:
-            tensors, self.bytes = recv_weights_from(expected, src, self.version, bucket_bytes, device=device)
-            self._result = (tensors, {"version": self.version})
-        except BaseException as e:  # noqa: BLE001 - re-raised in result()
-            self._error = e
-        self.finished = time.perf_counter()
+        def receive() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            tensors, self.bytes = recv_weights_from(want, src, version, bucket_bytes, device=device)
+            return tensors, {"version": version}
+
+        super().__init__(receive, f"weights-recv-v{version}")
 
     def result(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        self._th.join()
-        if self._error is not None:
-            raise WeightSyncError(f"receiving version {self.version} from {self.source}: "
-                                  f"{type(self._error).__name__}: {self._error}") from self._error
-        assert self._result is not None
-        return self._result
+        try:
+            return self._wait()
+        except Exception as e:  # noqa: BLE001 - named for the install that needed it
+            raise WeightSyncError(f"receiving version {self.version} from {self.source}: {type(e).__name__}: {e}") from e
 
 
 class WeightSender:

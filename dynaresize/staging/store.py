@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dynaresize import atomic
+from dynaresize.background import Background
 from dynaresize.disk import DISK_FULL_ERRNOS, free_bytes, size_text
 from typing import Any
 
@@ -404,27 +405,11 @@ def read_manifest(snap: str | Path) -> dict[str, Any]:
     return man
 
 
-class Prefetch:
+class Prefetch(Background):
     """A restore running on a background thread (e.g. optimizer state needed only at the first step)."""
 
     def __init__(self, stager: Stager, name: str | Path, into: dict[str, torch.Tensor] | None = None):
-        self._result: tuple[dict[str, torch.Tensor], dict[str, Any]] | None = None
-        self._error: BaseException | None = None
-        self.started = time.perf_counter()
-        self.finished: float | None = None
-        self._th = threading.Thread(target=self._run, args=(stager, name, into), daemon=True, name="stage-prefetch")
-        self._th.start()
-
-    def _run(self, stager: Stager, name, into) -> None:
-        try:
-            self._result = stager.load(name, into)
-        except BaseException as e:  # noqa: BLE001 - re-raised in result()
-            self._error = e
-        self.finished = time.perf_counter()
+        super().__init__(lambda: stager.load(name, into), "stage-prefetch")
 
     def result(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        self._th.join()
-        if self._error is not None:
-            raise self._error
-        assert self._result is not None
-        return self._result
+        return self._wait()
