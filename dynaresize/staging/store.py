@@ -64,13 +64,15 @@ class _WriterFailed(Exception):
     """Internal: a writer thread failed; the producer stops and the writer's error is raised."""
 
 
-def os_error_text(e: OSError) -> str:
-    """``ENOSPC (No space left on device) on <file>``: the symbolic errno first, so logs and events can be grepped."""
+def os_error_text(e: OSError, where: str | os.PathLike | None = None) -> str:
+    """``ENOSPC (No space left on device) on <file>``: the symbolic errno first, so logs and events can be grepped.
+    ``where``: the file or folder being written, for an error that names none (a write to an open file)."""
     name = errno.errorcode.get(e.errno, f"errno {e.errno}") if e.errno is not None else type(e).__name__
     text = f"{name} ({e.strerror or e})"
     text = f"{text} on {e.filename}" if e.filename else text
+    path = e.filename or where
     if e.errno in DISK_FULL_ERRNOS:  # a full disk: how much its filesystem has left
-        text += f", a full disk ({size_text(free_bytes(e.filename))} free on its filesystem)" if e.filename else ", a full disk"
+        text += f", a full disk ({size_text(free_bytes(path))} free on its filesystem)" if path else ", a full disk"
     return text
 
 
@@ -161,7 +163,7 @@ class Stager:
         except BaseException as e:
             shutil.rmtree(snap, ignore_errors=True)  # a failed snapshot leaves nothing behind, manifest least of all
             if isinstance(e, OSError):
-                raise StagingError(f"staging snapshot {snap} failed: {os_error_text(e)}; "
+                raise StagingError(f"staging snapshot {snap} failed: {os_error_text(e, snap)}; "
                                    "the partial snapshot was removed") from e
             raise
 

@@ -161,3 +161,15 @@ def test_damaged_chunk_table_is_caught_in_the_manifest(tmp_path):
     man_path.write_text(json.dumps(man))
     with pytest.raises(StagingError, match="total_bytes .* but the chunks cover"):
         st.load("snap")
+
+
+def test_a_full_disk_error_without_a_file_name_still_says_the_space_left(tmp_path):
+    """A write to an open file raises ENOSPC without a file name: the free space is read where the snapshot goes."""
+    import errno as _errno
+
+    from dynaresize.staging.store import os_error_text
+
+    e = OSError(_errno.ENOSPC, "No space left on device")
+    assert "free on its filesystem" not in os_error_text(e)
+    text = os_error_text(e, tmp_path / "step-4" / "rank0-weights")  # not there any more: its nearest folder counts
+    assert text.startswith("ENOSPC (No space left on device), a full disk (") and "free on its filesystem)" in text
