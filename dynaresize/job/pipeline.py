@@ -169,7 +169,7 @@ class ContinuousSchedule:
             while not self.core.finished and not self.stopping:
                 for sent, ack in (self.replayed() if self.replay is not None else self.wait()):
                     self.observe(sent, ack)
-                if self.drain is not None and self.quiescent():
+                if self.drain is not None and (self.at_checkpoint() if self.replay is not None else self.quiescent()):
                     self.checkpoint_and_go_on()
                 elif not self.sent and not self.core.finished and not self.stopping and self.replay is None:
                     self.stalled()
@@ -280,6 +280,13 @@ class ContinuousSchedule:
             self.go_live()
             return []
         rec = self.replay[self.at_rec]
+        if "checkpoint" in rec:  # the drain reached its checkpoint here (run() takes it: at_checkpoint)
+            if self.drain != rec["checkpoint"]:
+                raise JobError(f"taking over the live ranks: line {self.at_rec + 2} of the segment of "
+                               f"{self.job.run_dir / 'schedule.jsonl'} ({rec}) is a checkpoint the replay does not "
+                               f"drain to (drain: {self.drain}); this is a DynaResize bug: please report it with the "
+                               f"run directory")
+            return []
         if "lost" in rec:  # the old coordinator fenced these off (Recovery.shrink): only this coordinator's part
             new = sorted(set(rec["lost"]) - set(self.job.state.lost))
             self.job.state.lost = sorted(set(self.job.state.lost) | set(new))
@@ -819,8 +826,14 @@ class ContinuousSchedule:
         resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
         self.deliver(self.behind(k), k)
 
+    def at_checkpoint(self) -> bool:
+        """A takeover's replay: the drain is over where the log says it was (when the old coordinator found nothing
+        in flight depends on when acks arrived, which the replay cannot see: the log line says it)."""
+        return self.at_rec < len(self.replay) and "checkpoint" in self.replay[self.at_rec]
+
     def checkpoint_and_go_on(self) -> None:
         k, p = self.drain, self.p
+        self.record({"checkpoint": k})  # where the drain ended, for a takeover's replay (parked actions go out now)
         stop = self.stop_requested()
         self.install_newest(k)  # whichever checkpoint follows (this one, the preemption's, the stop's)
         if self.preemption is not None and self.preemption.requested:
