@@ -51,6 +51,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.support.procs import children  # noqa: E402 - the process tree, as the fault tests read it
+
 CLASSES = ["kill_rollout", "freeze_rollout", "kill_coord", "second_coord", "kill_redis", "redis_refuses",
            "disk_full", "sigterm_all"]
 SCHEDULES = ["barrier_free", "barrier"]
@@ -175,20 +177,10 @@ def check_run(run_dir: Path, ref_dir: Path, steps: int) -> dict:
 
 
 # --- processes -----------------------------------------------------------------------------------------------------
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
 
 
 def descendants(root: int) -> set[int]:
-    kids, out, todo = _children(), set(), [root]
+    kids, out, todo = children(), set(), [root]
     while todo:
         pid = todo.pop()
         if pid in out:

@@ -17,27 +17,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.procs import children
 from test_job import B, G, SEED, batches, run, wait_for_batches  # noqa: E402 - tests/integration is on sys.path (rootdir-less)
 
 pytestmark = pytest.mark.integration
 
 
-def _children() -> dict[int, list[int]]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
 def job_processes(root: int) -> dict[int, str]:
     """The process ``root`` and all its descendants, with their command lines."""
-    kids, out, todo = _children(), {}, [root]
+    kids, out, todo = children(), {}, [root]
     while todo:
         pid = todo.pop()
         try:
