@@ -398,6 +398,8 @@ class ContinuousSchedule:
 
     # --- acks -> the core's events ----------------------------------------------------------------------------------
     def observe(self, sent: Sent, ack) -> None:
+        if self.sent.get(sent.flight.cmd.command_id) is not sent or ack.rank in sent.acks:
+            return  # the same answer again (a command resent under its id by a takeover is acked twice on the stream)
         if fence_aborted(ack) and sent.kind in ("generate", "validate"):
             self.redo(sent, ack)
             return
