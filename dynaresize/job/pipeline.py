@@ -141,6 +141,7 @@ class ContinuousSchedule:
         # barrier-free: how versions travel (comm: rank 0 -> each rank over the world group; file: the fallback)
         self.transport = job.cfg.pipeline.weights_transport
         self.gen_version: dict[int, int] = {}  # rollout rank -> newest version of the generates sent to it
+        self.gen_last: dict[int, int] = {}  # rollout rank -> the version of the last generate sent to it (installed)
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
         self.drain: int | None = None  # the step a drain stops at (a checkpoint, a stop)
         self.parked: list = []  # actions held back while draining
@@ -455,6 +456,7 @@ class ContinuousSchedule:
                 for r in sent.movers:
                     self.feed(SwitchDone(r))
                     self.gen_version.pop(r, None)  # a former trainer holds the newest version: nothing to receive again
+                    self.gen_last.pop(r, None)
                     if self.core.role(r) is Role.ROLLOUT:
                         self.inflight_groups[r] = 0
                         self.ready(r)
@@ -720,13 +722,16 @@ class ContinuousSchedule:
         self.send("push_weights", [0], {"version": version, "ranks": ranks}, version=version)
 
     def again(self, rank: int, version: int) -> None:
-        """comm: before a generate of ``version`` on ``rank``, which was already sent a generate of a newer version
-        (a lost rank's groups of an older version handed to it: it will have installed the newer one by then), the
-        rank receives ``version`` again from rank 0 (the file fallback reads the snapshot again by itself)."""
-        if not self.barrier and self.transport == "comm" and version < self.gen_version.get(rank, version):
+        """comm: before a generate of ``version`` on ``rank`` that the rank installed before and replaced since (a lost
+        rank's or an extra round's groups of an older version handed to it after a newer one, or the newer one again
+        after those), the rank receives ``version`` again from rank 0 (the file fallback reads the snapshot again)."""
+        newest, last = self.gen_version.get(rank, version), self.gen_last.get(rank, version)
+        # installed before and replaced since (an older one handed out, or back to the newer one after it): gone
+        if not self.barrier and self.transport == "comm" and version != last and version <= newest:
             self.send("fetch_weights", [rank], {"version": version, "transport": "comm", "again": True},
                       label="fetch_again", version=version)
-        self.gen_version[rank] = max(version, self.gen_version.get(rank, version))
+        self.gen_version[rank] = max(version, newest)
+        self.gen_last[rank] = version
 
     def send_syncs(self) -> None:
         """Barrier: a version the core sent to the rollout pool goes in ONE blocking ``sync_weights`` from trainer
@@ -759,6 +764,7 @@ class ContinuousSchedule:
         self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
         for r in ranks:
             self.gen_version[r] = max(version, self.gen_version.get(r, version))
+            self.gen_last[r] = version
 
     def send_chunk(self, a: Train) -> None:
         """A chunk of batch k's complete groups, as the whole batch has them (a group's advantages are its own)."""
