@@ -191,6 +191,11 @@ class Coordinator:
         """A resume holds the run's epoch now (the coordinator it replaces is fenced off at its next write to Redis),
         but it read the checkpoint before: a coordinator still running meanwhile may have written a newer one (or
         finished the run). Start from the newest, never from an older one (that would train its steps again)."""
+        from dynaresize.job import checkpoints as ckpt
+
+        newest = ckpt.select_resume(self.run_dir, self.cfg.cluster.gpus)  # looks only: resume_state reports and repairs
+        if newest is None or newest.state.step <= self.job.state.step:
+            return
         st = resume_state(self.run_dir, self.cfg.cluster.gpus)
         if st is None or st.step <= self.job.state.step:
             return
