@@ -13,8 +13,10 @@ it. No process group is created for it (``comm.groups.created_after_startup()`` 
   tensors; :meth:`CommFetch.result` gives them to the install (the interface of :class:`dynaresize.staging.Prefetch`,
   the file path's reader).
 
-Every receive has exactly one send: the coordinator pushes a version to a rank only after that rank's
-``fetch_weights`` ack says it started a receive. Transfers of different versions carry different tags
+Every receive has exactly one send. A new version's fetches go out with a ``push_weights`` to rank 0 beside them
+(ahead of rank 0's next training command, which would otherwise hold the push up for a whole chunk), each fetch
+marked ``pushed``: the rank then posts one receive whatever it holds (into a buffer it drops when it needs none).
+Any other fetch (received again, a resume's) is pushed only after its ack says it started a receive. Transfers of different versions carry different tags
 (:func:`dynaresize.comm.weights.version_tag`).
 
 Why point to point and not the pre-built sync group's broadcast: a collective needs every member at once, while

@@ -42,8 +42,9 @@ prompts (GRPO groups) the scheduler assigned, ``train_chunk`` per chunk of compl
 ``optimizer_step`` with the whole batch's normaliser (after which rank 0 keeps a copy of the new weights, or with
 the file fallback stages them to the run's weights directory), ``fetch_weights`` to receive a version on a rollout
 rank in the background into a second buffer (point to point from rank 0 over the pre-built world group once
-``push_weights`` tells rank 0 to send it; or read from the run's weights directory); the ``generate`` that asks for
-that version installs it.
+``push_weights`` tells rank 0 to send it: sent together with the fetches of a new version, ``pushed``, so that rank 0
+queues the sends before its next training command; or read from the run's weights directory); the ``generate`` that
+asks for that version installs it.
 """
 
 from __future__ import annotations
@@ -127,17 +128,22 @@ class FetchWeightsPayload(_Payload):
                         "rank's groups of an older version handed to this rank)")
     keep: list[int] | None = Field(None, max_length=64, description="the versions the scheduler still counts in this "
                                    "rank's buffers: a fetched version not among them is dropped first (None: keep all)")
+    pushed: bool = Field(False, description="comm: rank 0 was told to send this version to this rank already (push_weights "
+                         "went with this fetch, not after its ack): the rank posts exactly one receive for it, into a "
+                         "discarded buffer when it holds or is receiving the version already")
 
 
 class FetchWeightsResult(_Msg):
     version: int
-    started: bool  # False: this rank already holds or is reading that version (comm: no receive posted, push nothing)
+    started: bool  # False: this rank already holds or is reading that version (comm: no receive posted, push nothing;
+    # pushed=true: a receive into a discarded buffer was posted for the send already on its way)
 
 
 class PushWeightsPayload(_Payload):
     version: int = Field(ge=1, description="policy version rank 0 holds (kept at its optimizer step) and sends")
     ranks: list[int] = Field(min_length=1, description="rollout ranks whose fetch_weights (transport comm) started a "
-                             "receive of this version: each gets it once, point to point")
+                             "receive of this version, or whose fetch_weights carries pushed=true (it posts one "
+                             "receive whatever it holds): each gets it once, point to point")
 
 
 class PushWeightsResult(_Msg):

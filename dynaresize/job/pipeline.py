@@ -429,7 +429,8 @@ class ContinuousSchedule:
                 self.validated()
                 self.ready(sent.rank)
             case "fetch_weights" | "fetch_again":
-                if self.transport == "comm" and res[sent.rank].get("started"):
+                if (self.transport == "comm" and res[sent.rank].get("started")
+                        and not sent.flight.cmd.payload.get("pushed")):
                     self.send_push(sent.version, [sent.rank])  # the receive is posted: rank 0 sends it (exactly once)
                 if sent.kind == "fetch_weights":
                     self.feed(WeightsArrived(sent.rank, sent.version))
@@ -624,6 +625,7 @@ class ContinuousSchedule:
             if isinstance(a, SendWeights) and a.blocking and not (self.drain is not None and self.parks(a)):
                 self.syncs.setdefault(a.version, set()).add(a.rank)
         self.send_syncs()
+        pushed = self.push_first(actions)
         for a in actions:
             if self.drain is not None and self.parks(a):
                 self.parked.append(a)
@@ -641,7 +643,7 @@ class ContinuousSchedule:
                     self.send_step(a)
                 case SendWeights(rank, version, blocking):
                     if not blocking:
-                        self.send_fetch(rank, version)
+                        self.send_fetch(rank, version, pushed=version in pushed)
                 case Decided(step, decision, sid):
                     self.decided(step, decision, sid)
                 case Switch(_, _, sid) if sid not in done_switch:
@@ -710,11 +712,30 @@ class ContinuousSchedule:
                 elif self.replay is None:  # a takeover's replay: recorded by the old coordinator
                     self.p.validation.record(v, time.monotonic() - t0)
 
-    def send_fetch(self, rank: int, version: int) -> None:
+    def push_first(self, actions) -> set[int]:
+        """comm: the versions the core sends to rollout ranks in ``actions`` go to rank 0 as ``push_weights`` now,
+        before any training command of this round, with each fetch marked ``pushed`` (the rank posts one receive
+        whatever it holds). Rank 0 runs its commands one at a time: a push sent after the fetch's ack waited behind
+        the chunk of the next batch rank 0 had started meanwhile (seconds), and the rollout ranks with it."""
+        if self.barrier or self.transport != "comm":
+            return set()
+        to: dict[int, list[int]] = {}
+        for a in actions:
+            if isinstance(a, SendWeights) and not a.blocking and not (self.drain is not None and self.parks(a)):
+                to.setdefault(a.version, []).append(a.rank)
+        for v, ranks in sorted(to.items()):
+            self.send_push(v, ranks)
+        return set(to)
+
+    def send_fetch(self, rank: int, version: int, pushed: bool = False) -> None:
         """The core sent ``version`` to ``rank``: the rank starts receiving it in the background (its ack is the
-        core's WeightsArrived; comm: once it says the receive is posted, rank 0 sends: ``send_push``)."""
+        core's WeightsArrived). comm: rank 0 sends it, told by ``push_first`` (``pushed``) or else once the fetch's ack
+        says the receive is posted (``send_push``)."""
         keep = sorted(set(self.core.versions_counted(rank)) | {version})  # a version the core dropped frees its buffer
-        self.send("fetch_weights", [rank], {"version": version, "transport": self.transport, "keep": keep}, version=version)
+        payload = {"version": version, "transport": self.transport, "keep": keep}
+        if pushed:
+            payload["pushed"] = True
+        self.send("fetch_weights", [rank], payload, version=version)
 
     def send_push(self, version: int, ranks: list[int]) -> None:
         """comm: rank 0 sends ``version`` to ``ranks`` from the copy it kept at its optimizer step, on background

@@ -50,6 +50,7 @@ command but ``ping`` first finishes the stream too (a fetch, a switch, a sync, t
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +69,8 @@ from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, Zer
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager, StagingError
 from dynaresize.worker.hooks import Hooks
+
+log = logging.getLogger("dynaresize.worker")
 
 
 class WorkerError(RuntimeError):
@@ -168,6 +171,7 @@ class Worker:
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
     held: set[int] = field(default_factory=set)  # versions this rank fetched or installed (a refetch reads only these)
+    discarded: list[CommFetch] = field(default_factory=list)  # receives of pushed versions not needed (dropped at the end)
     sender: WeightSender | None = None  # rank 0 with the comm transport: held versions, background sends
     stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
     done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
@@ -723,20 +727,37 @@ class Worker:
     # -- background weight transfer through the host -----------------------------------------------------------
 
     def _cmd_fetch_weights(self, version: int, transport: str = "file", again: bool = False,
-                           keep: list[int] | None = None) -> dict[str, Any]:
+                           keep: list[int] | None = None, pushed: bool = False) -> dict[str, Any]:
         """Start receiving ``version`` into host memory (a second buffer) on a background thread while the engine
         decodes with the one it holds: from rank 0 point to point over the world group (``comm``: rank 0 sends it
         once the coordinator pushes it), or read from the snapshot rank 0 published (``file``, the fallback).
         ``started`` is False when this rank already holds it (or a newer one) or is receiving it (``again``: comm,
         received even if held). A transfer error surfaces at the install. ``keep``: the versions the scheduler still
-        counts for this rank; a fetched version it no longer counts (no batch needs it) is dropped first."""
-        if self.rollout is None:
-            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
-        if transport == "file" and self.setup.weights_dir is None:
-            raise WorkerError(f"rank {self.rank}: fetch_weights needs the run's weights directory (WorkerSetup.weights_dir)")
-        if version in self.incoming or (version <= self.version and not (again and transport == "comm")):
-            self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
-            return {"version": version, "started": False}
+        counts for this rank; a fetched version it no longer counts (no batch needs it) is dropped first.
+        ``pushed`` (comm): rank 0 sends this version here whatever this rank answers, so exactly one receive is posted
+        for it, even when it is not needed (into a buffer dropped when it ends) or when the fetch is refused."""
+        owed = pushed and transport == "comm"
+        try:
+            if self.rollout is None:
+                raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
+            if transport == "file" and self.setup.weights_dir is None:
+                raise WorkerError(f"rank {self.rank}: fetch_weights needs the run's weights directory (WorkerSetup.weights_dir)")
+            if version in self.incoming or (version <= self.version and not (again and transport == "comm")):
+                self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
+                return {"version": version, "started": False}
+            out = self._start_fetch(version, transport, keep)
+            owed = False
+            return out
+        finally:
+            if owed:  # the send on its way has its one receive; what it brings is dropped
+                self.discarded = [d for d in self.discarded if d.finished is None]
+                try:
+                    self.discarded.append(CommFetch(self._weights(), 0, version,
+                                                    self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev))
+                except Exception as e:  # noqa: BLE001 - rank 0's send to this rank then waits out its timeout
+                    log.warning("rank %d: no receive posted for version %d pushed here: %s", self.rank, version, e)
+
+    def _start_fetch(self, version: int, transport: str, keep: list[int] | None) -> dict[str, Any]:
         if keep is not None:
             for v in [v for v in self.incoming if v not in keep]:
                 del self.incoming[v]  # a read still running ends on its own thread, its copy then freed

@@ -1,7 +1,7 @@
 """Weights over the communicators (``pipeline.weights_transport: comm``) with four real worker processes (gloo,
 DeepSpeed on CPU) and a real Redis data plane: rank 0 keeps a copy of the new version at its optimizer step and
 sends it point to point over the world group built at start-up to each rollout rank whose ``fetch_weights`` posted
-a receive (``push_weights``); the rollout rank receives it into a second buffer while it holds the old version, and
+a receive (``push_weights``; or before it, the fetch marked ``pushed``); the rollout rank receives it into a second buffer while it holds the old version, and
 the ``generate`` that asks for it installs it: bit-identical to the trainer's. A rank that installed a newer version
 receives an older one again on request; nothing goes through the weights directory; no process group is created
 after start-up. The file fallback is tests/integration/test_worker_streaming.py."""
@@ -73,6 +73,21 @@ def test_versions_reach_rollout_ranks_over_the_world_group_into_a_second_buffer(
         d = c.call("state_digest", ranks=[2])[2]
         assert (d["weights"], d["version"]) == (v1, 1)
 
+        # the coordinator's order for a new version: rank 0 told first (ahead of its next training command), the
+        # fetch marked pushed; pushed to a rank that holds it already, the rank still posts the one receive (dropped)
+        c.call("push_weights", {"version": 2, "ranks": [3]}, ranks=[0])
+        assert c.call("fetch_weights", {"version": 2, "transport": "comm", "pushed": True}, ranks=[3])[3]["started"] is True
+        c.call("generate", {**gen, "version": 2}, ranks=[3])
+        assert c.call("state_digest", ranks=[3])[3]["weights"] == v2
+        c.call("push_weights", {"version": 2, "ranks": [3]}, ranks=[0])
+        assert c.call("fetch_weights", {"version": 2, "transport": "comm", "pushed": True}, ranks=[3])[3]["started"] is False
+        assert c.call("state_digest", ranks=[3])[3]["incoming"] == []
+        # rank 0 sends to a rank in order: without that receive, this send would wait behind the one above for ever
+        assert c.call("fetch_weights", {"version": 1, "transport": "comm", "again": True}, ranks=[3])[3]["started"] is True
+        c.call("push_weights", {"version": 1, "ranks": [3]}, ranks=[0])
+        c.call("generate", {**gen, "version": 1}, ranks=[3])
+        assert c.call("state_digest", ranks=[3])[3]["weights"] == v1
+
         # what rank 0 refuses: a version it kept no copy of (nor holds), a push from another rank
         with pytest.raises(LocalWorkerError, match=r"holds no copy of version 5 to send \(held: 1, 2\)"):
             c.call("push_weights", {"version": 5, "ranks": [3]}, ranks=[0])
@@ -85,8 +100,8 @@ def test_versions_reach_rollout_ranks_over_the_world_group_into_a_second_buffer(
     assert not weights_dir.exists() or not any(weights_dir.iterdir()), "a version went through the weights directory"
     stages = [e for e in read_events(events) if e.type.value == "stage" and e["stage"] == "weight_sync"]
     recv = sorted((e["ranks"], e["version"]) for e in stages if e.get("background") and e.get("to") is None)
-    assert recv == [("2", 1), ("2", 1), ("2", 2), ("3", 1)]
+    assert recv == [("2", 1), ("2", 1), ("2", 2), ("3", 1), ("3", 1), ("3", 2)]  # a dropped receive is not logged
     assert all(e.get("transport") == "comm" and e["bytes"] > 0 for e in stages if e.get("background"))
     sends = sorted((e["to"], e["version"]) for e in stages if e.get("to") is not None)
-    assert sends == [(2, 1), (2, 1), (2, 2), (3, 1)] and all(e["ranks"] == "0" and e.get("error") is None
+    assert sends == [(2, 1), (2, 1), (2, 2), (3, 1), (3, 1), (3, 2), (3, 2)] and all(e["ranks"] == "0" and e.get("error") is None
                                                              for e in stages if e.get("to") is not None)
