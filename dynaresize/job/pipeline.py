@@ -777,8 +777,11 @@ class ContinuousSchedule:
             self.p.tx.call(self.at, "sync_weights", [0] + self.job.rollouts(), {"version": version, "n_train": st.n_train,
                                                                               "lost": st.lost})
             return
-        # a no-op where the transfer is under way or done; comm: rank 0 sends where a receive started
-        fetched = self.p.tx.call(self.at, "fetch_weights", ranks, {"version": version, "transport": self.transport})
+        # a no-op where the transfer is under way or done; comm: rank 0 sends where a receive started. ``version`` is
+        # the newest one and the generate below installs it: a version a rank fetched and never installed (an idle
+        # rank's, at the run's end) is dropped first, else a rank holding two failed the run at its last step
+        fetched = self.p.tx.call(self.at, "fetch_weights", ranks, {"version": version, "transport": self.transport,
+                                                                   "keep": [version]})
         started = [r for r, a in sorted(fetched.acks.items()) if (a.result or {}).get("started")]
         if self.transport == "comm" and started:
             self.p.tx.call(self.at, "push_weights", [0], {"version": version, "ranks": started})

@@ -146,11 +146,13 @@ class _Streamed:
     tokens: int = 0
 
 
-# Commands that run beside the stream (they change nothing it uses). Not fetch_weights: its ack tells the scheduler
-# core the rank may take the new version's groups, and answered ahead of the generates before it the rank moves on
-# to the new version sooner than the core's version bookkeeping allows for (a lost rank's groups of the old version
-# handed back to a rank that already installed the new one: tests/integration/test_continuous_schedule.py).
-CONCURRENT = frozenset({"ping"})
+# Commands that run beside the stream (they change nothing it uses). fetch_weights only starts a receive (or a read)
+# into a second buffer: the stream goes on with the version it holds, and the generate of the new version installs
+# it after the old one's samples ended (settle). Its ack comes before the old version's generates end, so the core
+# may hand this rank the new version's groups while the old ones decode (no round trip at the version's boundary),
+# and a lost rank's groups of the old version after the rank installed the new one: the coordinator then has it
+# receive the old version again (comm, ``again``) or the rank reads its snapshot again (file, ``_refetch``).
+CONCURRENT = frozenset({"ping", "fetch_weights"})
 GROUPS_CREATED_METRIC = "comm/groups_created_after_startup"  # logged by each rank at its shutdown (0 expected)
 
 
