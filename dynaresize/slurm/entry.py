@@ -52,7 +52,7 @@ from dynaresize.config.loader import ConfigError
 from dynaresize.config.schema import Config
 from dynaresize.slurm import identity as identity_mod
 from dynaresize.slurm.identity import SlurmIdentity
-from dynaresize.slurm.preempt import Action, Decision, Preemption, TermDeferral
+from dynaresize.slurm.preempt import PreemptAction, PreemptDecision, Preemption, TermDeferral
 from dynaresize.slurm.rundir import load_run_config, prepare_in_job
 from dynaresize.slurm.spec import COORDINATOR_LISTENS_ENV, USR2_SEEN_ENV
 
@@ -248,13 +248,13 @@ def _ranks_lost(e: BaseException) -> bool:
     return isinstance(e, RanksLost)
 
 
-def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> Decision:
+def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> PreemptDecision:
     """Pure: ranks were lost and every rank must start again from the checkpoint; requeue the job or give up."""
     if not requeue_enabled:
-        return Decision(Action.STOP, "ranks lost; slurm.requeue is off (or not under Slurm): the job fails, resubmit to resume")
+        return PreemptDecision(PreemptAction.STOP, "ranks lost; slurm.requeue is off (or not under Slurm): the job fails, resubmit to resume")
     if done >= limit:
-        return Decision(Action.STOP, f"ranks lost; the job was already requeued {done} times for lost ranks (faults.max_restarts={limit}): the job fails")
-    return Decision(Action.REQUEUED, f"ranks lost; requeue {done + 1} of at most {limit} for lost ranks: every rank starts again from the last checkpoint")
+        return PreemptDecision(PreemptAction.STOP, f"ranks lost; the job was already requeued {done} times for lost ranks (faults.max_restarts={limit}): the job fails")
+    return PreemptDecision(PreemptAction.REQUEUED, f"ranks lost; requeue {done + 1} of at most {limit} for lost ranks: every rank starts again from the last checkpoint")
 
 
 def _relaunches(run_dir: Path) -> list[dict]:
@@ -279,7 +279,7 @@ def relaunch(ctx: SlurmContext, why: str) -> int:
     history = _relaunches(ctx.run_dir)
     d = decide_relaunch(len(history), ctx.cfg.faults.max_restarts, bool(ctx.cfg.slurm.requeue and ident is not None))
     log.error("%s: %s", why, d.reason)
-    if d.action is not Action.REQUEUED:
+    if d.action is not PreemptAction.REQUEUED:
         return 1
     assert ident is not None
     p = Path(ctx.run_dir) / "slurm" / RELAUNCH_FILE

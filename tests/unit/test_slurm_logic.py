@@ -17,7 +17,7 @@ from dynaresize.config.loader import load_config
 from dynaresize.slurm import rendezvous
 from dynaresize.slurm.entry import allocation_problems
 from dynaresize.slurm.identity import IdentityError, from_env
-from dynaresize.slurm.preempt import Action, Preemption, decide
+from dynaresize.slurm.preempt import PreemptAction, Preemption, decide
 from dynaresize.slurm.state import JobState, aggregate, leader_of, offset_of, parse_scontrol, parse_squeue
 
 pytestmark = pytest.mark.unit
@@ -93,10 +93,10 @@ def test_identity_of_a_worker_rank() -> None:
 
 
 def test_preemption_decisions() -> None:
-    assert decide(False, True, 0, 3).action is Action.CONTINUE
-    assert decide(True, True, 0, 3).action is Action.REQUEUED
-    assert decide(True, True, 3, 3).action is Action.STOP
-    assert decide(True, False, 0, 3).action is Action.STOP
+    assert decide(False, True, 0, 3).action is PreemptAction.CONTINUE
+    assert decide(True, True, 0, 3).action is PreemptAction.REQUEUED
+    assert decide(True, True, 3, 3).action is PreemptAction.STOP
+    assert decide(True, False, 0, 3).action is PreemptAction.STOP
 
 
 def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
@@ -106,7 +106,7 @@ def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
     pre.on_checkpoint(lambda reason: calls.append("checkpoint"))
     pre.install()
     try:
-        assert pre.poll() is Action.CONTINUE and calls == []
+        assert pre.poll() is PreemptAction.CONTINUE and calls == []
         # a child started after install() inherits the blocked signal: USR2 must not kill it (like redis-server)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -118,9 +118,9 @@ def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
         assert child.poll() is None, "a child of the coordinator died of USR2"
         child.kill()
         child.wait()
-        assert pre.poll() is Action.REQUEUED
+        assert pre.poll() is PreemptAction.REQUEUED
         assert calls == ["checkpoint", "requeue 42"]
-        assert pre.poll() is Action.REQUEUED and len(calls) == 2  # handled once
+        assert pre.poll() is PreemptAction.REQUEUED and len(calls) == 2  # handled once
     finally:
         pre.uninstall()
     assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
@@ -134,7 +134,7 @@ def test_failed_requeue_stops_after_checkpoint() -> None:
     pre = Preemption("42", 0, True, 2, requeue_fn=boom)
     pre.on_checkpoint(calls.append)
     pre.trigger()
-    assert pre.poll() is Action.STOP and len(calls) == 1 and "requeue failed" in pre.handled.reason
+    assert pre.poll() is PreemptAction.STOP and len(calls) == 1 and "requeue failed" in pre.handled.reason
 
 
 def test_rendezvous_matches_job_incarnation(tmp_path: Path) -> None:
