@@ -60,8 +60,7 @@ from dynaresize.job.takeover import Segment, StoredAcks, fence_aborted, redo_id,
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation
+from dynaresize.policy.types import Decision, Observation, ResizeAction
 from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
@@ -812,7 +811,7 @@ class ContinuousSchedule:
         if movers != list(range(min(old, new), max(old, new))):
             raise JobError(f"switch {sid}: ranks {movers} do not border the trainers 0..{old - 1}")
         n_alive = len(job.alive())
-        d = self.decisions.get(sid) or Decision(PolicyAction.RESIZE, Topology(new, n_alive - new), "the core's resize")
+        d = self.decisions.get(sid) or Decision(ResizeAction.RESIZE, Topology(new, n_alive - new), "the core's resize")
         if d.target.n_train != new:
             d = replace(d, target=Topology(new, n_alive - new))
         union = [r for r in range(max(old, new)) if r not in st.lost]

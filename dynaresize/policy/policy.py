@@ -48,7 +48,7 @@ from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
 from dynaresize.policy.pipeline import PipelinePredictor
 from dynaresize.policy.predictor import StageModel
-from dynaresize.policy.types import Action, Decision, Estimates, LeftSplit, Observation, PolicyState, Topology
+from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation, PolicyState, ResizeAction, Topology
 
 
 MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
@@ -85,7 +85,7 @@ class ResizePolicy:
         imb, direction = self._imbalance(est, cur)
 
         def hold(reason: str, st: PolicyState) -> tuple[PolicyState, Decision]:
-            return st, Decision(Action.HOLD, cur, reason, imbalance=imb)
+            return st, Decision(ResizeAction.HOLD, cur, reason, imbalance=imb)
 
         if not cfg.enabled:
             return hold("disabled", state)
@@ -295,7 +295,7 @@ class ResizePolicy:
             resized_at=(state.resized_at + (step,))[-4:],
         )
         plan = self.costs.plan(cur, target)
-        return new_state, Decision(Action.RESIZE, target, reason, plan, cost, imb, saving)
+        return new_state, Decision(ResizeAction.RESIZE, target, reason, plan, cost, imb, saving)
 
 
 def greedy_config(cfg: PolicyConfig) -> PolicyConfig:

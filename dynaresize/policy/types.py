@@ -78,7 +78,7 @@ class Observation:
         return max(self.rollout_s + self.weight_sync_s, self.train_s)
 
 
-class Action(str, enum.Enum):
+class ResizeAction(str, enum.Enum):
     HOLD = "hold"
     RESIZE = "resize"
 
@@ -104,7 +104,7 @@ class PlannedOp:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    action: Action
+    action: ResizeAction
     target: Topology  # equals the current topology when holding
     reason: str
     plan: tuple[PlannedOp, ...] = ()
@@ -114,7 +114,7 @@ class Decision:
 
     @property
     def resize(self) -> bool:
-        return self.action is Action.RESIZE
+        return self.action is ResizeAction.RESIZE
 
 
 @dataclass(frozen=True, slots=True)

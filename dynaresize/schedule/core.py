@@ -59,8 +59,7 @@ from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.predictor import efficiency
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, PolicyState
+from dynaresize.policy.types import Decision, PolicyState, ResizeAction
 from dynaresize.schedule.types import (
     Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
@@ -986,7 +985,7 @@ class PipelineScheduler:
             return
         sid = self.switch_id
         self.switch_id += 1
-        dec = Decision(PolicyAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
+        dec = Decision(ResizeAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
         out.append(Decided(max(0, self.produced - 1), dec, sid))
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid

@@ -45,7 +45,7 @@ from typing import Protocol
 
 from dynaresize.events import Event, EventType, make_event
 from dynaresize.policy import Decision, Observation, OpGroup, SwitchCostModel, Topology
-from dynaresize.policy.types import Action
+from dynaresize.policy.types import ResizeAction
 from dynaresize.sim.stages import StageTable
 
 
@@ -57,7 +57,7 @@ class StaticController:
     """Never resizes (the static baselines)."""
 
     def decide(self, obs: Observation) -> Decision:
-        return Decision(Action.HOLD, obs.topology, "static split")
+        return Decision(ResizeAction.HOLD, obs.topology, "static split")
 
 
 @dataclass
@@ -321,7 +321,7 @@ class Pipeline:
             target = self.forced.get(k + 1)
             if target is not None:
                 if target != self.topo.n_train:
-                    dec = Decision(Action.RESIZE, Topology(target, self.N - target), "forced by policy.forced_splits")
+                    dec = Decision(ResizeAction.RESIZE, Topology(target, self.N - target), "forced by policy.forced_splits")
                     self.emit(t_d, EventType.DECISION, step=k + 1, action=dec.action.value, reason=dec.reason,
                               target_train=target, target_rollout=self.N - target)
                     self._close_pending()

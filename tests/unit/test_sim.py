@@ -13,7 +13,7 @@ from dynaresize.cli import main as cli_main
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.events import EventType, ReadStats, read_events
 from dynaresize.policy import Decision, Observation, OpGroup, Topology
-from dynaresize.policy.types import Action
+from dynaresize.policy.types import ResizeAction
 from dynaresize.sim import stages
 from dynaresize.sim.cli import merge_costs
 from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup
@@ -183,8 +183,8 @@ class ResizeOnce:
     def decide(self, obs: Observation) -> Decision:
         self.seen.append(obs.step)
         if obs.step == self.at:
-            return Decision(Action.RESIZE, self.target, "scripted")
-        return Decision(Action.HOLD, obs.topology, "scripted")
+            return Decision(ResizeAction.RESIZE, self.target, "scripted")
+        return Decision(ResizeAction.HOLD, obs.topology, "scripted")
 
 
 def _crit(costs, src, dst):
