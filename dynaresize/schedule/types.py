@@ -16,15 +16,10 @@ Conventions (one-step-off pipeline, staleness bound ``s``):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from dynaresize.events import Role  # a rank's role; the core assigns TRAIN and ROLLOUT only (never IDLE)
 from dynaresize.policy.types import Decision, Observation
-
-
-class Role(str, enum.Enum):
-    TRAIN = "train"
-    ROLLOUT = "rollout"
 
 
 def version_of(batch: int, staleness: int) -> int:
