@@ -61,8 +61,8 @@ from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import Decision, PolicyState, ResizeAction
 from dynaresize.schedule.types import (
-    Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
-    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    Action, Assign, Decided, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
 
@@ -269,7 +269,7 @@ class PipelineScheduler:
         self._try_train(out)  # a resume: the batch generated before the checkpoint trains at once
         return out
 
-    def handle(self, ev: Event) -> list[Action]:
+    def handle(self, ev: SchedulerEvent) -> list[Action]:
         out: list[Action] = []
         if self.restarting:
             return out
@@ -289,7 +289,7 @@ class PipelineScheduler:
             self._offer_generation(out)
         return out
 
-    def _handle_rest(self, ev: Event, out: list[Action]) -> None:
+    def _handle_rest(self, ev: SchedulerEvent, out: list[Action]) -> None:
         match ev:
             case TrainChunkDone(batch):
                 self._chunk_done(batch, out)
@@ -994,7 +994,7 @@ class PipelineScheduler:
             self._start_switch(rank, out)
 
 
-def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:
+def replay(cfg: SchedulerConfig, events: Sequence[SchedulerEvent], policy: ResizePolicy | None = None) -> list[list[Action]]:
     """Feed ``events`` to a fresh core; the actions of ``start()`` then of each event (for replay tests)."""
     core = PipelineScheduler(cfg, policy)
     return [core.start()] + [core.handle(e) for e in events]

@@ -222,7 +222,7 @@ class TrainerBack:
     rank: int
 
 
-Event = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
+SchedulerEvent = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
          | HelpDone | TrainerBack | ValidationDone)
 
 
