@@ -325,7 +325,7 @@ class Restart:
     reason: str
 
 
-Action = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
+SchedulerAction = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
 
 
 class ScheduleError(RuntimeError):
