@@ -53,7 +53,7 @@ from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
-from dynaresize.job.reporting import TrainResult
+from dynaresize.job.reporting import TrainedBatch
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.job.takeover import Segment, StoredAcks, fence_aborted, redo_id, replace_log
@@ -479,7 +479,7 @@ class ContinuousSchedule:
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
                                 **chunk_loss_means(t.chunk_stats.get(r, []))}}
                    for r, x in sorted(res.items())]
-        trained = TrainResult(sum(x["loss"] for x in results), results)
+        trained = TrainedBatch(sum(x["loss"] for x in results), results)
         st.step, st.version = k + 1, k + 1
         now = time.monotonic()
         st.loop_s += now - (self.t_step if self.t_step is not None else now)
