@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dynaresize.job.checkpointing import Checkpointer
+from dynaresize.job.checkpointer import Checkpointer
 from dynaresize.job.filtering import BatchAssembler
 from dynaresize.job.journal import Journal
 from dynaresize.job.planner import Planner

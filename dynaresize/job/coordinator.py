@@ -25,7 +25,7 @@ This module is the loop only; each decision lives in a component of its own (bui
 :func:`dynaresize.job.bootstrap.wire`, sharing the typed :class:`~dynaresize.job.runtime.Job` and
 :class:`~dynaresize.job.runtime.Services`): ``transport`` (command ids from an explicit :class:`Phase`, acks,
 liveness), ``ranks``, ``planner``, ``recovery``, ``rollout``, ``training``, ``switching``, ``validation``,
-``checkpointing``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator`.
+``checkpointer``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator`.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from dynaresize.disk import describe, is_disk_full
 from dynaresize.events import EventLog, format_ranks
 from dynaresize.job import bootstrap
 from dynaresize.job.bootstrap import Parts
-from dynaresize.job.checkpointing import next_incarnation, resume_state, rewind_batches
+from dynaresize.job.checkpointer import next_incarnation, resume_state, rewind_batches
 from dynaresize.job.errors import JobError, OperatorStop, RanksLost, where_stopped
 from dynaresize.job.pipeline import ContinuousSchedule
 from dynaresize.job.planner import Planner

@@ -338,7 +338,7 @@ class ContinuousSchedule:
         next id of its chain. Then the steps the old coordinator reported past the replay are rewound."""
         if self.replay is None:
             return
-        from dynaresize.job.checkpointing import rewind_batches
+        from dynaresize.job.checkpointer import rewind_batches
 
         tx, bus, job = self.p.tx, self.p.svc.bus, self.job
         self.replay, tx.replay, tx.on_frontier = None, None, None
