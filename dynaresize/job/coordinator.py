@@ -191,7 +191,7 @@ class Coordinator:
         """A resume holds the run's epoch now (the coordinator it replaces is fenced off at its next write to Redis),
         but it read the checkpoint before: a coordinator still running meanwhile may have written a newer one (or
         finished the run). Start from the newest, never from an older one (that would train its steps again)."""
-        from dynaresize.job import checkpoints as ckpt
+        from dynaresize.job import checkpoint_files as ckpt
 
         newest = ckpt.select_resume(self.run_dir, self.cfg.cluster.gpus)  # looks only: resume_state reports and repairs
         if newest is None or newest.state.step <= self.job.state.step:

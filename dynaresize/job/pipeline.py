@@ -384,7 +384,7 @@ class ContinuousSchedule:
 
     def checkpointed(self, k: int) -> bool:
         """A takeover's replay reaches the checkpoint at step k: whether the old coordinator wrote it."""
-        from dynaresize.job.checkpoints import tag_step
+        from dynaresize.job.checkpoint_files import tag_step
         from dynaresize.job.state import load_state
 
         try:

@@ -1,4 +1,4 @@
-"""Checkpoint files of a run (dynaresize.job.checkpoints): verify, choose the resume point, discard, retain.
+"""Checkpoint files of a run (dynaresize.job.checkpoint_files): verify, choose the resume point, discard, retain.
 
 Checkpoints here are staged with the real Stager, as the worker ranks stage them (weights on every rank, ZeRO
 partitions on the trainers, the coordinator's state written last), then damaged on disk."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynaresize.job import checkpoints as C
+from dynaresize.job import checkpoint_files as C
 from dynaresize.job.state import JobState, StateError, save_state
 from dynaresize.staging import Stager
 
