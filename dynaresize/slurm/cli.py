@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(render_sbatch(spec))
         return 0
     from dynaresize.slurm import adapter
-    from dynaresize.slurm.rundir import new_run_dir, record_job
+    from dynaresize.slurm.jobdir import new_run_dir, record_job
 
     reason = adapter.unavailable_reason()
     if reason:

@@ -53,7 +53,7 @@ from dynaresize.config.schema import Config
 from dynaresize.slurm import identity as identity_mod
 from dynaresize.slurm.identity import SlurmIdentity
 from dynaresize.slurm.preempt import PreemptAction, PreemptDecision, Preemption, TermDeferral
-from dynaresize.slurm.rundir import load_run_config, prepare_in_job
+from dynaresize.slurm.jobdir import load_run_config, prepare_in_job
 from dynaresize.slurm.spec import COORDINATOR_LISTENS_ENV, USR2_SEEN_ENV
 
 log = logging.getLogger("dynaresize.slurm.entry")

@@ -40,7 +40,7 @@ def submit(tmp_path: Path, *overrides: str, wait: bool, models: Path | None = No
 
 
 def job_id_of(run_dir: Path) -> str:
-    from dynaresize.slurm.rundir import JOB_ID_FILE
+    from dynaresize.slurm.jobdir import JOB_ID_FILE
     from dynaresize.slurm.spec import SLURM_SUBDIR
 
     return (run_dir / SLURM_SUBDIR / JOB_ID_FILE).read_text().strip()
