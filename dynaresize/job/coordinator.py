@@ -25,7 +25,7 @@ This module is the loop only; each decision lives in a component of its own (bui
 :func:`dynaresize.job.bootstrap.wire`, sharing the typed :class:`~dynaresize.job.runtime.Job` and
 :class:`~dynaresize.job.runtime.Services`): ``transport`` (command ids from an explicit :class:`Phase`, acks,
 liveness), ``ranks``, ``planner``, ``recovery``, ``rollout``, ``training``, ``switching``, ``validation``,
-``checkpointer``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator`.
+``checkpointer``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator_component`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ resolved ``<run_dir>/config.yaml`` written at submit time, build a :class:`Slurm
 Slurm identity, preemption hook) and hand it to the main job, found lazily so this module never imports torch:
 
 ==============  =====================================================================================
-coordinator     ``dynaresize.slurm.coordinator.run_coordinator(ctx: SlurmContext) -> int``
+coordinator     ``dynaresize.slurm.coordinator_component.run_coordinator(ctx: SlurmContext) -> int``
 worker          ``dynaresize.worker.main.run_worker(ctx: SlurmContext) -> int``
 ==============  =====================================================================================
 
@@ -61,7 +61,7 @@ log = logging.getLogger("dynaresize.slurm.entry")
 RELAUNCH_FILE = "relaunches.json"  # <run_dir>/slurm/: the requeues this entry made after lost ranks
 
 JOB_ENTRY_POINTS = {
-    "coordinator": ("dynaresize.slurm.coordinator", "run_coordinator"),
+    "coordinator": ("dynaresize.slurm.coordinator_component", "run_coordinator"),
     "worker": ("dynaresize.worker.main", "run_worker"),
 }
 
