@@ -30,8 +30,9 @@ tests/unit/test_policy.py and test_policy_noise.py):
 
 Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
 (:mod:`dynaresize.policy.predictor`); ``pipeline`` plays each candidate forward on the run's recent batches
-(:mod:`dynaresize.policy.pipeline`) wherever the observation carries its batch (the barrier-free schedule), and then
-rule 3's imbalance is the predicted relative gain of the best candidate, against ``min_relative_gain``.
+(:mod:`dynaresize.policy.pipeline_predictor`) wherever the observation carries its batch (the barrier-free
+schedule), and then rule 3's imbalance is the predicted relative gain of the best candidate, against
+``min_relative_gain``.
 
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
@@ -46,7 +47,7 @@ import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
-from dynaresize.policy.pipeline import PipelinePredictor
+from dynaresize.policy.pipeline_predictor import PipelinePredictor
 from dynaresize.policy.predictor import StageModel
 from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation, PolicyState, ResizeAction, Topology
 

@@ -32,10 +32,10 @@ class Topology:
 
 @dataclass(frozen=True, slots=True)
 class PipelineWorkload:
-    """One finished batch as the barrier-free pipeline predictor replays it (:mod:`dynaresize.policy.pipeline`): the
-    batch's own response lengths and training cost, and the rollout GPUs' decode model. Observed, not configured:
-    the simulator fills it from the batch it simulated; a runtime would fill it from the batch's logged lengths and
-    its engine's measured iteration costs."""
+    """One finished batch as the barrier-free pipeline predictor replays it
+    (:mod:`dynaresize.policy.pipeline_predictor`): the batch's own response lengths and training cost, and the
+    rollout GPUs' decode model. Observed, not configured: the simulator fills it from the batch it simulated; a
+    runtime would fill it from the batch's logged lengths and its engine's measured iteration costs."""
 
     lengths: tuple[float, ...]  # response tokens per sequence, group by group (group_size consecutive per group)
     group_size: int
