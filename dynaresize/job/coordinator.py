@@ -3,7 +3,7 @@
 One-step-off pipeline with staleness bound ``s`` (``pipeline.staleness_bound``, default 1): while trainers train
 on batch ``k`` (producing policy version ``k+1``), rollout ranks already generate batch ``k+s`` with version ``k``.
 The pure scheduler core (:mod:`dynaresize.schedule`) decides every command, driven by
-:class:`dynaresize.job.pipeline.ContinuousSchedule`: ``pipeline.schedule: barrier_free`` (the default: continuous
+:class:`dynaresize.job.core_driver.ContinuousSchedule`: ``pipeline.schedule: barrier_free`` (the default: continuous
 rollout, streaming training) or ``barrier`` (the static one-step-off baseline); docs/schedule.md. Resizes go
 through the pure resizing policy (the simulator runs the very same code); ranks change role in place (no process
 restart, no new communicator), each switch a short list of fine-grained operations in the event log.
@@ -49,7 +49,7 @@ from dynaresize.job import bootstrap
 from dynaresize.job.bootstrap import Parts
 from dynaresize.job.checkpointer import next_incarnation, resume_state, rewind_batches
 from dynaresize.job.errors import JobError, OperatorStop, RanksLost, where_stopped
-from dynaresize.job.pipeline import ContinuousSchedule
+from dynaresize.job.core_driver import ContinuousSchedule
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import kill_leftovers
 from dynaresize.job.reporting import open_metrics, summary
@@ -249,7 +249,7 @@ class Coordinator:
     # the schedule
 
     def loop(self) -> None:
-        """The schedule on the scheduler core (``job.pipeline``), with or without its step barrier."""
+        """The schedule on the scheduler core (``job.core_driver``), with or without its step barrier."""
         self.at = Phase(f"c{self.job.state.step}")
         segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
         ContinuousSchedule(self.job, self.parts, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()

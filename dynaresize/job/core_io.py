@@ -2,7 +2,7 @@
 resize policy it consults (``policy.forced_splits`` first), ``schedule.jsonl`` (every event fed to the core and the
 actions it returned) and the replay of that log through a fresh core (:func:`replay_log`).
 
-Used by the continuous schedule (:mod:`dynaresize.job.pipeline`) and by anyone who studies a run afterwards::
+Used by the continuous schedule (:mod:`dynaresize.job.core_driver`) and by anyone who studies a run afterwards::
 
     from dynaresize.job.core_io import replay_log
     assert all(logged == again for _, logged, again in replay_log("runs/quickstart-..."))
