@@ -8,11 +8,20 @@ GPUs; each number says where it comes from (DESIGN = ../shared/DESIGN.md public 
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dynaresize.config.base import RuleError, Section
+
+log = logging.getLogger("dynaresize.config")
+
+# the step-level model's old schedule names: pipelined is the runtime's barrier schedule (the name the runtime uses),
+# lockstep the retired runtime loop (the runtime now reads its own pipeline.schedule=lockstep as barrier)
+_OLD_SCHEDULES = {"pipelined": "barrier", "lockstep": "barrier_lockstep"}
+_NEW_SCHEDULES = {"barrier": "the runtime's name for the same static one-step-off schedule",
+                  "barrier_lockstep": "the retired runtime loop it models, both pools started together each step"}
 
 
 class DynamicSamplingConfig(Section):
@@ -209,13 +218,17 @@ class SimConfig(Section):
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
     rollout: RolloutPhysicsConfig = Field(default_factory=RolloutPhysicsConfig, description="Decode physics of a rollout GPU")
     train: TrainPhysicsConfig = Field(default_factory=TrainPhysicsConfig, description="Training physics of a trainer GPU")
-    schedule: Literal["pipelined", "lockstep"] = Field(
-        "pipelined", description="pipelined: each stage starts when its inputs exist; lockstep: the runtime coordinator's "
-        "loop (both pools start a step together after the previous step's stages, the blocking weight sync and step_gap_s)"
+    schedule: Literal["barrier", "barrier_lockstep"] = Field(
+        "barrier", description="The step-level model's schedule, both the static one-step-off pipeline with its step "
+        "barrier. barrier: the runtime's pipeline.schedule=barrier, ideal: each stage starts when its inputs exist (a "
+        "batch's rollout once the previous one ended and its version exists, then the blocking weight sync; training "
+        "once the batch is complete); barrier_lockstep: the retired runtime loop (an old run's pipeline.schedule="
+        "lockstep): both pools start a step together after the previous step's stages, the blocking weight sync and "
+        "step_gap_s. Old names: pipelined (barrier), lockstep (barrier_lockstep)"
     )
     step_gap_s: float = Field(
-        0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
-        "command round trips; dynaresize calibrate measures it)"
+        0.0, ge=0, description="schedule=barrier_lockstep: coordinator seconds per step when neither pool works (batch "
+        "assembly, command round trips; dynaresize calibrate measures it)"
     )
     command_latency_s: float = Field(
         0.0, ge=0, description="Control-plane latency: seconds from the moment the coordinator decides a command (generate, "
@@ -228,6 +241,15 @@ class SimConfig(Section):
     compare_static_max: int = Field(
         64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
     )
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _old_schedule_names(cls, v: Any) -> Any:
+        new = _OLD_SCHEDULES.get(v) if isinstance(v, str) else None
+        if new is None:
+            return v
+        log.warning("sim.schedule: %s is now %s (%s); set sim.schedule: %s", v, new, _NEW_SCHEDULES[new], new)
+        return new
 
     @model_validator(mode="after")
     def _check(self) -> "SimConfig":

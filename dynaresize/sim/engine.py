@@ -30,7 +30,8 @@ decision:
 A switch's ``critical_path_s`` is how much later its gated stage ends than with a free, instant switch to the
 same split; ``hidden_s`` = the sum of its ops' costs minus that.
 
-``lockstep`` (``sim.schedule``) models the runtime coordinator's loop instead (``dynaresize run``): step k starts
+``barrier_lockstep`` (``sim.schedule``; ``barrier``, the default, is the ideal pipeline above) models the retired
+runtime coordinator's loop instead (an old run's ``pipeline.schedule: lockstep``): step k starts
 both R_{k+1} and T_k once T_{k-1} and R_k are done, the weight sync (blocking, on both pools) and ``step_gap_s``
 (batch assembly, command round trips) have passed; the policy decides at that moment and the switch's critical
 ops run before the step's stages. ``forced`` (``policy.forced_splits``, {step: trainers}) switches so that T_step

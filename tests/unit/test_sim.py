@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -172,6 +173,21 @@ def test_every_sim_scenario_validates():
     for p in sorted((ROOT / "configs/sim").glob("*.yaml")):
         cfg = load_config(p)
         assert cfg.sim.steps >= 2 and not math.isnan(cfg.sim.rollout.iteration_fixed_s)
+
+
+@pytest.mark.parametrize("old,new", [("pipelined", "barrier"), ("lockstep", "barrier_lockstep")])
+def test_the_old_sim_schedule_names_load_with_one_line_naming_the_new_setting(caplog, old, new):
+    """The step-level model's schedules take the runtime's names: ``pipelined`` is the runtime's ``barrier``,
+    ``lockstep`` the retired runtime loop (which the runtime itself now reads as ``barrier``)."""
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        cfg = load_config(ROOT / "configs/sim/base.yaml", [f"sim.schedule={old}"])
+    assert cfg.sim.schedule == new
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0] and f"set sim.schedule: {new}" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        assert load_config(ROOT / "configs/sim/base.yaml", [f"sim.schedule={new}"]).sim.schedule == new
+    assert not caplog.records
 
 
 class ResizeOnce:
