@@ -18,7 +18,7 @@ from dynaresize.slurm import rendezvous
 from dynaresize.slurm.entry import allocation_problems
 from dynaresize.slurm.identity import IdentityError, from_env
 from dynaresize.slurm.preempt import PreemptAction, Preemption, decide
-from dynaresize.slurm.state import JobState, aggregate, leader_of, offset_of, parse_scontrol, parse_squeue
+from dynaresize.slurm.state import SlurmJobState, aggregate, leader_of, offset_of, parse_scontrol, parse_squeue
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,26 +47,26 @@ def test_leader_id_mapping() -> None:
 def test_parse_squeue_folds_components_into_leader() -> None:
     st = parse_squeue(SQUEUE)
     assert set(st) == {"5", "7", "9"}
-    assert st["5"].state is JobState.COMPLETING and [c.job_id for c in st["5"].components] == ["5+0", "5+1"]
+    assert st["5"].state is SlurmJobState.COMPLETING and [c.job_id for c in st["5"].components] == ["5+0", "5+1"]
     assert st["5"].components[1].reason == "BeginTime"
-    assert st["7"].state is JobState.CANCELLED and st["7"].state.finished
-    assert st["9"].state is JobState.RUNNING and not st["9"].state.finished
+    assert st["7"].state is SlurmJobState.CANCELLED and st["7"].state.finished
+    assert st["9"].state is SlurmJobState.RUNNING and not st["9"].state.finished
 
 
 def test_parse_scontrol_maps_component_job_ids() -> None:
     st = parse_scontrol(SCONTROL)
-    assert list(st) == ["11"] and st["11"].state is JobState.RUNNING
+    assert list(st) == ["11"] and st["11"].state is SlurmJobState.RUNNING
     assert [c.job_id for c in st["11"].components] == ["11+0", "11+1"]
 
 
 def test_aggregate_prefers_activity_then_worst_end() -> None:
-    assert aggregate([JobState.PENDING, JobState.RUNNING]) is JobState.RUNNING
-    assert aggregate([JobState.COMPLETED, JobState.FAILED]) is JobState.FAILED
-    assert aggregate([JobState.COMPLETED, JobState.CANCELLED]) is JobState.CANCELLED
-    assert aggregate([JobState.COMPLETED, JobState.COMPLETED]) is JobState.COMPLETED
-    assert aggregate([]) is JobState.UNKNOWN
-    assert JobState.parse("CANCELLED by 0") is JobState.CANCELLED and JobState.parse("WEIRD") is JobState.UNKNOWN
-    assert JobState.GONE.finished and not JobState.UNKNOWN.finished
+    assert aggregate([SlurmJobState.PENDING, SlurmJobState.RUNNING]) is SlurmJobState.RUNNING
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.FAILED]) is SlurmJobState.FAILED
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.CANCELLED]) is SlurmJobState.CANCELLED
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.COMPLETED]) is SlurmJobState.COMPLETED
+    assert aggregate([]) is SlurmJobState.UNKNOWN
+    assert SlurmJobState.parse("CANCELLED by 0") is SlurmJobState.CANCELLED and SlurmJobState.parse("WEIRD") is SlurmJobState.UNKNOWN
+    assert SlurmJobState.GONE.finished and not SlurmJobState.UNKNOWN.finished
 
 
 # what srun --het-group=1 --gpus-per-task=1 set for task 3 of het job 3 (component id 4) on Slurm 22.05
