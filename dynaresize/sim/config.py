@@ -68,7 +68,7 @@ class DynamicSamplingConfig(Section):
     )
 
 
-class TaskConfig(Section):
+class WorkloadTaskConfig(Section):
     """One task of a mix: its own response and prompt length distributions (lognormal)."""
 
     name: str = Field(..., min_length=1, description="Task name (for reports)")
@@ -113,7 +113,7 @@ class WorkloadConfig(Section):
         "at the first; none: cap_share throughout). Long-CoT runs report a truncated share that grows as lengths reach "
         "the context limit (DeepScaleR's 8K stage; DAPO arXiv 2503.14476 shapes or filters overlong samples for it)"
     )
-    tasks: list[TaskConfig] = Field(
+    tasks: list[WorkloadTaskConfig] = Field(
         default_factory=list, description="A task mix: each prompt belongs to one task (drawn by task_weights) and its "
         "responses follow that task's lengths; replaces the drift (response_tokens_start/end) when set"
     )
