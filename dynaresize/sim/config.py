@@ -24,7 +24,7 @@ _NEW_SCHEDULES = {"barrier": "the runtime's name for the same static one-step-of
                   "barrier_lockstep": "the retired runtime loop it models, both pools started together each step"}
 
 
-class DynamicSamplingConfig(Section):
+class WorkloadDynamicSamplingConfig(Section):
     """DAPO-style dynamic sampling (arXiv 2503.14476, "dynamic sampling"; verl's recipe/dapo ``filter_groups``).
 
     Each prompt has a success probability drawn around the step's accuracy; its G responses get Bernoulli rewards;
@@ -121,8 +121,8 @@ class WorkloadConfig(Section):
         default_factory=dict, description="{from_step: one weight per task}: the mix from that step on (needs step 0; "
         "weights are normalised)"
     )
-    dynamic_sampling: DynamicSamplingConfig = Field(
-        default_factory=DynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
+    dynamic_sampling: WorkloadDynamicSamplingConfig = Field(
+        default_factory=WorkloadDynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
     )
     trace: str | None = Field(
         None, description="A run's batches.jsonl (or its run directory): step k's batch is that step's logged samples "
