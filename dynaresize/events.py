@@ -61,6 +61,9 @@ EVENTS_FILE = "events.jsonl"
 
 
 class Role(str, enum.Enum):
+    """A rank's role: the event log's, the heartbeats' and the scheduler core's (which assigns TRAIN and ROLLOUT;
+    IDLE: a stopping rank, the control demo's before its first role)."""
+
     ROLLOUT = "rollout"
     TRAIN = "train"
     IDLE = "idle"

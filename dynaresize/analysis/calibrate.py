@@ -49,8 +49,8 @@ def to_costs_section(fit: dict) -> dict:
     - ``workload``: the log's mean response length of every step (``response_tokens_by_step``), B x G, the
       length cap, and what a trained token counts; the length *shape* is not in the log (the default is kept).
     - ``command_latency_s``: the control plane's fitted latency per command (every log).
-    - ``schedule`` and ``step_gap_s``: lockstep with the coordinator's measured per-step gap for a runtime log, less
-      the two commands a step the model prices with ``command_latency_s``.
+    - ``schedule`` and ``step_gap_s``: barrier_lockstep with the coordinator's measured per-step gap for a runtime
+      log, less the two commands a step the model prices with ``command_latency_s``.
     ``rollout``, ``workload`` and ``schedule`` are written for real (non-simulated) logs only.
     """
     costs: dict = {}
@@ -92,8 +92,8 @@ def to_costs_section(fit: dict) -> dict:
                   trained_tokens=w["trained_tokens"])
         sim["workload"] = wl
     sc = fit.get("schedule") or {}
-    if sc.get("schedule") == "lockstep":
-        sim["schedule"] = "lockstep"
+    if sc.get("schedule") == "barrier_lockstep":
+        sim["schedule"] = "barrier_lockstep"
         if sc.get("step_gap_s") is not None:  # the model prices two commands a step on the critical path itself
             sim["step_gap_s"] = round(max(0.0, sc["step_gap_s"] - 2 * (lat or 0.0)), 6)
     return {**out, "sim": sim}
@@ -112,8 +112,8 @@ def _comments(fit: dict) -> str:
         lines.append(f"workload from the log: {w['steps']} steps of mean response length {min(w['response_tokens_by_step']):.1f}.."
                      f"{max(w['response_tokens_by_step']):.1f} tokens, {w['prompts_per_step']}x{w['responses_per_prompt']} samples, "
                      f"trained tokens = {w['trained_tokens']}; length shape (response_sigma) assumed, not in the log")
-    if sc.get("schedule") == "lockstep":
-        lines.append(f"schedule: lockstep (runtime coordinator), step_gap_s from {sc['n']} steps")
+    if sc.get("schedule") == "barrier_lockstep":
+        lines.append(f"schedule: barrier_lockstep (runtime coordinator), step_gap_s from {sc['n']} steps")
     cl = fit.get("command_latency") or {}
     if cl.get("n"):
         lines.append(f"command latency: median {cl['command_latency_s']:.4g} s (quartiles {cl['p25_s']:.4g}..{cl['p75_s']:.4g} s) "

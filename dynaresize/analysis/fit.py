@@ -163,9 +163,10 @@ def fit_workload(rd: RunData) -> dict:
 
 
 def fit_schedule(rd: RunData, sync_s: float) -> dict:
-    """Lock-step (the runtime coordinator) or pipelined (a simulated log), and the coordinator's per-step gap."""
+    """The simulator's schedule, ``barrier_lockstep`` (the runtime coordinator's loop) or ``barrier`` (a simulated
+    log), and the coordinator's per-step gap."""
     if rd.source != "runtime":
-        return {"schedule": "pipelined", "step_gap_s": None, "n": 0}
+        return {"schedule": "barrier", "step_gap_s": None, "n": 0}
     ends = {k: s.end for k, s in rd.steps.items() if s.end == s.end}
     gaps = []
     for k in sorted(ends):
@@ -175,7 +176,7 @@ def fit_schedule(rd: RunData, sync_s: float) -> dict:
         if busy:
             gaps.append(ends[k] - ends[k - 1] - max(busy))
     gap = max(0.0, statistics.median(gaps) - sync_s) if gaps else None
-    return {"schedule": "lockstep", "step_gap_s": gap, "n": len(gaps)}
+    return {"schedule": "barrier_lockstep", "step_gap_s": gap, "n": len(gaps)}
 
 
 LATENCY_STAGES = ("rollout", "train", "weight_sync")  # spans that begin when a command reaches their ranks

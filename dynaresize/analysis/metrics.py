@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from dynaresize.analysis.reader import ROLES, RunData
+from dynaresize.analysis.reader import RANK_ROLES, RunData
 from dynaresize.analysis.views import Views, build_views, union
 
-ROLE_NAMES = ROLES  # ["rollout", "train", "idle"]
+ROLE_NAMES = RANK_ROLES  # ["rollout", "train", "idle"]
 
 
 @dataclass

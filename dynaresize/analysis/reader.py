@@ -146,7 +146,7 @@ class RunData:
 
 
 _ROLE_INDEX = {r.value: i for i, r in enumerate(Role)}
-ROLES = [r.value for r in Role]
+RANK_ROLES = [r.value for r in Role]
 
 
 def _rankset_ok(text: str) -> bool:

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from dynaresize.analysis.atoms import Atom, build_atoms
-from dynaresize.analysis.reader import ROLES, RunData
+from dynaresize.analysis.reader import RANK_ROLES, RunData
 from dynaresize.events import Role, count_ranks
 
-ROLE_TRAIN, ROLE_ROLLOUT, ROLE_IDLE = ROLES.index(Role.TRAIN.value), ROLES.index(Role.ROLLOUT.value), ROLES.index(Role.IDLE.value)
+ROLE_TRAIN, ROLE_ROLLOUT, ROLE_IDLE = RANK_ROLES.index(Role.TRAIN.value), RANK_ROLES.index(Role.ROLLOUT.value), RANK_ROLES.index(Role.IDLE.value)
 
 
 @dataclass
@@ -26,7 +26,7 @@ class AtomView:
     atom: Atom
     busy_start: np.ndarray  # disjoint sorted union of busy intervals
     busy_end: np.ndarray
-    roles: list[tuple[float, float, int]]  # (start, end, role index into ROLES) covering the span
+    roles: list[tuple[float, float, int]]  # (start, end, role index into RANK_ROLES) covering the span
     _xs: np.ndarray | None = None
     _ys: np.ndarray | None = None
 

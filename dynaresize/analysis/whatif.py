@@ -10,7 +10,7 @@ against the time the run took. How the work and the costs are taken, by the kind
   (``sim.rollout``, ``sim.train``, ``switching.costs``), the workload the trace of its ``batches.jsonl`` with
   ``trace_token_scale = emulation.tokens_per_token``; modelled seconds x ``emulation.time_scale`` = wall seconds;
 - **real CPU** (any other runtime log): the calibrated fit (:func:`dynaresize.analysis.calibrate.to_costs_section`:
-  train rate and step overhead, switch-op medians, empirical rollout rate and overhead, lockstep with the
+  train rate and step overhead, switch-op medians, empirical rollout rate and overhead, barrier_lockstep with the
   coordinator's gap) and the trace of its ``batches.jsonl`` (when it holds per-sample lengths; else the log's
   per-step mean lengths, with an assumed shape). The sample-level rows need decode physics, which a stage-time fit
   does not give: :func:`cpu_decode_physics` maps the fitted rate onto it (fitted: one rank's tokens/s; assumed: a
@@ -106,7 +106,7 @@ def with_values(cfg: Config, values: dict[str, object], origin: str) -> Config:
 def ran_lockstep(run_dir: Path) -> bool:
     """Whether ``run_dir`` is a run of the retired lockstep loop: ``pipeline.schedule: lockstep`` in its own
     config.yaml (loaded now as ``barrier``). That loop admitted one command's ``rollout.pull_batch`` samples at a time
-    and started both pools together after each sync: the simulator's ``sim.schedule: lockstep``."""
+    and started both pools together after each sync: the simulator's ``sim.schedule: barrier_lockstep``."""
     try:
         raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
     except (OSError, yaml.YAMLError):
@@ -124,9 +124,9 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
 
     The run's own config (its GPU profile: ``sim.rollout``, ``sim.train``, ``switching.costs``; its cluster,
     policy and staleness), the workload the trace of its ``batches.jsonl`` with every length times
-    ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (lockstep for
-    a run of the retired lockstep loop, :func:`ran_lockstep`, with no coordinator gap: the modelled profile has
-    none), and the control
+    ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (barrier; the
+    simulator's barrier_lockstep for a run of the retired lockstep loop, :func:`ran_lockstep`, with no coordinator
+    gap: the modelled profile has none), and the control
     plane's latency per command fitted from the run's log (``sim.command_latency_s``, wall seconds / time_scale: the
     runtime's commands take real time whatever the emulation's clock). Multiply the simulator's seconds by the
     returned ``emulation.time_scale`` to compare with the run's wall time.
@@ -148,7 +148,7 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     }
     lockstep = ran_lockstep(run_dir)
     if lockstep:
-        values.update({"sim.schedule": "lockstep", "sim.step_gap_s": 0.0})
+        values.update({"sim.schedule": "barrier_lockstep", "sim.step_gap_s": 0.0})
     values.update(runtime_admission(cfg, lockstep))
     # the control plane's latency is real wall time, not emulated time: fitted from the run's own log (the gaps
     # between its spans, dynaresize.analysis.fit.fit_command_latency), in modelled seconds
@@ -211,7 +211,7 @@ def _cpu_replay(run_dir: Path, rd: RunData) -> Replay:
     cfg = merge_sections(_config(run_dir), f"calibrated fit of {run_dir}", sections)
     notes = [f"costs: dynaresize calibrate's fit of this run (train {fit['train']['tokens_per_s_per_gpu']:.0f} tokens/s "
              f"per rank + {max(fit['train']['overhead_s'], 0):.3f} s/step; rollout {fit['rollout']['tokens_per_s_per_gpu']:.0f} "
-             f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; lockstep)"]
+             f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; barrier_lockstep)"]
     steps = len(rd.steps)
     values: dict[str, object] = {}
     try:

@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from dynaresize.job.checkpointing import Checkpointer
+from dynaresize.job.checkpointer import Checkpointer
 from dynaresize.job.filtering import BatchAssembler
 from dynaresize.job.journal import Journal
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import Ranks
 from dynaresize.job.recovery import Recovery
 from dynaresize.job.reporting import Reporter
-from dynaresize.job.rollout import Rollout
+from dynaresize.job.rollout import RolloutWork
 from dynaresize.job.runtime import Job, Services
 from dynaresize.job.switching import Switching
 from dynaresize.job.transport import Transport
@@ -42,7 +42,7 @@ class Parts:
     planner: Planner
     tx: Transport
     recovery: Recovery
-    rollout: Rollout
+    rollout: RolloutWork
     switching: Switching
     validation: Validation
     checkpointer: Checkpointer
@@ -144,7 +144,7 @@ def wire(job: Job, svc: Services, planner: Planner, launcher_factory: Callable[.
     tx = Transport(job, svc)
     recovery = Recovery(job, svc, planner)
     checkpointer = Checkpointer(job, svc, tx)
-    return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=Rollout(job, svc),
+    return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=RolloutWork(job, svc),
                  switching=Switching(job, tx), validation=Validation(job, svc),
                  checkpointer=checkpointer, journal=Journal(job, svc),
                  ranks=Ranks(job, svc, tx, planner, launcher_factory, stop_requested), reporter=Reporter(job, svc, on_step))

@@ -3,7 +3,7 @@
 One-step-off pipeline with staleness bound ``s`` (``pipeline.staleness_bound``, default 1): while trainers train
 on batch ``k`` (producing policy version ``k+1``), rollout ranks already generate batch ``k+s`` with version ``k``.
 The pure scheduler core (:mod:`dynaresize.schedule`) decides every command, driven by
-:class:`dynaresize.job.pipeline.ContinuousSchedule`: ``pipeline.schedule: barrier_free`` (the default: continuous
+:class:`dynaresize.job.core_driver.ContinuousSchedule`: ``pipeline.schedule: barrier_free`` (the default: continuous
 rollout, streaming training) or ``barrier`` (the static one-step-off baseline); docs/schedule.md. Resizes go
 through the pure resizing policy (the simulator runs the very same code); ranks change role in place (no process
 restart, no new communicator), each switch a short list of fine-grained operations in the event log.
@@ -25,7 +25,7 @@ This module is the loop only; each decision lives in a component of its own (bui
 :func:`dynaresize.job.bootstrap.wire`, sharing the typed :class:`~dynaresize.job.runtime.Job` and
 :class:`~dynaresize.job.runtime.Services`): ``transport`` (command ids from an explicit :class:`Phase`, acks,
 liveness), ``ranks``, ``planner``, ``recovery``, ``rollout``, ``training``, ``switching``, ``validation``,
-``checkpointing``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator`.
+``checkpointer``, ``journal``, ``reporting``. The Slurm entry point is :mod:`dynaresize.slurm.coordinator_component`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from dynaresize.disk import describe, is_disk_full
 from dynaresize.events import EventLog, format_ranks
 from dynaresize.job import bootstrap
 from dynaresize.job.bootstrap import Parts
-from dynaresize.job.checkpointing import next_incarnation, resume_state, rewind_batches
+from dynaresize.job.checkpointer import next_incarnation, resume_state, rewind_batches
 from dynaresize.job.errors import JobError, OperatorStop, RanksLost, where_stopped
-from dynaresize.job.pipeline import ContinuousSchedule
+from dynaresize.job.core_driver import ContinuousSchedule
 from dynaresize.job.planner import Planner
 from dynaresize.job.ranks import kill_leftovers
 from dynaresize.job.reporting import open_metrics, summary
@@ -191,7 +191,7 @@ class Coordinator:
         """A resume holds the run's epoch now (the coordinator it replaces is fenced off at its next write to Redis),
         but it read the checkpoint before: a coordinator still running meanwhile may have written a newer one (or
         finished the run). Start from the newest, never from an older one (that would train its steps again)."""
-        from dynaresize.job import checkpoints as ckpt
+        from dynaresize.job import checkpoint_files as ckpt
 
         newest = ckpt.select_resume(self.run_dir, self.cfg.cluster.gpus)  # looks only: resume_state reports and repairs
         if newest is None or newest.state.step <= self.job.state.step:
@@ -249,7 +249,7 @@ class Coordinator:
     # the schedule
 
     def loop(self) -> None:
-        """The schedule on the scheduler core (``job.pipeline``), with or without its step barrier."""
+        """The schedule on the scheduler core (``job.core_driver``), with or without its step barrier."""
         self.at = Phase(f"c{self.job.state.step}")
         segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
         ContinuousSchedule(self.job, self.parts, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()

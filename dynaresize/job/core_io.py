@@ -2,7 +2,7 @@
 resize policy it consults (``policy.forced_splits`` first), ``schedule.jsonl`` (every event fed to the core and the
 actions it returned) and the replay of that log through a fresh core (:func:`replay_log`).
 
-Used by the continuous schedule (:mod:`dynaresize.job.pipeline`) and by anyone who studies a run afterwards::
+Used by the continuous schedule (:mod:`dynaresize.job.core_driver`) and by anyone who studies a run afterwards::
 
     from dynaresize.job.core_io import replay_log
     assert all(logged == again for _, logged, again in replay_log("runs/quickstart-..."))
@@ -16,8 +16,7 @@ from dynaresize.config.schema import Config
 from dynaresize.job.runtime import Job
 from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation, PolicyState
+from dynaresize.policy.types import Decision, Observation, PolicyState, ResizeAction
 from dynaresize.schedule import DynamicSampling, Mechanisms, PipelineScheduler, SchedulerConfig
 from dynaresize.schedule.codec import encode
 
@@ -69,9 +68,9 @@ class PlannedPolicy:
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         n = self.forced.get(obs.step + 1)
         if n is not None and n != obs.topology.n_train and 1 <= n < obs.topology.total:
-            return state, Decision(PolicyAction.RESIZE, Topology(n, obs.topology.total - n), "forced by policy.forced_splits")
+            return state, Decision(ResizeAction.RESIZE, Topology(n, obs.topology.total - n), "forced by policy.forced_splits")
         if not self.enabled or obs.train_s <= 0:
-            return state, Decision(PolicyAction.HOLD, obs.topology, "policy disabled" if not self.enabled else "nothing measured")
+            return state, Decision(ResizeAction.HOLD, obs.topology, "policy disabled" if not self.enabled else "nothing measured")
         return self.policy.step(state, obs)
 
 

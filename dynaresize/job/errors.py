@@ -24,7 +24,7 @@ class RanksLost(JobError):
 def resume_plan(step: int, checkpoint: str | None) -> str:
     """What a resume does from here: the last checkpoint on disk (the resume point) and how many steps it trains
     again. ``step``: the next step to train; ``checkpoint``: the state's checkpoint (``checkpoints/step-<k>``)."""
-    from dynaresize.job.checkpoints import tag_step
+    from dynaresize.job.checkpoint_files import tag_step
 
     try:
         at = tag_step(checkpoint.rsplit("/", 1)[-1]) if checkpoint else 0

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import redis
 
 from dynaresize import atomic
-from dynaresize.job.checkpointing import Checkpointer
+from dynaresize.job.checkpointer import Checkpointer
 from dynaresize.job.errors import JobError, OperatorStop
 from dynaresize.job.planner import Planner
 from dynaresize.job.runtime import Job, Services

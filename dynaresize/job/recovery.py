@@ -7,7 +7,7 @@ import logging
 from typing import Callable
 
 from dynaresize.events import format_ranks
-from dynaresize.job.checkpointing import next_incarnation, resume_state, rewind_batches
+from dynaresize.job.checkpointer import next_incarnation, resume_state, rewind_batches
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.planner import Planner
 from dynaresize.job.runtime import Job, Services, StepTimes

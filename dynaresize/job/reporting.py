@@ -18,7 +18,10 @@ log = logging.getLogger("dynaresize.job")
 
 
 @dataclass
-class TrainResult:
+class TrainedBatch:
+    """A step's training as the coordinator reports it, gathered from the trainers' acks (each a
+    :class:`dynaresize.contract.protocol.TrainResult`)."""
+
     loss: float  # the global loss: the per-rank shares add up to it
     results: list[dict] = field(default_factory=list)  # each trainer's ack result, by rank (loss metrics)
 
@@ -36,7 +39,7 @@ class Reporter:
     def __init__(self, job: Job, svc: Services, on_step: Callable[[dict], None] | None):
         self.job, self.svc, self.on_step = job, svc, on_step
 
-    def report(self, k: int, built: BuiltBatch, trained: TrainResult) -> None:
+    def report(self, k: int, built: BuiltBatch, trained: TrainedBatch) -> None:
         job, st, last, batch = self.job, self.job.state, self.job.last, built.batch
         self.svc.bus.check_epoch()  # a coordinator that was fenced off while hung writes nothing more to the run
         reward = sum(batch.rewards) / max(1, len(batch.rewards))
@@ -63,7 +66,7 @@ class Reporter:
             self.on_step({"step": k, "reward": reward, "roles": job.roles(), "switches": len(st.switches),
                           "rollout_s": last.rollout_s, "train_s": last.train_s})
 
-    def _log_metrics(self, k: int, built: BuiltBatch, trained: TrainResult, stats: dict) -> None:
+    def _log_metrics(self, k: int, built: BuiltBatch, trained: TrainedBatch, stats: dict) -> None:
         """The step's scalars to every configured logger (``dynaresize.metrics.step_metrics`` names them)."""
         from dynaresize.metrics import step_metrics
 

@@ -1,4 +1,4 @@
-"""Rollout: a batch's work items (prompts sampled and tokenised once per step), the dynamic-sampling rounds added
+"""Rollout work: a batch's work items (prompts sampled and tokenised once per step), the dynamic-sampling rounds added
 to the run's queue, the generate payload, and the reward failures the rollout ranks reported."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class BuiltBatch:
     stats: Any  # dynaresize.job.filtering.BatchStats (reward shaping, dynamic sampling)
 
 
-class Rollout:
+class RolloutWork:
     def __init__(self, job: Job, svc: Services):
         self.job, self.svc = job, svc
         self.items: dict[int, tuple] = {}  # step -> (work items, prompt texts) until its batch is built

@@ -9,7 +9,7 @@ import importlib
 
 _WHERE = {
     "candidate_topologies": "candidates", "from_cluster": "candidates", "SwitchCostModel": "costs",
-    "ResizePolicy": "policy", "greedy_config": "policy", "Action": "types", "Decision": "types",
+    "ResizePolicy": "policy", "greedy_config": "policy", "ResizeAction": "types", "Decision": "types",
     "Observation": "types", "OpGroup": "types", "PlannedOp": "types", "PolicyState": "types", "Topology": "types",
 }
 __all__ = sorted(_WHERE)

@@ -30,8 +30,9 @@ tests/unit/test_policy.py and test_policy_noise.py):
 
 Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
 (:mod:`dynaresize.policy.predictor`); ``pipeline`` plays each candidate forward on the run's recent batches
-(:mod:`dynaresize.policy.pipeline`) wherever the observation carries its batch (the barrier-free schedule), and then
-rule 3's imbalance is the predicted relative gain of the best candidate, against ``min_relative_gain``.
+(:mod:`dynaresize.policy.pipeline_predictor`) wherever the observation carries its batch (the barrier-free
+schedule), and then rule 3's imbalance is the predicted relative gain of the best candidate, against
+``min_relative_gain``.
 
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
@@ -46,9 +47,9 @@ import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
-from dynaresize.policy.pipeline import PipelinePredictor
+from dynaresize.policy.pipeline_predictor import PipelinePredictor
 from dynaresize.policy.predictor import StageModel
-from dynaresize.policy.types import Action, Decision, Estimates, LeftSplit, Observation, PolicyState, Topology
+from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation, PolicyState, ResizeAction, Topology
 
 
 MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
@@ -85,7 +86,7 @@ class ResizePolicy:
         imb, direction = self._imbalance(est, cur)
 
         def hold(reason: str, st: PolicyState) -> tuple[PolicyState, Decision]:
-            return st, Decision(Action.HOLD, cur, reason, imbalance=imb)
+            return st, Decision(ResizeAction.HOLD, cur, reason, imbalance=imb)
 
         if not cfg.enabled:
             return hold("disabled", state)
@@ -295,7 +296,7 @@ class ResizePolicy:
             resized_at=(state.resized_at + (step,))[-4:],
         )
         plan = self.costs.plan(cur, target)
-        return new_state, Decision(Action.RESIZE, target, reason, plan, cost, imb, saving)
+        return new_state, Decision(ResizeAction.RESIZE, target, reason, plan, cost, imb, saving)
 
 
 def greedy_config(cfg: PolicyConfig) -> PolicyConfig:

@@ -32,10 +32,10 @@ class Topology:
 
 @dataclass(frozen=True, slots=True)
 class PipelineWorkload:
-    """One finished batch as the barrier-free pipeline predictor replays it (:mod:`dynaresize.policy.pipeline`): the
-    batch's own response lengths and training cost, and the rollout GPUs' decode model. Observed, not configured:
-    the simulator fills it from the batch it simulated; a runtime would fill it from the batch's logged lengths and
-    its engine's measured iteration costs."""
+    """One finished batch as the barrier-free pipeline predictor replays it
+    (:mod:`dynaresize.policy.pipeline_predictor`): the batch's own response lengths and training cost, and the
+    rollout GPUs' decode model. Observed, not configured: the simulator fills it from the batch it simulated; a
+    runtime would fill it from the batch's logged lengths and its engine's measured iteration costs."""
 
     lengths: tuple[float, ...]  # response tokens per sequence, group by group (group_size consecutive per group)
     group_size: int
@@ -78,7 +78,7 @@ class Observation:
         return max(self.rollout_s + self.weight_sync_s, self.train_s)
 
 
-class Action(str, enum.Enum):
+class ResizeAction(str, enum.Enum):
     HOLD = "hold"
     RESIZE = "resize"
 
@@ -104,7 +104,7 @@ class PlannedOp:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    action: Action
+    action: ResizeAction
     target: Topology  # equals the current topology when holding
     reason: str
     plan: tuple[PlannedOp, ...] = ()
@@ -114,7 +114,7 @@ class Decision:
 
     @property
     def resize(self) -> bool:
-        return self.action is Action.RESIZE
+        return self.action is ResizeAction.RESIZE
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ import torch
 
 from dynaresize.rl.mismatch import TisLevel, mismatch_stats, tis_stats, tis_weights
 
-Batch = dict[str, torch.Tensor]
+CollatedBatch = dict[str, torch.Tensor]  # what dynaresize.rl.batch.collate returns
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
@@ -121,12 +121,12 @@ class GrpoLoss:
         high = self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
         return 1 - low, 1 + high
 
-    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, model: torch.nn.Module, batch: CollatedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch["response_mask"].float()
         logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, self.temperature)
         return self.from_logprobs(logp, batch)
 
-    def from_logprobs(self, logp: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def from_logprobs(self, logp: torch.Tensor, batch: CollatedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """The loss given current per-token logprobs (pure tensor maths; what the tests check by hand)."""
         mask = batch["response_mask"].float()
         adv = batch["advantages"].float()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dynaresize.rl.grpo import Batch, GrpoLoss, sequence_logprobs
+from dynaresize.rl.grpo import CollatedBatch, GrpoLoss, sequence_logprobs
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class WithReference:
     loss: GrpoLoss
     reference: torch.nn.Module
 
-    def __call__(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, model: torch.nn.Module, batch: CollatedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         if "ref_logprobs" not in batch:
             mask = batch["response_mask"].float()
             with torch.no_grad():

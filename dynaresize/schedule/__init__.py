@@ -5,14 +5,14 @@ See :mod:`dynaresize.schedule.core` for the state machine and docs/schedule.md f
 
 from dynaresize.schedule.core import PipelineScheduler, replay
 from dynaresize.schedule.types import (
-    Action, Assign, Decided, DynamicSampling, Event, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
-    ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
+    Assign, Decided, DynamicSampling, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
+    ScheduleError, SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
     TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
 )
 
 __all__ = [
-    "Action", "Assign", "Decided", "DynamicSampling", "Event", "Extend", "GroupsDone", "Help", "HelpDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
-    "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerConfig", "SendWeights", "Step",
+    "Assign", "Decided", "DynamicSampling", "Extend", "GroupsDone", "Help", "HelpDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
+    "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerAction", "SchedulerConfig", "SchedulerEvent", "SendWeights", "Step",
     "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "TrainerBack", "Validate", "ValidationDone", "WeightsArrived", "replay",
     "version_of",
 ]

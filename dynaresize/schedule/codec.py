@@ -14,8 +14,7 @@ import enum
 import typing
 from typing import Any
 
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation, PlannedOp, Topology
+from dynaresize.policy.types import Decision, Observation, PlannedOp, ResizeAction, Topology
 from dynaresize.schedule import types as T
 
 _KNOWN: dict[str, type] = {c.__name__: c for c in (
@@ -76,6 +75,6 @@ def _typed(hint: Any, raw: Any) -> Any:
         return _typed(args[0], raw) if len(args) == 1 else raw
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return hint(raw)
-    if hint is PolicyAction:
-        return PolicyAction(raw)
+    if hint is ResizeAction:
+        return ResizeAction(raw)
     return raw

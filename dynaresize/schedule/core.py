@@ -59,11 +59,10 @@ from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
 from dynaresize.policy.predictor import efficiency
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, PolicyState
+from dynaresize.policy.types import Decision, PolicyState, ResizeAction
 from dynaresize.schedule.types import (
-    Action, Assign, Decided, Event, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
-    SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    Assign, Decided, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
 
@@ -264,14 +263,14 @@ class PipelineScheduler:
         return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
 
     # --- entry points -------------------------------------------------------------------------------------------------
-    def start(self) -> list[Action]:
-        out: list[Action] = []
+    def start(self) -> list[SchedulerAction]:
+        out: list[SchedulerAction] = []
         self._release(out)
         self._try_train(out)  # a resume: the batch generated before the checkpoint trains at once
         return out
 
-    def handle(self, ev: Event) -> list[Action]:
-        out: list[Action] = []
+    def handle(self, ev: SchedulerEvent) -> list[SchedulerAction]:
+        out: list[SchedulerAction] = []
         if self.restarting:
             return out
         tp = type(ev)
@@ -290,7 +289,7 @@ class PipelineScheduler:
             self._offer_generation(out)
         return out
 
-    def _handle_rest(self, ev: Event, out: list[Action]) -> None:
+    def _handle_rest(self, ev: SchedulerEvent, out: list[SchedulerAction]) -> None:
         match ev:
             case TrainChunkDone(batch):
                 self._chunk_done(batch, out)
@@ -334,7 +333,7 @@ class PipelineScheduler:
         """Whether the rollout pool may take groups of batch ``j`` (versions aside)."""
         return self.mech.continuous_rollout or j < self.released
 
-    def _assign(self, rank: int, out: list[Action]) -> None:
+    def _assign(self, rank: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
         if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
             self.waiting.discard(rank)
@@ -363,7 +362,7 @@ class PipelineScheduler:
         else:
             self.waiting.discard(rank)
 
-    def _hand_out(self, rank: int, b: _Batch, n: int, out: list[Action]) -> tuple[int, ...]:
+    def _hand_out(self, rank: int, b: _Batch, n: int, out: list[SchedulerAction]) -> tuple[int, ...]:
         """Up to ``n`` groups of batch ``b`` to ``rank`` (a rollout rank, or a trainer generating): their owner, the
         rank's groups in flight and its version recorded, the ``Assign`` emitted."""
         r = self.ranks[rank]
@@ -378,7 +377,7 @@ class PipelineScheduler:
         return got
 
     # --- validation ---------------------------------------------------------------------------------------------
-    def _assign_validation(self, rank: int, r: _Rank, out: list[Action]) -> None:
+    def _assign_validation(self, rank: int, r: _Rank, out: list[SchedulerAction]) -> None:
         """A validation pass of a version this rank holds and has not moved past goes before its training work: the
         pass must be handed out while ranks still hold its version (a rank decodes one version at a time and cannot
         go back to an older one)."""
@@ -401,7 +400,7 @@ class PipelineScheduler:
             r.capacity = 0 if len(got) == room else r.capacity - len(got)
             out.append(Validate(rank, v, got))
 
-    def _validation_done(self, rank: int, version: int, groups: tuple[int, ...], out: list[Action]) -> None:
+    def _validation_done(self, rank: int, version: int, groups: tuple[int, ...], out: list[SchedulerAction]) -> None:
         b = self.vals.get(version)
         r = self.ranks[rank]
         if b is None:
@@ -421,7 +420,7 @@ class PipelineScheduler:
         """Barrier: the pool moves to version ``v`` only once every older validation pass was handed out."""
         return not any(b.unclaimed for u, b in self.vals.items() if u < v)
 
-    def _assign_waiting(self, out: list[Action]) -> None:
+    def _assign_waiting(self, out: list[SchedulerAction]) -> None:
         for rank in sorted(self.waiting):
             self._assign(rank, out)
 
@@ -442,7 +441,7 @@ class PipelineScheduler:
         return mine
 
     def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
-                     out: list[Action], kept: tuple[bool, ...] = ()) -> None:
+                     out: list[SchedulerAction], kept: tuple[bool, ...] = ()) -> None:
         b = self.batches[batch]
         r = self.ranks[rank]
         if r.lost and any(b.owner.get(g) != rank for g in groups):
@@ -475,7 +474,7 @@ class PipelineScheduler:
             self._assign(rank, out)  # a drained rank may move on to the next version
 
     # --- dynamic sampling ---------------------------------------------------------------------------------------------
-    def _select(self, b: _Batch, out: list[Action]) -> None:
+    def _select(self, b: _Batch, out: list[SchedulerAction]) -> None:
         """Select, in prompt order, the judged informative groups of ``b`` up to ``need`` (ready for training once every
         earlier prompt is judged); add a round while a shortfall is certain; seal the batch once its selection is fixed
         (padding with the earliest dropped groups after the last round, or marking it unfilled)."""
@@ -513,7 +512,7 @@ class PipelineScheduler:
         be trained (the driver stops the run, naming the setting)."""
         return self.batches[batch].unfilled
 
-    def _release(self, out: list[Action]) -> None:
+    def _release(self, out: list[SchedulerAction]) -> None:
         """Barrier pipeline: open the next batch once the previous one is complete and its version exists; the pool
         then receives the version in one blocking sync."""
         if self.mech.continuous_rollout:
@@ -534,7 +533,7 @@ class PipelineScheduler:
                     self._sync_pool(v, out)
             self._assign_waiting(out)
 
-    def _sync_pool(self, v: int, out: list[Action]) -> None:
+    def _sync_pool(self, v: int, out: list[SchedulerAction]) -> None:
         """Barrier: version ``v`` to every rollout rank (not leaving) that lacks it, in one blocking sync."""
         for rank in self.rollout_ranks():
             r = self.ranks[rank]
@@ -553,7 +552,7 @@ class PipelineScheduler:
         vb = self.vals.get(v) if self.vals else None
         return any(not self.batches[j].complete for j in self._batches_of(v)) or (vb is not None and not vb.complete)
 
-    def _prune_and_send(self, out: list[Action]) -> None:
+    def _prune_and_send(self, out: list[SchedulerAction]) -> None:
         """Continuous rollout: drop versions no batch needs any more, then send deferred ones into the free buffers."""
         if not self.mech.continuous_rollout:
             return
@@ -573,7 +572,7 @@ class PipelineScheduler:
                 r.sending.add(v)
                 out.append(SendWeights(rank, v))
 
-    def _send_new_version(self, v: int, out: list[Action]) -> None:
+    def _send_new_version(self, v: int, out: list[SchedulerAction]) -> None:
         if not self._batches_of(v) and v not in self.vals:
             return  # no batch is generated by this version, nor validated
         if not self.mech.continuous_rollout:
@@ -587,7 +586,7 @@ class PipelineScheduler:
         self._prune_and_send(out)
 
     # --- training -----------------------------------------------------------------------------------------------
-    def _try_train(self, out: list[Action]) -> None:
+    def _try_train(self, out: list[SchedulerAction]) -> None:
         k = self.produced
         if self.t_busy or k >= self.cfg.steps or self.restarting or self.generating:
             return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
@@ -617,7 +616,7 @@ class PipelineScheduler:
         out.append(Train(k, chunk, self.t_ranks, first))
         self._offer_help_all(out)
 
-    def _offer_help_all(self, out: list[Action]) -> None:
+    def _offer_help_all(self, out: list[SchedulerAction]) -> None:
         """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
         help in ``_assign``)."""
         if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
@@ -672,7 +671,7 @@ class PipelineScheduler:
         saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
         return tuple(reversed(chosen)) if saving > need else ()
 
-    def _offer_help(self, rank: int, out: list[Action], gen: set[int] | None = None) -> bool:
+    def _offer_help(self, rank: int, out: list[SchedulerAction], gen: set[int] | None = None) -> bool:
         """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
         waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
         batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s`` (``_help_groups``).
@@ -703,7 +702,7 @@ class PipelineScheduler:
         out.append(Help(rank, k, groups))
         return True
 
-    def _help_done(self, rank: int, batch: int, out: list[Action]) -> None:
+    def _help_done(self, rank: int, batch: int, out: list[SchedulerAction]) -> None:
         got = self.helping.pop(rank, None)
         if got is None or got[0] != batch:
             if self.ranks[rank].lost:
@@ -715,7 +714,7 @@ class PipelineScheduler:
             self._start_switch(rank, out)
 
     # --- trainer-gen ----------------------------------------------------------------------------------------------
-    def _offer_generation(self, out: list[Action]) -> None:
+    def _offer_generation(self, out: list[SchedulerAction]) -> None:
         """Within-step role flow, the other direction: idle trainers generate groups of the batch their version makes.
 
         The trainers hold version ``k = produced`` (they took ``T_{k-1}``'s step), the version of batch ``k + s``. While
@@ -778,7 +777,7 @@ class PipelineScheduler:
             self.gen_budget[rank] = away
             self.trainer_gens += 1
 
-    def _trainer_back(self, rank: int, out: list[Action]) -> None:
+    def _trainer_back(self, rank: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
         if rank not in self.generating:
             if r.lost:
@@ -793,7 +792,7 @@ class PipelineScheduler:
         self._try_train(out)
         self._maybe_step(out)
 
-    def _maybe_step(self, out: list[Action]) -> None:
+    def _maybe_step(self, out: list[SchedulerAction]) -> None:
         """The optimizer step once every group went through forward/backward, the helpers' included."""
         k = self.produced
         if self.t_busy or k >= self.cfg.steps or self.generating:
@@ -803,7 +802,7 @@ class PipelineScheduler:
             self.t_busy = True
             out.append(Step(k, self.t_ranks))
 
-    def _chunk_done(self, batch: int, out: list[Action]) -> None:
+    def _chunk_done(self, batch: int, out: list[SchedulerAction]) -> None:
         if batch != self.produced or not self.t_busy:
             raise ScheduleError(f"training chunk of batch {batch} finished, but batch {self.produced} is in training")
         self.t_busy = False
@@ -813,7 +812,7 @@ class PipelineScheduler:
         else:
             self._try_train(out)
 
-    def _step_done(self, batch: int, out: list[Action]) -> None:
+    def _step_done(self, batch: int, out: list[SchedulerAction]) -> None:
         if batch != self.produced or not self.t_busy:
             raise ScheduleError(f"optimizer step of batch {batch} finished, but batch {self.produced} is in training")
         self.t_busy = False
@@ -828,13 +827,13 @@ class PipelineScheduler:
         self._try_train(out)
         self._assign_waiting(out)
 
-    def _trainers_leave_now(self, out: list[Action]) -> None:
+    def _trainers_leave_now(self, out: list[SchedulerAction]) -> None:
         for rank, r in enumerate(self.ranks):
             if r.role is Role.TRAIN and r.leaving and not r.lost:
                 self._start_switch(rank, out)
 
     # --- resizing ------------------------------------------------------------------------------------------------
-    def _measured(self, obs, steps_left: int, out: list[Action]) -> None:
+    def _measured(self, obs, steps_left: int, out: list[SchedulerAction]) -> None:
         if self.policy is None or not self.mech.resize or self.switching:
             return
         cur = self.topology()
@@ -870,7 +869,7 @@ class PipelineScheduler:
     def _switch_running(self) -> bool:
         return any(r.role is None and r.to is not None and not r.lost for r in self.ranks)
 
-    def _collective_grow(self, out: list[Action]) -> None:
+    def _collective_grow(self, out: list[SchedulerAction]) -> None:
         """Collective switches: the rollout ranks moving to training of one resize switch together, once all of them
         are drained and the trainers are between two batches."""
         if not self.grow_ready or self.t_started or self.t_busy:
@@ -882,7 +881,7 @@ class PipelineScheduler:
                     self.grow_ready.discard(i)
                     self._start_switch(i, out, now=True)
 
-    def _start_switch(self, rank: int, out: list[Action], now: bool = False) -> None:
+    def _start_switch(self, rank: int, out: list[SchedulerAction], now: bool = False) -> None:
         r = self.ranks[rank]
         if r.role is None:
             return
@@ -899,7 +898,7 @@ class PipelineScheduler:
         r.deferred.clear()
         out.append(Switch(rank, r.to, r.switch_id))
 
-    def _switch_done(self, rank: int, out: list[Action]) -> None:
+    def _switch_done(self, rank: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
         if r.role is not None or r.to is None:
             raise ScheduleError(f"rank {rank} finished a switch it was not told to make")
@@ -918,7 +917,7 @@ class PipelineScheduler:
             self._try_train(out)
 
     # --- faults ------------------------------------------------------------------------------------------------
-    def _lost(self, rank: int, out: list[Action]) -> None:
+    def _lost(self, rank: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
         if r.lost:
             return
@@ -958,7 +957,7 @@ class PipelineScheduler:
             self._collective_grow(out)  # the other movers of its resize may go now
         self._rescue(out)
 
-    def _rescue(self, out: list[Action]) -> None:
+    def _rescue(self, out: list[SchedulerAction]) -> None:
         """The last rollout rank was lost and work is left to generate: the border trainer moves to rollout (a resize
         the core makes itself, like a policy's; with one trainer left nothing can move and the driver restarts)."""
         if self.n_rollout > 0 or any(x.to is Role.ROLLOUT and not x.lost for x in self.ranks):
@@ -986,7 +985,7 @@ class PipelineScheduler:
             return
         sid = self.switch_id
         self.switch_id += 1
-        dec = Decision(PolicyAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
+        dec = Decision(ResizeAction.RESIZE, Topology(len(movable) - 1, 1), "no rollout rank left: a trainer moves to rollout")
         out.append(Decided(max(0, self.produced - 1), dec, sid))
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
@@ -995,7 +994,7 @@ class PipelineScheduler:
             self._start_switch(rank, out)
 
 
-def replay(cfg: SchedulerConfig, events: Sequence[Event], policy: ResizePolicy | None = None) -> list[list[Action]]:
+def replay(cfg: SchedulerConfig, events: Sequence[SchedulerEvent], policy: ResizePolicy | None = None) -> list[list[SchedulerAction]]:
     """Feed ``events`` to a fresh core; the actions of ``start()`` then of each event (for replay tests)."""
     core = PipelineScheduler(cfg, policy)
     return [core.start()] + [core.handle(e) for e in events]

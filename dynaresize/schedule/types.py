@@ -16,15 +16,10 @@ Conventions (one-step-off pipeline, staleness bound ``s``):
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
+from dynaresize.events import Role  # a rank's role; the core assigns TRAIN and ROLLOUT only (never IDLE)
 from dynaresize.policy.types import Decision, Observation
-
-
-class Role(str, enum.Enum):
-    TRAIN = "train"
-    ROLLOUT = "rollout"
 
 
 def version_of(batch: int, staleness: int) -> int:
@@ -227,7 +222,7 @@ class TrainerBack:
     rank: int
 
 
-Event = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
+SchedulerEvent = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
          | HelpDone | TrainerBack | ValidationDone)
 
 
@@ -330,7 +325,7 @@ class Restart:
     reason: str
 
 
-Action = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
+SchedulerAction = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
 
 
 class ScheduleError(RuntimeError):

@@ -58,7 +58,7 @@ def setup(cfg: Config) -> Setup:
 def _pipe(s: Setup, name: str, ctl, costs: SwitchCostModel, initial: Topology, log: bool, forced: dict | None = None) -> Pipeline:
     sim, overlap = s.cfg.sim, s.cfg.switching.costs.deferred_overlap_fraction
     return Pipeline(name, s.table, initial, ctl, costs, s.cfg.pipeline.staleness_bound, log, overlap,
-                    lockstep=sim.schedule == "lockstep", step_gap_s=sim.step_gap_s, forced=forced)
+                    lockstep=sim.schedule == "barrier_lockstep", step_gap_s=sim.step_gap_s, forced=forced)
 
 
 def run_dynamic(s: Setup, log: bool, naive: bool = False, greedy: bool = False, name: str = "dynaresize",
@@ -113,7 +113,7 @@ def oracle_total(s: Setup) -> float:
     t, sync = s.table, s.costs.weight_sync_s()
     by_r = sorted(s.candidates, key=lambda c: c.n_rollout)
 
-    lock, gap = s.cfg.sim.schedule == "lockstep", s.cfg.sim.step_gap_s  # lockstep: the sync and gap gate both pools
+    lock, gap = s.cfg.sim.schedule == "barrier_lockstep", s.cfg.sim.step_gap_s  # the sync and gap gate both pools
 
     def period(k: int, c: Topology) -> tuple[float, float, float]:
         sk = sync if k >= 1 else 0.0

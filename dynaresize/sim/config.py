@@ -8,14 +8,23 @@ GPUs; each number says where it comes from (DESIGN = ../shared/DESIGN.md public 
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dynaresize.config.base import RuleError, Section
 
+log = logging.getLogger("dynaresize.config")
 
-class DynamicSamplingConfig(Section):
+# the step-level model's old schedule names: pipelined is the runtime's barrier schedule (the name the runtime uses),
+# lockstep the retired runtime loop (the runtime now reads its own pipeline.schedule=lockstep as barrier)
+_OLD_SCHEDULES = {"pipelined": "barrier", "lockstep": "barrier_lockstep"}
+_NEW_SCHEDULES = {"barrier": "the runtime's name for the same static one-step-off schedule",
+                  "barrier_lockstep": "the retired runtime loop it models, both pools started together each step"}
+
+
+class WorkloadDynamicSamplingConfig(Section):
     """DAPO-style dynamic sampling (arXiv 2503.14476, "dynamic sampling"; verl's recipe/dapo ``filter_groups``).
 
     Each prompt has a success probability drawn around the step's accuracy; its G responses get Bernoulli rewards;
@@ -59,7 +68,7 @@ class DynamicSamplingConfig(Section):
     )
 
 
-class TaskConfig(Section):
+class WorkloadTaskConfig(Section):
     """One task of a mix: its own response and prompt length distributions (lognormal)."""
 
     name: str = Field(..., min_length=1, description="Task name (for reports)")
@@ -104,7 +113,7 @@ class WorkloadConfig(Section):
         "at the first; none: cap_share throughout). Long-CoT runs report a truncated share that grows as lengths reach "
         "the context limit (DeepScaleR's 8K stage; DAPO arXiv 2503.14476 shapes or filters overlong samples for it)"
     )
-    tasks: list[TaskConfig] = Field(
+    tasks: list[WorkloadTaskConfig] = Field(
         default_factory=list, description="A task mix: each prompt belongs to one task (drawn by task_weights) and its "
         "responses follow that task's lengths; replaces the drift (response_tokens_start/end) when set"
     )
@@ -112,8 +121,8 @@ class WorkloadConfig(Section):
         default_factory=dict, description="{from_step: one weight per task}: the mix from that step on (needs step 0; "
         "weights are normalised)"
     )
-    dynamic_sampling: DynamicSamplingConfig = Field(
-        default_factory=DynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
+    dynamic_sampling: WorkloadDynamicSamplingConfig = Field(
+        default_factory=WorkloadDynamicSamplingConfig, description="DAPO-style dynamic sampling: groups with all-equal rewards dropped, more prompts generated"
     )
     trace: str | None = Field(
         None, description="A run's batches.jsonl (or its run directory): step k's batch is that step's logged samples "
@@ -209,13 +218,17 @@ class SimConfig(Section):
     workload: WorkloadConfig = Field(default_factory=WorkloadConfig, description="Prompts, responses and their length drift")
     rollout: RolloutPhysicsConfig = Field(default_factory=RolloutPhysicsConfig, description="Decode physics of a rollout GPU")
     train: TrainPhysicsConfig = Field(default_factory=TrainPhysicsConfig, description="Training physics of a trainer GPU")
-    schedule: Literal["pipelined", "lockstep"] = Field(
-        "pipelined", description="pipelined: each stage starts when its inputs exist; lockstep: the runtime coordinator's "
-        "loop (both pools start a step together after the previous step's stages, the blocking weight sync and step_gap_s)"
+    schedule: Literal["barrier", "barrier_lockstep"] = Field(
+        "barrier", description="The step-level model's schedule, both the static one-step-off pipeline with its step "
+        "barrier. barrier: the runtime's pipeline.schedule=barrier, ideal: each stage starts when its inputs exist (a "
+        "batch's rollout once the previous one ended and its version exists, then the blocking weight sync; training "
+        "once the batch is complete); barrier_lockstep: the retired runtime loop (an old run's pipeline.schedule="
+        "lockstep): both pools start a step together after the previous step's stages, the blocking weight sync and "
+        "step_gap_s. Old names: pipelined (barrier), lockstep (barrier_lockstep)"
     )
     step_gap_s: float = Field(
-        0.0, ge=0, description="schedule=lockstep: coordinator seconds per step when neither pool works (batch assembly, "
-        "command round trips; dynaresize calibrate measures it)"
+        0.0, ge=0, description="schedule=barrier_lockstep: coordinator seconds per step when neither pool works (batch "
+        "assembly, command round trips; dynaresize calibrate measures it)"
     )
     command_latency_s: float = Field(
         0.0, ge=0, description="Control-plane latency: seconds from the moment the coordinator decides a command (generate, "
@@ -228,6 +241,15 @@ class SimConfig(Section):
     compare_static_max: int = Field(
         64, ge=1, description="--compare: at most this many static splits, evenly spaced (all when fewer candidates)"
     )
+
+    @field_validator("schedule", mode="before")
+    @classmethod
+    def _old_schedule_names(cls, v: Any) -> Any:
+        new = _OLD_SCHEDULES.get(v) if isinstance(v, str) else None
+        if new is None:
+            return v
+        log.warning("sim.schedule: %s is now %s (%s); set sim.schedule: %s", v, new, _NEW_SCHEDULES[new], new)
+        return new
 
     @model_validator(mode="after")
     def _check(self) -> "SimConfig":

@@ -30,7 +30,8 @@ decision:
 A switch's ``critical_path_s`` is how much later its gated stage ends than with a free, instant switch to the
 same split; ``hidden_s`` = the sum of its ops' costs minus that.
 
-``lockstep`` (``sim.schedule``) models the runtime coordinator's loop instead (``dynaresize run``): step k starts
+``barrier_lockstep`` (``sim.schedule``; ``barrier``, the default, is the ideal pipeline above) models the retired
+runtime coordinator's loop instead (an old run's ``pipeline.schedule: lockstep``): step k starts
 both R_{k+1} and T_k once T_{k-1} and R_k are done, the weight sync (blocking, on both pools) and ``step_gap_s``
 (batch assembly, command round trips) have passed; the policy decides at that moment and the switch's critical
 ops run before the step's stages. ``forced`` (``policy.forced_splits``, {step: trainers}) switches so that T_step
@@ -45,7 +46,7 @@ from typing import Protocol
 
 from dynaresize.events import Event, EventType, make_event
 from dynaresize.policy import Decision, Observation, OpGroup, SwitchCostModel, Topology
-from dynaresize.policy.types import Action
+from dynaresize.policy.types import ResizeAction
 from dynaresize.sim.stages import StageTable
 
 
@@ -57,7 +58,7 @@ class StaticController:
     """Never resizes (the static baselines)."""
 
     def decide(self, obs: Observation) -> Decision:
-        return Decision(Action.HOLD, obs.topology, "static split")
+        return Decision(ResizeAction.HOLD, obs.topology, "static split")
 
 
 @dataclass
@@ -321,7 +322,7 @@ class Pipeline:
             target = self.forced.get(k + 1)
             if target is not None:
                 if target != self.topo.n_train:
-                    dec = Decision(Action.RESIZE, Topology(target, self.N - target), "forced by policy.forced_splits")
+                    dec = Decision(ResizeAction.RESIZE, Topology(target, self.N - target), "forced by policy.forced_splits")
                     self.emit(t_d, EventType.DECISION, step=k + 1, action=dec.action.value, reason=dec.reason,
                               target_train=target, target_rollout=self.N - target)
                     self._close_pending()

@@ -26,7 +26,7 @@ from submitit.slurm.slurm import SlurmExecutor, SlurmJob
 
 from dynaresize.slurm.sbatch import render_sbatch
 from dynaresize.slurm.spec import HetJobSpec
-from dynaresize.slurm.state import SQUEUE_FORMAT, HetJobStatus, JobState, leader_of, parse_preempt_time, parse_sacct, parse_scontrol, parse_squeue
+from dynaresize.slurm.state import SQUEUE_FORMAT, HetJobStatus, SlurmJobState, leader_of, parse_preempt_time, parse_sacct, parse_scontrol, parse_squeue
 
 CMD_TIMEOUT_S = 30
 
@@ -73,7 +73,7 @@ def query_status(leader: str) -> HetJobStatus:
         p = _run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", leader], check=False)
         if p.returncode == 0 and leader in (st := parse_sacct(p.stdout)):
             return st[leader]
-    return HetJobStatus(leader, JobState.GONE, ())
+    return HetJobStatus(leader, SlurmJobState.GONE, ())
 
 
 def cancel(leader: str, signal: str | None = None) -> None:
@@ -140,9 +140,9 @@ class HetSlurmJob(SlurmJob):
 
     def status(self, force: bool = True) -> HetJobStatus:
         self.watcher.get_info(self.job_id, mode="force" if force else "standard")
-        return self.watcher.status.get(self.job_id, HetJobStatus(self.job_id, JobState.UNKNOWN, ()))
+        return self.watcher.status.get(self.job_id, HetJobStatus(self.job_id, SlurmJobState.UNKNOWN, ()))
 
-    def job_state(self, force: bool = True) -> JobState:
+    def job_state(self, force: bool = True) -> SlurmJobState:
         return self.status(force).state
 
     def requeue(self) -> None:

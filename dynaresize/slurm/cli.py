@@ -22,7 +22,7 @@ from pathlib import Path
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.slurm.sbatch import render_sbatch
 from dynaresize.slurm.spec import build_spec
-from dynaresize.slurm.state import JobState
+from dynaresize.slurm.state import SlurmJobState
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -51,12 +51,12 @@ def _steps_done(run_dir: Path) -> int:
 
 
 def follow(job, run_dir: Path, total_steps: int, timeout_s: float | None = None, poll_s: float = 1.0,
-           progress: bool = True) -> JobState:
+           progress: bool = True) -> SlurmJobState:
     """Poll the job until it is finished or gone; show its state and steps. Returns the last known end state."""
     from tqdm import tqdm
 
     bar = tqdm(total=total_steps, unit="step", disable=not progress, file=sys.stderr, dynamic_ncols=True)
-    last_end = JobState.UNKNOWN
+    last_end = SlurmJobState.UNKNOWN
     start = time.monotonic()
     try:
         while True:
@@ -68,10 +68,10 @@ def follow(job, run_dir: Path, total_steps: int, timeout_s: float | None = None,
                 steps = bar.n
             if steps > bar.n:
                 bar.update(steps - bar.n)
-            if st.state.finished and st.state is not JobState.GONE:
+            if st.state.finished and st.state is not SlurmJobState.GONE:
                 last_end = st.state
             if st.state.finished:
-                return last_end if last_end is not JobState.UNKNOWN else st.state
+                return last_end if last_end is not SlurmJobState.UNKNOWN else st.state
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 print(f"\ndynaresize submit: still {st.describe()} after {timeout_s:.0f} s; stopped waiting (the job keeps running)", file=sys.stderr)
                 return st.state
@@ -87,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
         sys.stdout.write(render_sbatch(spec))
         return 0
     from dynaresize.slurm import adapter
-    from dynaresize.slurm.rundir import new_run_dir, record_job
+    from dynaresize.slurm.jobdir import new_run_dir, record_job
 
     reason = adapter.unavailable_reason()
     if reason:
@@ -107,4 +107,4 @@ def main(args: argparse.Namespace) -> int:
     end = follow(job, run_dir, cfg.run.steps if cfg.slurm.entry == "job" else cfg.slurm.probe_steps,
                  timeout_s=args.timeout, progress=cfg.run.progress)
     print(f"job {job.job_id}: {end.value}")
-    return 0 if end in (JobState.COMPLETED, JobState.GONE) else 1
+    return 0 if end in (SlurmJobState.COMPLETED, SlurmJobState.GONE) else 1

@@ -5,7 +5,7 @@ resolved ``<run_dir>/config.yaml`` written at submit time, build a :class:`Slurm
 Slurm identity, preemption hook) and hand it to the main job, found lazily so this module never imports torch:
 
 ==============  =====================================================================================
-coordinator     ``dynaresize.slurm.coordinator.run_coordinator(ctx: SlurmContext) -> int``
+coordinator     ``dynaresize.slurm.coordinator_component.run_coordinator(ctx: SlurmContext) -> int``
 worker          ``dynaresize.worker.main.run_worker(ctx: SlurmContext) -> int``
 ==============  =====================================================================================
 
@@ -52,8 +52,8 @@ from dynaresize.config.loader import ConfigError
 from dynaresize.config.schema import Config
 from dynaresize.slurm import identity as identity_mod
 from dynaresize.slurm.identity import SlurmIdentity
-from dynaresize.slurm.preempt import Action, Decision, Preemption, TermDeferral
-from dynaresize.slurm.rundir import load_run_config, prepare_in_job
+from dynaresize.slurm.preempt import PreemptAction, PreemptDecision, Preemption, TermDeferral
+from dynaresize.slurm.jobdir import load_run_config, prepare_in_job
 from dynaresize.slurm.spec import COORDINATOR_LISTENS_ENV, USR2_SEEN_ENV
 
 log = logging.getLogger("dynaresize.slurm.entry")
@@ -61,7 +61,7 @@ log = logging.getLogger("dynaresize.slurm.entry")
 RELAUNCH_FILE = "relaunches.json"  # <run_dir>/slurm/: the requeues this entry made after lost ranks
 
 JOB_ENTRY_POINTS = {
-    "coordinator": ("dynaresize.slurm.coordinator", "run_coordinator"),
+    "coordinator": ("dynaresize.slurm.coordinator_component", "run_coordinator"),
     "worker": ("dynaresize.worker.main", "run_worker"),
 }
 
@@ -248,13 +248,13 @@ def _ranks_lost(e: BaseException) -> bool:
     return isinstance(e, RanksLost)
 
 
-def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> Decision:
+def decide_relaunch(done: int, limit: int, requeue_enabled: bool) -> PreemptDecision:
     """Pure: ranks were lost and every rank must start again from the checkpoint; requeue the job or give up."""
     if not requeue_enabled:
-        return Decision(Action.STOP, "ranks lost; slurm.requeue is off (or not under Slurm): the job fails, resubmit to resume")
+        return PreemptDecision(PreemptAction.STOP, "ranks lost; slurm.requeue is off (or not under Slurm): the job fails, resubmit to resume")
     if done >= limit:
-        return Decision(Action.STOP, f"ranks lost; the job was already requeued {done} times for lost ranks (faults.max_restarts={limit}): the job fails")
-    return Decision(Action.REQUEUED, f"ranks lost; requeue {done + 1} of at most {limit} for lost ranks: every rank starts again from the last checkpoint")
+        return PreemptDecision(PreemptAction.STOP, f"ranks lost; the job was already requeued {done} times for lost ranks (faults.max_restarts={limit}): the job fails")
+    return PreemptDecision(PreemptAction.REQUEUED, f"ranks lost; requeue {done + 1} of at most {limit} for lost ranks: every rank starts again from the last checkpoint")
 
 
 def _relaunches(run_dir: Path) -> list[dict]:
@@ -279,7 +279,7 @@ def relaunch(ctx: SlurmContext, why: str) -> int:
     history = _relaunches(ctx.run_dir)
     d = decide_relaunch(len(history), ctx.cfg.faults.max_restarts, bool(ctx.cfg.slurm.requeue and ident is not None))
     log.error("%s: %s", why, d.reason)
-    if d.action is not Action.REQUEUED:
+    if d.action is not PreemptAction.REQUEUED:
         return 1
     assert ident is not None
     p = Path(ctx.run_dir) / "slurm" / RELAUNCH_FILE

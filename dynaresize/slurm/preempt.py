@@ -32,7 +32,7 @@ Hook for the main job::
     pre.on_checkpoint(lambda reason: job.checkpoint(reason))   # must be complete when it returns
     while not done:
         run_step()
-        if pre.poll() is not Action.CONTINUE:
+        if pre.poll() is not PreemptAction.CONTINUE:
             break                                              # requeued (the job is being killed) or stopping
 """
 
@@ -54,30 +54,30 @@ log = logging.getLogger("dynaresize.slurm.preempt")
 CheckpointFn = Callable[[str], None]
 
 
-class Action(str, enum.Enum):
+class PreemptAction(str, enum.Enum):
     CONTINUE = "continue"  # no signal: keep going
     REQUEUED = "requeued"  # checkpointed and requeued: exit now (Slurm kills the job shortly)
     STOP = "stop"  # checkpointed, requeue not allowed (limit reached or disabled): finish cleanly
 
 
 @dataclass(frozen=True)
-class Decision:
-    action: Action
+class PreemptDecision:
+    action: PreemptAction
     reason: str
 
 
-def decide(signalled: bool, requeue_enabled: bool, restart_count: int, max_requeues: int, preempted: bool = False) -> Decision:
+def decide(signalled: bool, requeue_enabled: bool, restart_count: int, max_requeues: int, preempted: bool = False) -> PreemptDecision:
     """Pure: what to do at a safe point. ``preempted``: the signal was Slurm's preemption (its SIGTERM with the job's
     ``PreemptTime`` set), which Slurm itself would follow with a requeue, so ``max_requeues`` does not bound it."""
     if not signalled:
-        return Decision(Action.CONTINUE, "no signal")
+        return PreemptDecision(PreemptAction.CONTINUE, "no signal")
     if not requeue_enabled:
-        return Decision(Action.STOP, "signal received; slurm.requeue is off")
+        return PreemptDecision(PreemptAction.STOP, "signal received; slurm.requeue is off")
     if preempted:
-        return Decision(Action.REQUEUED, f"preempted by Slurm; requeue now (restart {restart_count + 1}; preemptions are not counted against slurm.max_requeues)")
+        return PreemptDecision(PreemptAction.REQUEUED, f"preempted by Slurm; requeue now (restart {restart_count + 1}; preemptions are not counted against slurm.max_requeues)")
     if restart_count >= max_requeues:
-        return Decision(Action.STOP, f"signal received; already requeued {restart_count} times (slurm.max_requeues={max_requeues})")
-    return Decision(Action.REQUEUED, f"signal received; requeue {restart_count + 1} of at most {max_requeues}")
+        return PreemptDecision(PreemptAction.STOP, f"signal received; already requeued {restart_count} times (slurm.max_requeues={max_requeues})")
+    return PreemptDecision(PreemptAction.REQUEUED, f"signal received; requeue {restart_count + 1} of at most {max_requeues}")
 
 
 class Preemption:
@@ -98,7 +98,7 @@ class Preemption:
         self._callbacks: list[CheckpointFn] = []
         self._event = threading.Event()
         self.signalled_at: float | None = None
-        self.handled: Decision | None = None
+        self.handled: PreemptDecision | None = None
 
     def install(self, watch_term: bool = False) -> "Preemption":
         """Block the signal in this process (call it before starting threads or children) and watch for it.
@@ -178,23 +178,23 @@ class Preemption:
         """Register a checkpoint callback; called with a reason string, in registration order."""
         self._callbacks.append(fn)
 
-    def poll(self) -> Action:
+    def poll(self) -> PreemptAction:
         """Call at a safe point. Idempotent: after handling it keeps answering the same action."""
         if self.handled is not None:
             return self.handled.action
         d = decide(self.requested, self.requeue_enabled, self.restart_count, self.max_requeues, bool(self.preempted))
-        if d.action is Action.CONTINUE:
+        if d.action is PreemptAction.CONTINUE:
             return d.action
         log.warning("preemption: %s", d.reason)
         for fn in self._callbacks:
             fn(d.reason)
-        if d.action is Action.REQUEUED:
+        if d.action is PreemptAction.REQUEUED:
             assert self.leader is not None and self.requeue_fn is not None
             try:
                 self.requeue_fn(self.leader)
             except Exception as e:  # never crash the coordinator over a failed requeue: stop cleanly instead
                 log.error("preemption: requeue of job %s failed: %s; stopping after the checkpoint", self.leader, e)
-                d = Decision(Action.STOP, f"requeue failed: {e}")
+                d = PreemptDecision(PreemptAction.STOP, f"requeue failed: {e}")
         self.handled = d
         return d.action
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from dynaresize import atomic
 from dynaresize.slurm import rendezvous
-from dynaresize.slurm.preempt import Action
+from dynaresize.slurm.preempt import PreemptAction
 
 log = logging.getLogger("dynaresize.slurm.probe")
 PROBE_DIR = "probe"
@@ -78,10 +78,10 @@ def run_coordinator(ctx) -> int:
             state["step"] += 1
             _write_json(state_path, state)
             action = pre.poll()
-            if action is Action.REQUEUED:
+            if action is PreemptAction.REQUEUED:
                 print(f"probe: requeued at step {state['step']}", flush=True)
                 return 0
-            if action is Action.STOP:
+            if action is PreemptAction.STOP:
                 stopped = pre.handled.reason if pre.handled else "stop"
                 print(f"probe: stopping at step {state['step']} ({stopped})", flush=True)
                 break

@@ -3,8 +3,8 @@
 Without slurmdbd ``sacct`` fails, so state comes from the controller, which lists a het job as one line per
 component: ``12+0`` (the leader, component 0) and ``12+1``. :func:`leader_of` maps every spelling back to the
 leader id ``12``, which is what ``scancel``, ``scontrol requeue`` and the user see. :func:`aggregate` folds the
-component states into one :class:`JobState` of the whole job. A finished job leaves the controller after
-``MinJobAge``; then the state is :attr:`JobState.GONE` unless accounting (``sacct``) knows better.
+component states into one :class:`SlurmJobState` of the whole job. A finished job leaves the controller after
+``MinJobAge``; then the state is :attr:`SlurmJobState.GONE` unless accounting (``sacct``) knows better.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ SQUEUE_FORMAT = "%i|%T|%r|%N"  # id | state | reason | nodes
 _ID = re.compile(r"^(?P<leader>\d+)(?:\+(?P<offset>\d+))?(?:_\S+)?$")
 
 
-class JobState(str, enum.Enum):
+class SlurmJobState(str, enum.Enum):
     PENDING = "PENDING"
     CONFIGURING = "CONFIGURING"
     RUNNING = "RUNNING"
@@ -37,7 +37,7 @@ class JobState(str, enum.Enum):
     UNKNOWN = "UNKNOWN"
 
     @classmethod
-    def parse(cls, text: str) -> "JobState":
+    def parse(cls, text: str) -> "SlurmJobState":
         word = text.strip().split(" ")[0].upper()  # sacct writes 'CANCELLED by 0'
         try:
             return cls(word)
@@ -46,15 +46,15 @@ class JobState(str, enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self not in _ACTIVE and self != JobState.UNKNOWN
+        return self not in _ACTIVE and self != SlurmJobState.UNKNOWN
 
 
-_ACTIVE = {JobState.PENDING, JobState.CONFIGURING, JobState.RUNNING, JobState.COMPLETING, JobState.REQUEUED, JobState.SUSPENDED}
+_ACTIVE = {SlurmJobState.PENDING, SlurmJobState.CONFIGURING, SlurmJobState.RUNNING, SlurmJobState.COMPLETING, SlurmJobState.REQUEUED, SlurmJobState.SUSPENDED}
 # Which component state speaks for the whole job: the most advanced activity, else the worst ending.
-_ACTIVE_ORDER = [JobState.RUNNING, JobState.COMPLETING, JobState.CONFIGURING, JobState.SUSPENDED, JobState.REQUEUED, JobState.PENDING]
+_ACTIVE_ORDER = [SlurmJobState.RUNNING, SlurmJobState.COMPLETING, SlurmJobState.CONFIGURING, SlurmJobState.SUSPENDED, SlurmJobState.REQUEUED, SlurmJobState.PENDING]
 _END_ORDER = [
-    JobState.NODE_FAIL, JobState.BOOT_FAIL, JobState.OUT_OF_MEMORY, JobState.FAILED, JobState.TIMEOUT,
-    JobState.DEADLINE, JobState.PREEMPTED, JobState.CANCELLED, JobState.COMPLETED, JobState.GONE,
+    SlurmJobState.NODE_FAIL, SlurmJobState.BOOT_FAIL, SlurmJobState.OUT_OF_MEMORY, SlurmJobState.FAILED, SlurmJobState.TIMEOUT,
+    SlurmJobState.DEADLINE, SlurmJobState.PREEMPTED, SlurmJobState.CANCELLED, SlurmJobState.COMPLETED, SlurmJobState.GONE,
 ]
 
 
@@ -77,7 +77,7 @@ def offset_of(job_id: str) -> int:
 @dataclass(frozen=True)
 class ComponentState:
     job_id: str  # as Slurm prints it: '12+1'
-    state: JobState
+    state: SlurmJobState
     reason: str = ""
     nodes: str = ""
 
@@ -85,7 +85,7 @@ class ComponentState:
 @dataclass(frozen=True)
 class HetJobStatus:
     leader: str
-    state: JobState
+    state: SlurmJobState
     components: tuple[ComponentState, ...]
 
     def describe(self) -> str:
@@ -93,17 +93,17 @@ class HetJobStatus:
         return f"{self.leader} {self.state.value} [{' '.join(parts)}]"
 
 
-def aggregate(states: list[JobState]) -> JobState:
+def aggregate(states: list[SlurmJobState]) -> SlurmJobState:
     """One state for a job from its components' states (an empty list is UNKNOWN)."""
     if not states:
-        return JobState.UNKNOWN
+        return SlurmJobState.UNKNOWN
     for s in _ACTIVE_ORDER:
         if s in states:
             return s
     for s in _END_ORDER:
         if s in states:
             return s
-    return JobState.UNKNOWN
+    return SlurmJobState.UNKNOWN
 
 
 def parse_squeue(text: str) -> dict[str, HetJobStatus]:
@@ -118,7 +118,7 @@ def parse_squeue(text: str) -> dict[str, HetJobStatus]:
         except ValueError:
             continue
         comps.setdefault(leader, []).append(
-            ComponentState(fields[0].strip(), JobState.parse(fields[1]), fields[2].strip() if len(fields) > 2 else "",
+            ComponentState(fields[0].strip(), SlurmJobState.parse(fields[1]), fields[2].strip() if len(fields) > 2 else "",
                            fields[3].strip() if len(fields) > 3 else "")
         )
     return {

@@ -1,7 +1,7 @@
 """Bounded state staging to node-local disk (``store``: :class:`Stager`, :class:`Prefetch`, :class:`StagingError`)."""
 
-from dynaresize.staging.store import (Prefetch, StageResult, Stager, StagingError, default_dir, os_error_text, read_manifest,
+from dynaresize.staging.store import (Prefetch, StagedSnapshot, Stager, StagingError, default_dir, os_error_text, read_manifest,
                                       verify_snapshot)
 
-__all__ = ["Prefetch", "StageResult", "Stager", "StagingError", "default_dir", "os_error_text", "read_manifest",
+__all__ = ["Prefetch", "StagedSnapshot", "Stager", "StagingError", "default_dir", "os_error_text", "read_manifest",
            "verify_snapshot"]

@@ -121,7 +121,10 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class StageResult:
+class StagedSnapshot:
+    """A snapshot :meth:`Stager.stage` wrote (a rank answers ``stage_state`` with its snapshots in a
+    :class:`dynaresize.contract.protocol.StageResult`)."""
+
     path: Path  # snapshot directory
     bytes: int
     seconds: float
@@ -149,7 +152,7 @@ class Stager:
 
     # -- write ----------------------------------------------------------------------------------------------
 
-    def stage(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StageResult:
+    def stage(self, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> StagedSnapshot:
         """Write ``tensors`` (any device) as snapshot ``name``; returns when the manifest is in place.
 
         Any OS error on the way (a full disk, a quota, an I/O error, a file too large) raises :class:`StagingError`
@@ -168,7 +171,7 @@ class Stager:
             raise
 
     def _stage(self, snap: Path, name: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None,
-               t0: float) -> StageResult:
+               t0: float) -> StagedSnapshot:
         snap.mkdir(parents=True, exist_ok=True)
         (snap / MANIFEST).unlink(missing_ok=True)  # an old manifest must never describe new data
         free: queue.Queue = queue.Queue()
@@ -266,7 +269,7 @@ class Stager:
                     "tensors": entries, "chunks": chunks, "meta": meta or {}}
         # atomic: the manifest is either complete or absent
         atomic.write_json(snap / MANIFEST, manifest, fsync=self.fsync, separators=(",", ":"))
-        return StageResult(snap, offset, time.perf_counter() - t0, len(chunks))
+        return StagedSnapshot(snap, offset, time.perf_counter() - t0, len(chunks))
 
     # -- read -----------------------------------------------------------------------------------------------
 

@@ -68,7 +68,7 @@ def submit_probe(slurm_cluster, tmp_path):
     """Submit the probe het job of configs/slurm-local.yaml (+ overrides) through the executor; cancel leftovers."""
     from dynaresize.config.loader import load_config
     from dynaresize.slurm.adapter import HetSlurmExecutor
-    from dynaresize.slurm.rundir import new_run_dir, record_job
+    from dynaresize.slurm.jobdir import new_run_dir, record_job
     from dynaresize.slurm.spec import build_spec
 
     jobs = []

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaresize.slurm.state import JobState
+from dynaresize.slurm.state import SlurmJobState
 from test_hetjob import wait_ended, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
 from test_job_slurm import job_id_of, submit
 
@@ -71,8 +71,8 @@ def test_preemption_by_an_urgent_job_checkpoints_requeues_and_resumes(slurm_clus
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
                and '"what":"resume"' in (rd / "events.jsonl").read_text(), 300, "the preempted job to resume and complete")
-    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # neither job left in squeue: both ended, and completed
-    assert wait_ended(urgent, 120) <= {JobState.COMPLETED}
+    assert wait_ended(job, 120) <= {SlurmJobState.COMPLETED}  # neither job left in squeue: both ended, and completed
+    assert wait_ended(urgent, 120) <= {SlurmJobState.COMPLETED}
 
     s = json.loads(summary.read_text())
     assert s["steps"] == steps
@@ -150,7 +150,7 @@ def test_killed_rollout_rank_is_removed_and_the_job_finishes_on_the_others(slurm
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") in ("completed", "failed"), 300,
                "the job to finish")
-    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
+    assert wait_ended(job, 120) <= {SlurmJobState.COMPLETED}  # not left in squeue: ended, and completed
 
     s = json.loads(summary.read_text())
     assert s["status"] == "completed" and s["steps"] == steps
@@ -183,7 +183,7 @@ def test_killed_trainer_rank_requeues_the_job_which_resumes_from_its_checkpoint(
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 420,
                "the requeued job to complete")
-    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
+    assert wait_ended(job, 120) <= {SlurmJobState.COMPLETED}  # not left in squeue: ended, and completed
 
     assert json.loads(summary.read_text())["steps"] == steps
     assert _steps(rd) == list(range(steps))  # steps after the checkpoint were rewound and trained once more

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaresize.slurm.state import JobState
+from dynaresize.slurm.state import SlurmJobState
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,18 +44,18 @@ def in_squeue(job_id: str, all_states: bool = False) -> bool:
     return p.returncode == 0 and bool(p.stdout.strip())
 
 
-def wait_ended(job_id: str, timeout_s: float) -> set[JobState]:
+def wait_ended(job_id: str, timeout_s: float) -> set[SlurmJobState]:
     """Wait until every component of the job has ended for good and return their final states (empty: the
     controller purged the record already). A job pending, running, completing (processes still being killed),
     requeued or held has not ended; its record stays listed in its final state for MinJobAge, which this does not
     wait for (test_both_components_run_and_ranks_register_with_slurm_identity checks that purge)."""
-    got: set[JobState] = set()
+    got: set[SlurmJobState] = set()
 
     def ended() -> bool:
         p = subprocess.run(["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
         if p.returncode != 0:
             return "Invalid job id" in p.stderr  # purged (MinJobAge); another error: look again
-        states = {JobState.parse(s) for s in p.stdout.split()}
+        states = {SlurmJobState.parse(s) for s in p.stdout.split()}
         if all(s.finished for s in states):
             got.update(states)
             return True
@@ -77,8 +77,8 @@ def test_both_components_run_and_ranks_register_with_slurm_identity(submit_probe
     job, run_dir = submit_probe("slurm.probe_steps=4", "slurm.probe_step_s=0.1")
     seen = set()
     st = job.wait_for(lambda s: seen.add(s.state) or s.state.finished, timeout_s=60)
-    assert st.state is JobState.COMPLETED, st.describe()
-    assert JobState.RUNNING in seen
+    assert st.state is SlurmJobState.COMPLETED, st.describe()
+    assert SlurmJobState.RUNNING in seen
     assert [c.job_id for c in st.components] == [f"{job.job_id}+0", f"{job.job_id}+1"]
     coord = read_json(run_dir / "probe" / "coordinator-r0.json")["identity"]
     assert coord["het_group"] == 0 and coord["node"] == "cpu1" and coord["job_id"] == job.job_id
@@ -90,10 +90,10 @@ def test_both_components_run_and_ranks_register_with_slurm_identity(submit_probe
     assert read_json(run_dir / "probe" / "done.json")["step"] == 4
     assert not in_squeue(job.job_id)
     wait_until(lambda: not in_squeue(job.job_id, all_states=True), 45, "the controller to purge the job (MinJobAge)")
-    assert job.job_state() is JobState.COMPLETED  # the final state seen is kept after the controller forgets the job
+    assert job.job_state() is SlurmJobState.COMPLETED  # the final state seen is kept after the controller forgets the job
     from dynaresize.slurm.adapter import query_status
 
-    assert query_status(job.job_id).state is JobState.GONE
+    assert query_status(job.job_id).state is SlurmJobState.GONE
 
 
 def test_scancel_stops_every_component_and_leaves_a_resumable_run_dir(submit_probe) -> None:
@@ -103,8 +103,8 @@ def test_scancel_stops_every_component_and_leaves_a_resumable_run_dir(submit_pro
     pids = [r["pid"] for r in ranks] + [read_json(run_dir / "probe" / "coordinator-r0.json")["pid"]]
     job.cancel()
     st = job.wait_for(lambda s: s.state.finished, timeout_s=30)
-    assert st.state in (JobState.CANCELLED, JobState.GONE), st.describe()
-    assert all(c.state is JobState.CANCELLED for c in st.components), st.describe()
+    assert st.state in (SlurmJobState.CANCELLED, SlurmJobState.GONE), st.describe()
+    assert all(c.state is SlurmJobState.CANCELLED for c in st.components), st.describe()
     wait_until(lambda: not any(_pid_alive(p) for p in pids), 20, "every rank and the coordinator to exit")
     state = read_json(run_dir / "probe" / "state.json")
     assert state["step"] >= 3 and (run_dir / "config.yaml").exists() and not (run_dir / "probe" / "done.json").exists()
@@ -122,7 +122,7 @@ def test_scontrol_requeue_resumes_the_persisted_counter(submit_probe) -> None:
     assert done["step"] == 30 and done["restart"] == 1
     assert len(read_json(run_dir / "probe" / "ranks-r1.json")["ranks"]) == 4  # ranks re-registered after requeue
     st = job.wait_for(lambda s: s.state.finished, timeout_s=30)
-    assert st.state in (JobState.COMPLETED, JobState.GONE), st.describe()
+    assert st.state in (SlurmJobState.COMPLETED, SlurmJobState.GONE), st.describe()
     wait_until(lambda: not in_squeue(job.job_id), 20, "the job to leave squeue")
 
 
@@ -143,7 +143,7 @@ def test_time_limit_usr2_checkpoints_and_self_requeues(submit_probe) -> None:
     batch = (run_dir / "slurm" / f"{job.job_id}_0_log.out").read_text()
     assert batch.count("USR2 received, forwarded to the coordinator") == 2
     st = job.wait_for(lambda s: s.state.finished, timeout_s=30)
-    assert st.state in (JobState.COMPLETED, JobState.GONE), st.describe()
+    assert st.state in (SlurmJobState.COMPLETED, SlurmJobState.GONE), st.describe()
     wait_until(lambda: not in_squeue(job.job_id), 30, "the job to leave squeue")
 
 

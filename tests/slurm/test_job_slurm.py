@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dynaresize.slurm.state import JobState
+from dynaresize.slurm.state import SlurmJobState
 from test_hetjob import in_squeue, wait_ended, wait_until  # tests/slurm is on sys.path (pytest rootdir-less import)
 
 pytestmark = pytest.mark.slurm
@@ -40,7 +40,7 @@ def submit(tmp_path: Path, *overrides: str, wait: bool, models: Path | None = No
 
 
 def job_id_of(run_dir: Path) -> str:
-    from dynaresize.slurm.rundir import JOB_ID_FILE
+    from dynaresize.slurm.jobdir import JOB_ID_FILE
     from dynaresize.slurm.spec import SLURM_SUBDIR
 
     return (run_dir / SLURM_SUBDIR / JOB_ID_FILE).read_text().strip()
@@ -75,7 +75,7 @@ def test_scancel_stops_every_component_and_the_run_resumes(slurm_cluster, tmp_pa
     state = rd / "checkpoints" / "coordinator.json"
     wait_until(lambda: state.exists() and json.loads(state.read_text())["step"] >= 2, 300, "a checkpoint at step >= 2")
     subprocess.run(["scancel", job], check=True)
-    assert wait_ended(job, 120) <= {JobState.CANCELLED}  # every component ended (processes gone), not requeued
+    assert wait_ended(job, 120) <= {SlurmJobState.CANCELLED}  # every component ended (processes gone), not requeued
     step = json.loads(state.read_text())["step"]
     assert step >= 2
     # resumable: continue it here (same run directory, same step counter) for two more steps
@@ -99,7 +99,7 @@ def test_scontrol_requeue_resumes_the_grpo_job_with_the_same_step_counter(slurm_
     summary = rd / "summary.json"
     wait_until(lambda: summary.exists() and json.loads(summary.read_text()).get("status") == "completed", 600,
                "the requeued job to complete")
-    assert wait_ended(job, 120) <= {JobState.COMPLETED}  # not left in squeue: ended, and completed
+    assert wait_ended(job, 120) <= {SlurmJobState.COMPLETED}  # not left in squeue: ended, and completed
     s = json.loads(summary.read_text())
     assert s["steps"] == steps
     got = [json.loads(l)["step"] for l in (rd / "batches.jsonl").read_text().splitlines()]

@@ -22,7 +22,7 @@ import pytest
 
 from dynaresize.slurm import rendezvous
 from dynaresize.slurm.entry import RELAUNCH_FILE, _relaunches, coordinator_gone, decide_relaunch
-from dynaresize.slurm.preempt import TERM_EXIT_CODE, Action, Preemption, decide
+from dynaresize.slurm.preempt import TERM_EXIT_CODE, PreemptAction, Preemption, decide
 from dynaresize.slurm.state import parse_preempt_time
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -45,9 +45,9 @@ def test_preempt_time_tells_preemption_from_cancel() -> None:
 
 
 def test_preemption_requeues_beyond_max_requeues_but_not_when_requeue_is_off() -> None:
-    assert decide(True, True, 5, 2, preempted=True).action is Action.REQUEUED  # Slurm would requeue it anyway
-    assert decide(True, True, 2, 2, preempted=False).action is Action.STOP  # the time-limit warning stays bounded
-    assert decide(True, False, 0, 2, preempted=True).action is Action.STOP
+    assert decide(True, True, 5, 2, preempted=True).action is PreemptAction.REQUEUED  # Slurm would requeue it anyway
+    assert decide(True, True, 2, 2, preempted=False).action is PreemptAction.STOP  # the time-limit warning stays bounded
+    assert decide(True, False, 0, 2, preempted=True).action is PreemptAction.STOP
 
 
 def _wait(pred, timeout_s: float, what: str):
@@ -91,7 +91,7 @@ def _coordinator_sigterm_preempted_or_not() -> None:
         assert pre.preempted == "2026-11-30T04:20:46" and handled == []
         time.sleep(0.3)
         assert child.poll() is None, "a child of the coordinator died of SIGTERM (Redis would)"
-        assert pre.poll() is Action.REQUEUED
+        assert pre.poll() is PreemptAction.REQUEUED
         assert calls[0].startswith("checkpoint: preempted by Slurm") and calls[1] == "requeue 42"
         preempted[0] = None  # scancel: PreemptTime=None
         pre.handled = None
@@ -202,10 +202,10 @@ def test_coordinator_gone_asks_the_real_redis(redis_server, tmp_path: Path) -> N
 
 
 def test_relaunches_are_bounded_and_their_record_is_checked(tmp_path: Path) -> None:
-    assert decide_relaunch(0, 2, True).action is Action.REQUEUED
+    assert decide_relaunch(0, 2, True).action is PreemptAction.REQUEUED
     assert "requeue 2 of at most 2" in decide_relaunch(1, 2, True).reason
-    assert decide_relaunch(2, 2, True).action is Action.STOP
-    assert decide_relaunch(0, 2, False).action is Action.STOP
+    assert decide_relaunch(2, 2, True).action is PreemptAction.STOP
+    assert decide_relaunch(0, 2, False).action is PreemptAction.STOP
     assert _relaunches(tmp_path) == []
     rec = tmp_path / "slurm" / RELAUNCH_FILE
     rec.parent.mkdir()

@@ -124,7 +124,7 @@ def test_calibrated_simulator_reproduces_real_cpu_run_step_times(tmp_path):
 
     The fixture (tests/fixtures/real_cpu_run: `dynaresize run configs/quickstart.yaml run.steps=30`, 4 CPU ranks,
     3:1 -> 2:2 at step 3) is replayed with its own config, the calibrated file (costs, train, empirical rollout,
-    the log's per-step response lengths, lockstep schedule) and its step count and split schedule from the fit.
+    the log's per-step response lengths, barrier_lockstep schedule) and its step count and split schedule from the fit.
     Compared: step periods (step_end_k - step_end_{k-1}, k >= 1; step 0 holds start-up warm-up).
 
     Tolerances, and why: on 2 shared cores the real run's step periods have a coefficient of variation of ~23%
@@ -139,7 +139,7 @@ def test_calibrated_simulator_reproduces_real_cpu_run_step_times(tmp_path):
     fit = fit_costs(load_run(REAL_RUN))
     costs = write_costs(fit, tmp_path / "costs.yaml")
     doc = yaml.safe_load(costs.read_text())["sim"]
-    assert doc["rollout"]["model"] == "empirical" and doc["schedule"] == "lockstep"
+    assert doc["rollout"]["model"] == "empirical" and doc["schedule"] == "barrier_lockstep"
     assert len(doc["workload"]["response_tokens_by_step"]) == fit["source"]["steps"]
     forced = fit["forced_splits"]
     assert forced, "the fixture is expected to hold a switch"
@@ -204,7 +204,7 @@ def test_costs_file_merges_every_sim_section_and_rejects_unknown_keys(tmp_path):
     f.write_text(yaml.safe_dump({"switching": {"costs": {"override_s": {"drain": 0.25}}},
                                  "sim": {"train": {"tokens_per_gpu_s": 77.0},
                                          "rollout": {"model": "empirical", "empirical_tokens_per_gpu_s": 55.0},
-                                         "workload": {"response_tokens_by_step": [3.0, 4.0]}, "schedule": "lockstep", "step_gap_s": 0.5}}))
+                                         "workload": {"response_tokens_by_step": [3.0, 4.0]}, "schedule": "barrier_lockstep", "step_gap_s": 0.5}}))
     cfg = merge_costs(load_config(config), str(f))
     assert cfg.switching.costs.override_s["drain"] == 0.25 and cfg.sim.train.tokens_per_gpu_s == 77.0
     assert cfg.sim.rollout.empirical_tokens_per_gpu_s == 55.0 and cfg.sim.workload.response_tokens_by_step == [3.0, 4.0]

@@ -1,4 +1,4 @@
-"""Checkpoint files of a run (dynaresize.job.checkpoints): verify, choose the resume point, discard, retain.
+"""Checkpoint files of a run (dynaresize.job.checkpoint_files): verify, choose the resume point, discard, retain.
 
 Checkpoints here are staged with the real Stager, as the worker ranks stage them (weights on every rank, ZeRO
 partitions on the trainers, the coordinator's state written last), then damaged on disk."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dynaresize.job import checkpoints as C
+from dynaresize.job import checkpoint_files as C
 from dynaresize.job.state import JobState, StateError, save_state
 from dynaresize.staging import Stager
 
@@ -345,7 +345,7 @@ def test_a_resume_leaves_a_checkpoint_another_coordinator_may_be_writing_in_plac
 
 def test_a_batches_record_cut_by_a_hard_stop_is_named_by_its_line_number(tmp_path):
     from dynaresize.events import EventLog
-    from dynaresize.job.checkpointing import rewind_batches
+    from dynaresize.job.checkpointer import rewind_batches
 
     lines = [json.dumps({"step": k, "keys": []}) for k in range(3)]
     (tmp_path / "batches.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2] + "\n" + '{"step": 3, "ke')

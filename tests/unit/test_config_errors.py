@@ -216,7 +216,7 @@ def test_a_run_directory_from_before_the_marker_is_still_resumable(tmp_path):
 def test_a_slurm_job_reuses_only_a_run_directory_dynaresize_created(tmp_path):
     """``entry prepare`` after a requeue: the job index names the run directory; one that is not a run directory
     (the index edited by hand to point at the user's folder) is not written into: a new run directory is made."""
-    from dynaresize.slurm.rundir import JOBS_INDEX, prepare_in_job
+    from dynaresize.slurm.jobdir import JOBS_INDEX, prepare_in_job
 
     over = [f"run.output_dir={tmp_path / 'runs'}"]
     first = prepare_in_job(str(ROOT / "configs" / "slurm-local.yaml"), over, "41")

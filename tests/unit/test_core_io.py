@@ -7,7 +7,7 @@ import pytest
 from dynaresize.config.loader import load_config
 from dynaresize.job.core_io import PlannedPolicy, scheduler_config
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Action, Decision, Observation, PolicyState
+from dynaresize.policy.types import Decision, Observation, PolicyState, ResizeAction
 
 pytestmark = pytest.mark.unit
 
@@ -19,7 +19,7 @@ class Always:
         return PolicyState()
 
     def step(self, state, obs):
-        return state, Decision(Action.RESIZE, Topology(3, obs.topology.total - 3), "always 3")
+        return state, Decision(ResizeAction.RESIZE, Topology(3, obs.topology.total - 3), "always 3")
 
 
 def obs(step: int, n_train: int = 2, train_s: float = 1.0) -> Observation:

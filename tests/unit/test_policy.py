@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dynaresize.events import SwitchOp
-from dynaresize.policy import Action, Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies, greedy_config
+from dynaresize.policy import Observation, ResizeAction, ResizePolicy, SwitchCostModel, Topology, candidate_topologies, greedy_config
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.predictor import StageModel, efficiency
 
@@ -38,10 +38,10 @@ def test_worked_example_signals_dwell_resize_then_cooldown():
     s = p.initial_state()
     t = Topology(6, 2)
     s, d = p.step(s, obs(0, t, 200, 100, tail=40))
-    assert d.action is Action.HOLD and d.reason.startswith("signal 1/2") and d.imbalance == pytest.approx(0.5)
+    assert d.action is ResizeAction.HOLD and d.reason.startswith("signal 1/2") and d.imbalance == pytest.approx(0.5)
     s, d = p.step(s, obs(1, t, 200, 100, tail=40))
     # second signal: candidates: 4:4 -> max(40+80, 150) = 150; 5:3 -> max(146.7, 120) = 146.7 (best); saving 53.3/step
-    assert d.action is Action.RESIZE and d.target == Topology(5, 3)
+    assert d.action is ResizeAction.RESIZE and d.target == Topology(5, 3)
     assert d.expected_saving_s == pytest.approx(10 * (200 - (40 + 320 / 3)))
     assert d.critical_cost_s == pytest.approx(COSTS.critical_cost_s(t, Topology(5, 3)))
     assert {o.op for o in d.plan} >= {SwitchOp.OFFLOAD, SwitchOp.ONLOAD, SwitchOp.COMM_SELECT, SwitchOp.WEIGHT_SYNC}
@@ -49,7 +49,7 @@ def test_worked_example_signals_dwell_resize_then_cooldown():
     t = Topology(5, 3)
     for i in range(2):
         s, d = p.step(s, obs(2 + i, t, 300, 100, tail=40))
-        assert d.action is Action.HOLD and d.reason.startswith("cooldown")
+        assert d.action is ResizeAction.HOLD and d.reason.startswith("cooldown")
 
 
 def test_imbalance_threshold_resets_signals():

@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation, PolicyState
+from dynaresize.policy.types import Decision, Observation, PolicyState, ResizeAction
 from dynaresize.schedule import (
     Assign, Decided, DynamicSampling, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
@@ -49,10 +48,10 @@ class ScriptedPolicy:
 
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         if not self.script:
-            return state, Decision(PolicyAction.HOLD, obs.topology, "script done")
+            return state, Decision(ResizeAction.HOLD, obs.topology, "script done")
         nt = max(1, min(obs.topology.total - 1, self.script.pop(0)))
         target = Topology(nt, obs.topology.total - nt)
-        return state, Decision(PolicyAction.RESIZE, target, "scripted")
+        return state, Decision(ResizeAction.RESIZE, target, "scripted")
 
 
 @dataclass

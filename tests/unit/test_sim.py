@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from dynaresize.cli import main as cli_main
 from dynaresize.config.loader import ConfigError, load_config
 from dynaresize.events import EventType, ReadStats, read_events
 from dynaresize.policy import Decision, Observation, OpGroup, Topology
-from dynaresize.policy.types import Action
+from dynaresize.policy.types import ResizeAction
 from dynaresize.sim import stages
 from dynaresize.sim.cli import merge_costs
 from dynaresize.sim.compare import oracle_total, run_dynamic, run_static, setup
@@ -174,6 +175,21 @@ def test_every_sim_scenario_validates():
         assert cfg.sim.steps >= 2 and not math.isnan(cfg.sim.rollout.iteration_fixed_s)
 
 
+@pytest.mark.parametrize("old,new", [("pipelined", "barrier"), ("lockstep", "barrier_lockstep")])
+def test_the_old_sim_schedule_names_load_with_one_line_naming_the_new_setting(caplog, old, new):
+    """The step-level model's schedules take the runtime's names: ``pipelined`` is the runtime's ``barrier``,
+    ``lockstep`` the retired runtime loop (which the runtime itself now reads as ``barrier``)."""
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        cfg = load_config(ROOT / "configs/sim/base.yaml", [f"sim.schedule={old}"])
+    assert cfg.sim.schedule == new
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0] and f"set sim.schedule: {new}" in lines[0], lines
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        assert load_config(ROOT / "configs/sim/base.yaml", [f"sim.schedule={new}"]).sim.schedule == new
+    assert not caplog.records
+
+
 class ResizeOnce:
     """A scripted controller: resize to ``target`` when shown step ``at``, hold otherwise."""
 
@@ -183,8 +199,8 @@ class ResizeOnce:
     def decide(self, obs: Observation) -> Decision:
         self.seen.append(obs.step)
         if obs.step == self.at:
-            return Decision(Action.RESIZE, self.target, "scripted")
-        return Decision(Action.HOLD, obs.topology, "scripted")
+            return Decision(ResizeAction.RESIZE, self.target, "scripted")
+        return Decision(ResizeAction.HOLD, obs.topology, "scripted")
 
 
 def _crit(costs, src, dst):

@@ -17,8 +17,8 @@ from dynaresize.config.loader import load_config
 from dynaresize.slurm import rendezvous
 from dynaresize.slurm.entry import allocation_problems
 from dynaresize.slurm.identity import IdentityError, from_env
-from dynaresize.slurm.preempt import Action, Preemption, decide
-from dynaresize.slurm.state import JobState, aggregate, leader_of, offset_of, parse_scontrol, parse_squeue
+from dynaresize.slurm.preempt import PreemptAction, Preemption, decide
+from dynaresize.slurm.state import SlurmJobState, aggregate, leader_of, offset_of, parse_scontrol, parse_squeue
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,26 +47,26 @@ def test_leader_id_mapping() -> None:
 def test_parse_squeue_folds_components_into_leader() -> None:
     st = parse_squeue(SQUEUE)
     assert set(st) == {"5", "7", "9"}
-    assert st["5"].state is JobState.COMPLETING and [c.job_id for c in st["5"].components] == ["5+0", "5+1"]
+    assert st["5"].state is SlurmJobState.COMPLETING and [c.job_id for c in st["5"].components] == ["5+0", "5+1"]
     assert st["5"].components[1].reason == "BeginTime"
-    assert st["7"].state is JobState.CANCELLED and st["7"].state.finished
-    assert st["9"].state is JobState.RUNNING and not st["9"].state.finished
+    assert st["7"].state is SlurmJobState.CANCELLED and st["7"].state.finished
+    assert st["9"].state is SlurmJobState.RUNNING and not st["9"].state.finished
 
 
 def test_parse_scontrol_maps_component_job_ids() -> None:
     st = parse_scontrol(SCONTROL)
-    assert list(st) == ["11"] and st["11"].state is JobState.RUNNING
+    assert list(st) == ["11"] and st["11"].state is SlurmJobState.RUNNING
     assert [c.job_id for c in st["11"].components] == ["11+0", "11+1"]
 
 
 def test_aggregate_prefers_activity_then_worst_end() -> None:
-    assert aggregate([JobState.PENDING, JobState.RUNNING]) is JobState.RUNNING
-    assert aggregate([JobState.COMPLETED, JobState.FAILED]) is JobState.FAILED
-    assert aggregate([JobState.COMPLETED, JobState.CANCELLED]) is JobState.CANCELLED
-    assert aggregate([JobState.COMPLETED, JobState.COMPLETED]) is JobState.COMPLETED
-    assert aggregate([]) is JobState.UNKNOWN
-    assert JobState.parse("CANCELLED by 0") is JobState.CANCELLED and JobState.parse("WEIRD") is JobState.UNKNOWN
-    assert JobState.GONE.finished and not JobState.UNKNOWN.finished
+    assert aggregate([SlurmJobState.PENDING, SlurmJobState.RUNNING]) is SlurmJobState.RUNNING
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.FAILED]) is SlurmJobState.FAILED
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.CANCELLED]) is SlurmJobState.CANCELLED
+    assert aggregate([SlurmJobState.COMPLETED, SlurmJobState.COMPLETED]) is SlurmJobState.COMPLETED
+    assert aggregate([]) is SlurmJobState.UNKNOWN
+    assert SlurmJobState.parse("CANCELLED by 0") is SlurmJobState.CANCELLED and SlurmJobState.parse("WEIRD") is SlurmJobState.UNKNOWN
+    assert SlurmJobState.GONE.finished and not SlurmJobState.UNKNOWN.finished
 
 
 # what srun --het-group=1 --gpus-per-task=1 set for task 3 of het job 3 (component id 4) on Slurm 22.05
@@ -93,10 +93,10 @@ def test_identity_of_a_worker_rank() -> None:
 
 
 def test_preemption_decisions() -> None:
-    assert decide(False, True, 0, 3).action is Action.CONTINUE
-    assert decide(True, True, 0, 3).action is Action.REQUEUED
-    assert decide(True, True, 3, 3).action is Action.STOP
-    assert decide(True, False, 0, 3).action is Action.STOP
+    assert decide(False, True, 0, 3).action is PreemptAction.CONTINUE
+    assert decide(True, True, 0, 3).action is PreemptAction.REQUEUED
+    assert decide(True, True, 3, 3).action is PreemptAction.STOP
+    assert decide(True, False, 0, 3).action is PreemptAction.STOP
 
 
 def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
@@ -106,7 +106,7 @@ def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
     pre.on_checkpoint(lambda reason: calls.append("checkpoint"))
     pre.install()
     try:
-        assert pre.poll() is Action.CONTINUE and calls == []
+        assert pre.poll() is PreemptAction.CONTINUE and calls == []
         # a child started after install() inherits the blocked signal: USR2 must not kill it (like redis-server)
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
         os.kill(os.getpid(), signal.SIGUSR2)
@@ -118,9 +118,9 @@ def test_real_usr2_checkpoints_then_requeues_the_leader() -> None:
         assert child.poll() is None, "a child of the coordinator died of USR2"
         child.kill()
         child.wait()
-        assert pre.poll() is Action.REQUEUED
+        assert pre.poll() is PreemptAction.REQUEUED
         assert calls == ["checkpoint", "requeue 42"]
-        assert pre.poll() is Action.REQUEUED and len(calls) == 2  # handled once
+        assert pre.poll() is PreemptAction.REQUEUED and len(calls) == 2  # handled once
     finally:
         pre.uninstall()
     assert signal.SIGUSR2 not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
@@ -134,7 +134,7 @@ def test_failed_requeue_stops_after_checkpoint() -> None:
     pre = Preemption("42", 0, True, 2, requeue_fn=boom)
     pre.on_checkpoint(calls.append)
     pre.trigger()
-    assert pre.poll() is Action.STOP and len(calls) == 1 and "requeue failed" in pre.handled.reason
+    assert pre.poll() is PreemptAction.STOP and len(calls) == 1 and "requeue failed" in pre.handled.reason
 
 
 def test_rendezvous_matches_job_incarnation(tmp_path: Path) -> None:

@@ -105,7 +105,7 @@ def test_emulated_run_maps_to_its_profile_its_trace_and_its_time_scale(tmp_path)
     assert cfg.sim.pipeline.stream_chunks == own["rollout"]["prompts_per_step"] // own["pipeline"]["stream_min_groups"]
     assert cfg.sim.train.model_dump() == own["sim"]["train"]
     assert cfg.switching.costs.model_dump() == own["switching"]["costs"]
-    assert cfg.sim.schedule == "lockstep" and cfg.sim.step_gap_s == 0.0  # the runtime's lockstep, no modelled gap
+    assert cfg.sim.schedule == "barrier_lockstep" and cfg.sim.step_gap_s == 0.0  # the retired runtime loop, no modelled gap
     first = json.loads((rd / "batches.jsonl").read_text().splitlines()[0])
     b = make_batch(cfg.sim.workload, 0, 0, 30)
     assert b.tokens_generated == sum(max(1, round(150 * n)) for n in first["response_tokens"])

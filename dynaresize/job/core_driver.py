@@ -53,15 +53,14 @@ from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
-from dynaresize.job.reporting import TrainResult
+from dynaresize.job.reporting import TrainedBatch
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.job.takeover import Segment, StoredAcks, fence_aborted, redo_id, replace_log
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Action as PolicyAction
-from dynaresize.policy.types import Decision, Observation
+from dynaresize.policy.types import Decision, Observation, ResizeAction
 from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
@@ -339,7 +338,7 @@ class ContinuousSchedule:
         next id of its chain. Then the steps the old coordinator reported past the replay are rewound."""
         if self.replay is None:
             return
-        from dynaresize.job.checkpointing import rewind_batches
+        from dynaresize.job.checkpointer import rewind_batches
 
         tx, bus, job = self.p.tx, self.p.svc.bus, self.job
         self.replay, tx.replay, tx.on_frontier = None, None, None
@@ -385,7 +384,7 @@ class ContinuousSchedule:
 
     def checkpointed(self, k: int) -> bool:
         """A takeover's replay reaches the checkpoint at step k: whether the old coordinator wrote it."""
-        from dynaresize.job.checkpoints import tag_step
+        from dynaresize.job.checkpoint_files import tag_step
         from dynaresize.job.state import load_state
 
         try:
@@ -481,7 +480,7 @@ class ContinuousSchedule:
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
                                 **chunk_loss_means(t.chunk_stats.get(r, []))}}
                    for r, x in sorted(res.items())]
-        trained = TrainResult(sum(x["loss"] for x in results), results)
+        trained = TrainedBatch(sum(x["loss"] for x in results), results)
         st.step, st.version = k + 1, k + 1
         now = time.monotonic()
         st.loop_s += now - (self.t_step if self.t_step is not None else now)
@@ -836,7 +835,7 @@ class ContinuousSchedule:
         if movers != list(range(min(old, new), max(old, new))):
             raise JobError(f"switch {sid}: ranks {movers} do not border the trainers 0..{old - 1}")
         n_alive = len(job.alive())
-        d = self.decisions.get(sid) or Decision(PolicyAction.RESIZE, Topology(new, n_alive - new), "the core's resize")
+        d = self.decisions.get(sid) or Decision(ResizeAction.RESIZE, Topology(new, n_alive - new), "the core's resize")
         if d.target.n_train != new:
             d = replace(d, target=Topology(new, n_alive - new))
         union = [r for r in range(max(old, new)) if r not in st.lost]

@@ -1,6 +1,6 @@
 """The checkpoint manager: when to checkpoint (``due``), and how a checkpoint is taken, checked and given up;
 plus what a start reads back (the resume state, the incarnation counter, the batches trained after the checkpoint).
-The files themselves (tags, verification, retention) are :mod:`dynaresize.job.checkpoints`."""
+The files themselves (tags, verification, retention) are :mod:`dynaresize.job.checkpoint_files`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from dynaresize import atomic
 from dynaresize.events import EventLog, format_ranks
-from dynaresize.job import checkpoints as ckpt
+from dynaresize.job import checkpoint_files as ckpt
 from dynaresize.disk import SpaceWatch, describe, is_disk_full
 from dynaresize.job.errors import JobError, RanksLost, resume_plan
 from dynaresize.job.runtime import Job, Services
@@ -121,7 +121,7 @@ class Checkpointer:
                 f"{resume_plan(st.step, st.checkpoint)}")
 
     def _claim(self, step: int) -> str | None:
-        """A fresh checkpoint directory for this attempt, owned by this coordinator (``checkpoints.claim_tag``)."""
+        """A fresh checkpoint directory for this attempt, owned by this coordinator (``checkpoint_files.claim_tag``)."""
         try:
             self.in_progress = ckpt.claim_tag(self.job.run_dir, step, {"epoch": self.svc.bus.epoch, "job_id": self.job.job_id,
                                                                        "incarnation": self.job.state.incarnation})
@@ -218,7 +218,7 @@ def next_incarnation(run_dir: Path) -> int:
 
 
 def resume_state(run_dir: Path, world: int) -> JobState | None:
-    """The state a resume starts from: the newest checkpoint that verifies (``checkpoints.select_resume``).
+    """The state a resume starts from: the newest checkpoint that verifies (``checkpoint_files.select_resume``).
     Newer tags found damaged are logged (``control`` what=checkpoint_skipped, naming the file) and set aside
     under ``checkpoints/damaged/``; a damaged or stale top-level ``coordinator.json`` is rewritten from the
     chosen tag's own copy. None intact: StateError (nothing deleted)."""

@@ -9,7 +9,7 @@ import pytest
 from dynaresize.config.loader import load_config
 from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
-from dynaresize.policy.pipeline import PipelinePredictor
+from dynaresize.policy.pipeline_predictor import PipelinePredictor
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.compare import run_samples, setup
 from dynaresize.sim.samples import SamplePipeline, SampleSettings

@@ -1,4 +1,4 @@
-"""Run directories of Slurm jobs on shared storage: create one at submit time, find it again after a requeue.
+"""A Slurm job's run directory on shared storage: create one at submit time, find it again after a requeue.
 
 ``dynaresize submit`` creates ``<slurm.shared_dir or run.output_dir>/<run.name>-<YYYYmmdd-HHMMSS>/`` with the
 resolved ``config.yaml`` before sbatch, and every component reads that file (so the job runs exactly the config
