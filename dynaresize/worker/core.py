@@ -26,9 +26,10 @@ The barrier-free schedule (``dynaresize.schedule``) uses four more commands, sti
   ``transport: comm`` (the default schedule's) from rank 0 point to point over the world group built at start-up
   (:mod:`dynaresize.comm.transport`); with ``file`` (the fallback) read from ``<weights_dir>/v<version>`` (written
   by rank 0's ``optimizer_step(publish=True, transport="file")``); the interval is logged (``weight_sync``,
-  ``background``) at the next command;
-- ``push_weights`` (rank 0, comm): send a version kept at the optimizer step to the ranks whose fetch started a
-  receive, on one background thread per destination; acked once queued;
+  ``background``) at the next command. It runs beside the decode (``CONCURRENT``); ``pushed``: rank 0 sends it
+  whatever this rank answers, so one receive is posted even for a version it holds (into a buffer it drops);
+- ``push_weights`` (rank 0, comm): send a version kept at the optimizer step to ranks that posted (or, ``pushed``,
+  will post) a receive, on one background thread per destination; acked once queued;
 - ``train_chunk``: forward and backward of a chunk of complete groups, loss as a sum (``ZeroTrainer.accumulate``);
 - ``optimizer_step``: the step of the chunks accumulated since the last one, divided by the whole batch's
   normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 keeps a host copy of the new weights (comm) or stages
