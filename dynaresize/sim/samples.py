@@ -126,6 +126,10 @@ class DecodeRank:
         """Sequences of the groups ``keys`` (``group_size`` consecutive lengths each) start at ``t + pause``; the
         prefill pause stalls the sequences already decoding too."""
         self.advance(t)
+        # groups whose last sequence ended by ``t`` but not reported yet (their rank event comes later at this same
+        # instant, after this admission): they keep their completion time; a new plan would have lost them (the
+        # simulator then stalled with the group in flight for ever: a 7:1 barrier run of bench_emulated)
+        ended = [g for g in self.groups[self.gptr:] if g[0] <= t + _EPS]
         live = self.seqs[self.head:]
         if live and t > self.t0:
             d = self._done_iterations(t)
@@ -135,12 +139,13 @@ class DecodeRank:
         live += zip(lengths, range(n, n + m), repeat(u, m), [gid + i // group_size for i in range(m)])
         self.next_gid += len(keys)
         self.next_seq += m
-        self._plan(t, pause, live)
+        self._plan(t, pause, live, ended)
 
-    def _plan(self, t: float, pause: float, seqs: list[tuple[float, int, float, int]]) -> None:
+    def _plan(self, t: float, pause: float, seqs: list[tuple[float, int, float, int]],
+              ended: list[tuple[float, int]] | None = None) -> None:
         self.head, self.gptr = 0, 0
         if not seqs:
-            self.planned, self.seqs, self.t_marks, self.cost, self.groups = False, [], [], [], []
+            self.planned, self.seqs, self.t_marks, self.cost, self.groups = False, [], [], [], list(ended or ())
             return
         seqs.sort()  # by tokens left, then admission number (unique): a stable sort by tokens left
         t0 = t + pause
@@ -157,6 +162,8 @@ class DecodeRank:
         gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
         self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
         self.groups = sorted(zip(gend.values(), gend.keys()))
+        if ended:
+            self.groups[:0] = ended  # (ended by t: before every group of the new plan, which ends after t)
         self.t_valid = t
 
     def next_group_time(self) -> float:

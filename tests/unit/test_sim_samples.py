@@ -144,3 +144,20 @@ def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_tr
     assert helped.helps > 0
     assert helped.versions == barrier.versions == without.versions and helped.samples == barrier.samples
     assert helped.total_s < without.total_s
+
+
+def test_a_group_that_ended_at_the_instant_of_an_admission_is_still_reported():
+    """A rank's admission re-plans its decoding; a group whose last sequence ended at that same instant, not popped
+    yet (its rank event comes after the admission in the heap's order), keeps its completion (it was lost: the
+    simulator stalled with the group in flight, a 7:1 barrier run of tools/bench_emulated.py)."""
+    from dynaresize.sim.samples import DecodeRank
+
+    dr = DecodeRank(0, 0.01)
+    dr.slots = 8
+    dr.admit(0.0, [3.0, 5.0], 0.001, [(0, 0)], 2, 0.0)  # one group of two sequences
+    end = dr.next_group_time()
+    assert end > 0
+    dr.admit(end, [4.0, 4.0], 0.001, [(0, 1)], 2, 0.0)  # the next command's group arrives as it ends
+    assert dr.pop_groups(end) == [(0, 0)]
+    assert dr.pop_groups(dr.next_group_time()) == [(0, 1)]
+    assert dr.next_group_time() == float("inf")
