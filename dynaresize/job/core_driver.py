@@ -132,7 +132,6 @@ class ContinuousSchedule:
         if takeover is not None and takeover.header.get("policy_state") is not None:
             self.core.policy_state = policy_from_dict(takeover.header["policy_state"])
         self.sent: dict[str, Sent] = {}
-        self.inflight_groups: dict[int, int] = {}  # rollout rank -> groups in its generate commands
         self.tally: dict[int, Tally] = {}
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
@@ -416,14 +415,12 @@ class ContinuousSchedule:
                 t = self.tally.setdefault(sent.batch, Tally())
                 t.gen_busy_s += float(res[r].get("busy_s", 0.0))
                 t.tokens_generated += int(res[r].get("tokens", 0))
-                self.inflight_groups[r] -= len(sent.groups)
                 self.feed(GroupsDone(r, sent.batch, sent.groups, kept=self.judge(sent.batch, sent.groups)))
                 if self.core.unfilled(sent.batch):
                     self.unfilled(sent.batch)
                 self.clock_starts()
                 self.ready(r)
             case "validate":
-                self.inflight_groups[sent.rank] -= len(sent.groups)
                 self.feed(ValidationDone(sent.rank, sent.version, sent.groups))
                 self.validated()
                 self.ready(sent.rank)
@@ -458,7 +455,6 @@ class ContinuousSchedule:
                     self.gen_version.pop(r, None)  # a former trainer holds the newest version: nothing to receive again
                     self.gen_last.pop(r, None)
                     if self.core.role(r) is Role.ROLLOUT:
-                        self.inflight_groups[r] = 0
                         self.ready(r)
             case "switch_note":  # no event of its own, but it frees the versions held back (send_syncs): logged,
                 self.record({"noted": list(sent.flight.ranks)})  # so that a takeover's replay sends them in order
@@ -606,7 +602,6 @@ class ContinuousSchedule:
             if self.replay is None:
                 for v in self.validating:
                     vq.release(v, r)  # its validation prompts go to another rank holding the version
-            self.inflight_groups.pop(r, None)
             self.feed(RankLost(r))
         self.validated()
 
@@ -663,7 +658,7 @@ class ContinuousSchedule:
     def ready(self, rank: int) -> None:
         if self.core.role(rank) is not Role.ROLLOUT or rank in self.job.state.lost:
             return
-        free = SLOTS * self.cfg.pipeline.groups_per_command - self.inflight_groups.setdefault(rank, 0)
+        free = SLOTS * self.cfg.pipeline.groups_per_command - self.core.groups_in_flight(rank)  # the core's count
         if free > 0:
             self.feed(RankReady(rank, free))
 
@@ -683,7 +678,6 @@ class ContinuousSchedule:
         n = self.cfg.pipeline.groups_per_command
         for i in range(0, len(a.groups), n):
             part = a.groups[i:i + n]
-            self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(part)
             self.send("generate", [a.rank], self.p.rollout.payload(a.batch, version=a.version, prompts=list(part)),
                       batch=a.batch, groups=part, version=a.version)
 
@@ -696,7 +690,6 @@ class ContinuousSchedule:
                 vq.release(a.version, r)
             self.validating[a.version] = time.monotonic()
         self.again(a.rank, a.version)
-        self.inflight_groups[a.rank] = self.inflight_groups.get(a.rank, 0) + len(a.groups)
         payload = self.p.rollout.payload(a.version, version=a.version, prompts=list(a.groups), validation=True)
         self.send("generate", [a.rank], payload, label="validate", version=a.version, groups=a.groups)
 

@@ -251,6 +251,11 @@ class PipelineScheduler:
         r = self.ranks[rank]
         return tuple(sorted(r.versions | r.sending))
 
+    def groups_in_flight(self, rank: int) -> int:
+        """Groups handed to a rollout rank (training work and validation) it has not reported done: the one count of
+        which groups are where (the runtime sizes a rank's next command from it)."""
+        return self.ranks[rank].inflight
+
     def accepting(self, rank: int) -> bool:
         """Whether a rollout rank takes new work (not lost, not draining for a switch)."""
         r = self.ranks[rank]
