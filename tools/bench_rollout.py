@@ -2,6 +2,7 @@
 path (a private real redis-server, the CommandBus in a coordinator process, the rank's CommandReceiver and Worker).
 
     python tools/bench_rollout.py [--batches 4] [--prompts 16] [--group 8] [--groups-per-command 4] [--rounds 2]
+                                  [--no-vllm]
 
 The coordinator process sends the command stream the continuous schedule sends one rollout rank
 (dynaresize/job/core_driver.py): ``generate`` commands of ``--groups-per-command`` GRPO groups, two queued at a time
@@ -14,17 +15,30 @@ same commands, prompts, seeds and weights, in alternating order over ``--rounds`
   (``pull_batch`` = one command's samples): the queued command's samples enter as slots free;
   ``torch continuous, 2 commands' slots``: ``max_running`` = both queued commands' samples (``--max-running``
   otherwise): every queued sample runs at once, and the rank idles when both commands end before the next arrives;
-- ``vllm``: "not installed" when ``import vllm`` fails (its engine is the vLLM helper's: rollout_vllm.py).
+- ``vllm``: the rank's engine is :class:`~dynaresize.engines.rollout_vllm.VllmRollout` (vLLM's CPU build, in this
+  process, float32), built once before any clock from the same random-init model saved as an HF directory
+  (config.json and safetensors; no tokenizer: token ids in and out), warmed up with one command's samples, and
+  loaded with version 0 at each run as a rank loads it (``Worker._build_rollout``). Continuous batching is vLLM's
+  own request/step loop (``add_request`` / ``step``); ``rollout.max_running`` does not apply to it: its scheduler
+  admits up to ``max_num_seqs`` (the slots column, 256) requests, so every queued sample runs at once, as in the
+  torch row with both commands' slots. A new version goes through the same ``fetch_weights`` (file transport) and
+  install path, the install being vLLM's in-place reload (``finish_weight_update``). Its tokens come from vLLM's
+  kernels and sampler, so its samples are not compared with the torch rows' (which must agree token for token);
+  every row is checked to complete every sample, each with its batch's version (``max(0, j - 1)``). The row says
+  why when vLLM does not import or its engine does not build or run (``--no-vllm``: skipped).
 
 Measured per engine: ``tokens_per_s`` = response tokens / the rank's span (first rollout stage start to the last
 end); ``tokens_per_cpu_s`` = response tokens / the rank process's CPU seconds (steadier than wall time on cores
-other jobs share: the rank computes on one thread); ``idle_share`` = the part of that span in no rollout stage interval (the rank waiting for a command or
-committing an ack; target <= 2 %); ``idle_share_within_version`` leaves out the waits before a new version's first
-command (the old version's acks, the fetch and the next command's round trip: a fetch keeps its stream order, so
-the rank finishes the old version's commands before it answers the fetch, as the one-batch path does). The model is a random-init model of the quickstart's tiny shape (hidden 128,
-2 layers, vocabulary 384) with 38 of its 384 tokens ending a response (lengths roughly geometric, mean ~10, capped
-at ``--max-tokens`` 28, the quickstart's): what matters is the spread of the lengths. Prints a table, then one JSON
-line. Wall-clock figures on shared cores are noisy; compare the rows of one run.
+other jobs share: the rank computes on one thread); ``idle_share`` = the part of that span in no rollout stage
+interval (the rank waiting for a command or committing an ack; target <= 2 %); ``idle_share_within_version`` leaves
+out the waits before a new version's first command: the old version's last acks, the install of the fetched version
+(``install``: its mean per version; a fetch itself runs beside the decode and is acked at once, so the new version's
+first command is usually queued before the old version's samples end, and waits for them), the new command's claim,
+and a round trip when the old version's commands both ended before it arrived. The model is a random-init model of
+the quickstart's tiny shape (hidden 128, 2 layers, vocabulary 384) with 38 of its 384 tokens ending a response
+(lengths roughly geometric, mean ~10, capped at ``--max-tokens`` 28, the quickstart's): what matters is the spread
+of the lengths. Prints a table, then one JSON line. Wall-clock figures on shared cores are noisy; compare the rows
+of one run.
 """
 
 from __future__ import annotations
