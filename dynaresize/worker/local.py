@@ -44,20 +44,25 @@ def tiny_qwen2(spec: dict[str, Any], seed: int = 0):
 
 
 def rollout_rank(module, data, staging_dir: Path, weights_dir: Path | None = None, rollout: dict[str, Any] | None = None,
-                 eos_ids: Iterable[int] = (), pad_id: int = 0, rank: int = 0, events=None):
+                 eos_ids: Iterable[int] = (), pad_id: int = 0, rank: int = 0, events=None, vllm=None):
     """One rollout rank's :class:`~dynaresize.worker.core.Worker` in this process, over ``data`` (a real data plane):
     no process group (a rollout rank's generate, fetch and install make no collective call). Drive it with
-    :class:`~dynaresize.worker.main.RankHandler` and a real :class:`~dynaresize.control.commands.CommandReceiver`."""
+    :class:`~dynaresize.worker.main.RankHandler` and a real :class:`~dynaresize.control.commands.CommandReceiver`.
+    ``vllm``: a :class:`~dynaresize.engines.rollout_vllm.VllmRollout` built beforehand (a build takes seconds, so
+    one engine may serve several ranks made in turn, as :meth:`Worker.start` builds one per process): the rank's
+    engine, loaded with ``module``'s weights as version 0 (``rollout.engine`` is then ``vllm``)."""
     from dynaresize.staging import Stager
     from dynaresize.worker.config import RolloutConfig, StagingConfig, TrainConfig
     from dynaresize.worker.core import Worker, WorkerSetup
 
+    rollout = {**(rollout or {}), **({"engine": "vllm"} if vllm is not None else {})}
     setup = WorkerSetup(rank=rank, world=rank + 1, n_train=0, unit=1, train_cfg=TrainConfig(),
-                        rollout_cfg=RolloutConfig(**(rollout or {})), staging_cfg=StagingConfig(), deferred_optimizer=False,
+                        rollout_cfg=RolloutConfig(**rollout), staging_cfg=StagingConfig(), deferred_optimizer=False,
                         staging_dir=Path(staging_dir), model_factory=lambda: module, eos_ids=list(eos_ids), pad_id=pad_id,
                         global_batch=1, events=events, data=data, weights_dir=weights_dir)
     w = Worker(setup, None, module, 0)
     w.stager = Stager(staging_dir, 8, 4, 1)
+    w.vllm = vllm
     w._build_rollout()
     return w
 
