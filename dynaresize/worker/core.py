@@ -202,7 +202,7 @@ class Worker:
                 raise WorkerError("rollout.engine=vllm needs the model directory (WorkerSetup.model_dir)")
             dtype = str(next(module.parameters()).dtype).removeprefix("torch.")
             w.vllm = VllmRollout(setup.model_dir, setup.eos_ids, setup.rollout_cfg.vllm, dtype=dtype,
-                                 platform="cuda" if setup.device == "cuda" else "cpu")
+                                 platform="cuda" if setup.device == "cuda" else "cpu", max_seqs=w._slots)
         if w.is_trainer:
             if w.vllm is not None:
                 w.vllm.sleep()
@@ -253,7 +253,8 @@ class Worker:
 
     @property
     def _slots(self) -> int:
-        """KV slots of the torch engine: ``rollout.max_running``, else (null, or 0: no stream) ``pull_batch``."""
+        """KV slots of the rollout engine (vLLM's ``max_num_seqs``): ``rollout.max_running``, else (null, or 0: no
+        stream) ``pull_batch``."""
         cfg = self.setup.rollout_cfg
         return int(getattr(cfg, "max_running", None) or cfg.pull_batch)
 

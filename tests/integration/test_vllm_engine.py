@@ -65,7 +65,8 @@ def eos(model_dir, tok):
 @pytest.fixture(scope="module")
 def engine(model_dir, eos):
     torch.set_num_threads(1)
-    return VllmRollout(str(model_dir), eos, VllmConfig(cpu_kv_cache_mb=64, max_model_len=256), platform="cpu")
+    # 4 KV slots (a rank's rollout.max_running): the stream test's 6 requests cannot all decode at once
+    return VllmRollout(str(model_dir), eos, VllmConfig(cpu_kv_cache_mb=64, max_model_len=256), platform="cpu", max_seqs=4)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +110,7 @@ def test_a_samples_tokens_depend_on_its_seed_not_on_its_batch(engine, prompts):
 
 
 def test_the_stream_gives_generates_tokens_whenever_a_request_is_admitted(engine, prompts):
+    assert engine.engine.vllm_config.scheduler_config.max_num_seqs == 4  # the rank's slots, as the torch engine's
     seeds = [11, 12, 13, 14, 15, 16]
     want = engine.generate(prompts, seeds, P)
     engine.add([Request(f"k{i}", tuple(prompts[i]), seeds[i], P) for i in range(3)])
