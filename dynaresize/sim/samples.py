@@ -293,6 +293,8 @@ class SamplePipeline:
         self.topo = initial  # the split the last decision aimed at
         self.latency = sim.command_latency_s  # control-plane latency per command (0: every action at once)
         self.in_flight: dict[int, int] = {}  # rank -> sequences assigned to it whose Assign has not arrived yet
+        self.claim_max = self.group_size * claim_groups  # sequences a rank claims at most at a time
+        self._deferred = -1  # the rank whose event is being handled (its next event is scheduled at the event's end)
 
     # --- workload -----------------------------------------------------------------------------------------------
     def _batch(self, j: int) -> _BatchInfo:
@@ -350,7 +352,7 @@ class SamplePipeline:
         return dr.claim_time(self._claim_seqs(dr))
 
     def _claim_seqs(self, dr: DecodeRank) -> int:
-        return max(1, min(dr.slots, self.G * self.claim_groups))
+        return max(1, min(dr.slots, self.claim_max))
 
     @property
     def G(self) -> int:
@@ -421,50 +423,77 @@ class SamplePipeline:
         if token != dr.token or crank.role is not Role.ROLLOUT:
             return
         lim = t + _EPS
-        groups, p = dr.groups, dr.gptr
-        if p < len(groups) and groups[p][0] <= lim:  # dr.pop_groups(t)
-            gkey = dr.gkey
-            done = []
-            while p < len(groups) and groups[p][0] <= lim:
-                done.append(gkey.pop(groups[p][1]))
-                p += 1
-            dr.gptr = p
-        else:
-            done = None
-        if dr.planned:  # dr.advance(t)
-            marks, h, n = dr.t_marks, dr.head, len(dr.seqs)
-            while h < n and marks[h] <= lim:
-                h += 1
-            dr.head = h
-        if t > dr.t_valid:
-            dr.t_valid = t
-        if done:
-            if len(done) == 1:
-                b, g = done[0]
-                self.rank_batch[b][rank][1] = t
-                by_batch = ((b, [g]),)
+        heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
+        helpers = self.mech.gradient_helpers
+        self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
+        while True:
+            groups, p = dr.groups, dr.gptr
+            if p < len(groups) and groups[p][0] <= lim:  # dr.pop_groups(t)
+                gkey = dr.gkey
+                done = []
+                while p < len(groups) and groups[p][0] <= lim:
+                    done.append(gkey.pop(groups[p][1]))
+                    p += 1
+                dr.gptr = p
             else:
-                bb: dict[int, list[int]] = {}
-                for b, g in done:
-                    bb.setdefault(b, []).append(g)
+                done = None
+            if dr.planned:  # dr.advance(t)
+                marks, h, n = dr.t_marks, dr.head, len(dr.seqs)
+                while h < n and marks[h] <= lim:
+                    h += 1
+                dr.head = h
+            if t > dr.t_valid:
+                dr.t_valid = t
+            if done:
+                if len(done) == 1:
+                    b, g = done[0]
                     self.rank_batch[b][rank][1] = t
-                by_batch = bb.items()
-            for b, gs in by_batch:
-                if self.mech.trainer_rollout:
-                    self._lat_done(t, b, gs)
-                acts = core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs)))
-                if acts:
-                    self.do(t, acts)
-        active = len(dr.seqs) - dr.head
-        if active == 0:
-            self._idle(rank, t)
-        if crank.role is Role.ROLLOUT and not (self.in_flight and self.in_flight.get(rank)):
-            cap = self._capacity(dr)
-            if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
-                acts = core.handle(RankReady(rank, cap))
-                if acts:
-                    self.do(t, acts)
-        self._schedule_rank(rank, t)
+                    by_batch = ((b, (g,)),)
+                else:
+                    bb: dict[int, list[int]] = {}
+                    for b, g in done:
+                        bb.setdefault(b, []).append(g)
+                        self.rank_batch[b][rank][1] = t
+                    by_batch = bb.items()
+                for b, gs in by_batch:
+                    if self.mech.trainer_rollout:
+                        self._lat_done(t, b, gs)
+                    if helpers:  # self._tokens(b, gs)
+                        tk = self._batch(b).tokens_per_group
+                        ev = GroupsDone(rank, b, tuple(gs), tuple([tk[g] for g in gs]))
+                    else:
+                        ev = GroupsDone(rank, b, tuple(gs), ())
+                    acts = core.handle(ev)
+                    if acts:
+                        self.do(t, acts)
+            active = len(dr.seqs) - dr.head
+            if active == 0:
+                self._idle(rank, t)
+            if crank.role is Role.ROLLOUT and not (in_flight and in_flight.get(rank)):
+                free = dr.slots - active  # self._capacity(dr), with nothing on its way
+                cap = free // G
+                if active == 0 and cap < 1:
+                    cap = 1
+                if cap > 0 and (active == 0 or free >= (max(1, min(dr.slots, claim_max)))):  # self._claim_seqs(dr)
+                    acts = core.handle(RankReady(rank, cap))
+                    if acts:
+                        self.do(t, acts)
+            # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
+            # would pop it next: the same order)
+            nxt = dr.groups[dr.gptr][0] if dr.gptr < len(dr.groups) else math.inf  # dr.next_group_time()
+            c = self._claim_at(dr)
+            if c < nxt:
+                nxt = c
+            dr.token += 1  # only the newest scheduled event of a rank counts
+            if nxt < math.inf:
+                if nxt <= t and (not heap or heap[0][0] > t) and not (core.produced == core.n_steps and core.finished):
+                    if crank.role is not Role.ROLLOUT:
+                        break
+                    continue
+                self.seq += 1
+                heapq.heappush(heap, (nxt if nxt > t else t, self.seq, 0, rank, dr.token))  # kind READY
+            break
+        self._deferred = -1
 
     def _tokens(self, batch: int, groups) -> tuple[int, ...]:
         """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
@@ -540,7 +569,8 @@ class SamplePipeline:
             dr.slots = min(dr.slots, bi.cap)
         self._admit(t, rank, batch, groups, version)
         self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
-        self._schedule_rank(rank, t)
+        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
+            self._schedule_rank(rank, t)
 
     def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
         """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
