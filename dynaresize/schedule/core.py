@@ -286,8 +286,8 @@ class PipelineScheduler:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
             self._handle_rest(ev, out)
-        if self.mech.trainer_rollout and not self.restarting:
-            self._offer_generation(out)
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
+            self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
         return out
 
     def _handle_rest(self, ev: Event, out: list[Action]) -> None:
@@ -350,11 +350,13 @@ class PipelineScheduler:
         cont = self.mech.continuous_rollout
         while r.capacity > 0 and j <= last and (cont or j < self.released):  # self._open(j)
             b = batches[j]
-            usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
-            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
-            if (b.returned or b.cursor < b.groups) and usable and room > 0:
-                got = self._hand_out(rank, b, min(r.capacity, room), out)
-                r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
+            # unclaimed, usable (it holds the version and decodes no other) and within its even share in flight
+            if ((b.returned or b.cursor < b.groups) and b.version in r.versions
+                    and (r.inflight == 0 or r.inflight_version == b.version)):
+                room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)
+                if room > 0:
+                    got = self._hand_out(rank, b, min(r.capacity, room), out)
+                    r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
             j += 1
         if r.capacity > 0:
             self.waiting.add(rank)
@@ -448,7 +450,7 @@ class PipelineScheduler:
         if r.lost and any(b.owner.get(g) != rank for g in groups):
             return  # a late report of a rank already fenced off: its groups were handed out again
         if tokens:
-            if len(tokens) != len(groups) or any(t < 0 for t in tokens):
+            if len(tokens) != len(groups) or min(tokens) < 0:
                 raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
                                     f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
             b.tokens.update(zip(groups, tokens))
@@ -682,7 +684,8 @@ class PipelineScheduler:
         if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
             return False
         r, b = self.ranks[rank], self.batches[k]
-        if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
+        if not (b.ready and r.inflight == 0 and k in r.versions and r.role is Role.ROLLOUT and not r.lost
+                and not r.leaving and rank not in self.helping):  # (self.accepting(rank): the same tests)
             return True
         if gen is None:
             last = min(self.n_steps - 1, self.produced + self.s)

@@ -38,8 +38,8 @@ import heapq
 import math
 import time
 from bisect import bisect_right
-from itertools import accumulate, repeat
-from operator import mul, sub
+from itertools import accumulate, chain, repeat
+from operator import add, mul, sub
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,11 +129,13 @@ class DecodeRank:
         live = self.seqs[self.head:]
         if live and t > self.t0:
             d = self._done_iterations(t)
-            live = [(max(r - d, _EPS), a, uu, g) for r, a, uu, g in live]
-        gid, n, m = self.next_gid, self.next_seq, len(lengths)
-        self.gkey.update(zip(range(gid, gid + len(keys)), keys))
-        live += zip(lengths, range(n, n + m), repeat(u, m), [gid + i // group_size for i in range(m)])
-        self.next_gid += len(keys)
+            rs, an, us, gs = zip(*live)  # each (max(r - d, _EPS), a, u, g), the loop in C
+            live = list(zip(map(max, map(sub, rs, repeat(d)), repeat(_EPS)), an, us, gs))
+        gid, n, m, k = self.next_gid, self.next_seq, len(lengths), len(keys)
+        self.gkey.update(zip(range(gid, gid + k), keys))
+        # each sequence's local group id: gid + i // group_size for the i-th new sequence
+        live += zip(lengths, range(n, n + m), repeat(u, m), chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k))))
+        self.next_gid += k
         self.next_seq += m
         self._plan(t, pause, live)
 
@@ -151,9 +153,9 @@ class DecodeRank:
         # completion is t0 + the running sum of (tokens left - the previous one's) x its segment's cost
         acc = list(accumulate(reversed(us)))
         acc.reverse()
-        cost = [w + a for a in acc]
+        cost = list(map(add, repeat(w), acc))  # w + a for each
         steps = accumulate(map(mul, map(sub, rs, (0.0,) + rs[:-1]), cost))
-        marks = [t0 + a for a in steps]
+        marks = list(map(add, repeat(t0), steps))  # t0 + a for each
         gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
         self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
         self.groups = sorted(zip(gend.values(), gend.keys()))
@@ -584,7 +586,7 @@ class SamplePipeline:
         else:
             prefill = float(bi.prefill_s[list(groups)].sum())
         lengths = bi.lengths
-        self.ranks[rank].admit(t, [x for g in groups for x in lengths[g]], bi.u, [(batch, g) for g in groups],
+        self.ranks[rank].admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
                                bi.group_size, pause + prefill)
         if self.record:
             for g in groups:
