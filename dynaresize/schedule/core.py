@@ -282,6 +282,8 @@ class PipelineScheduler:
                 self._assign(ev.rank, out)
         elif tp is GroupsDone:
             self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out, ev.kept)
+        elif tp is WeightsArrived:
+            self._weights_arrived(ev.rank, ev.version, out)
         elif tp is ValidationDone:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
@@ -297,15 +299,7 @@ class PipelineScheduler:
             case OptimizerStepDone(batch):
                 self._step_done(batch, out)
             case WeightsArrived(rank, version):
-                r = self.ranks[rank]
-                if version not in r.sending:
-                    return  # sent before the rank switched roles (a switch drops what was on its way)
-                r.sending.discard(version)
-                if not r.lost and r.role is Role.ROLLOUT:
-                    r.versions.add(version)
-                    if not self.mech.continuous_rollout:
-                        r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
-                    self._assign(rank, out)
+                self._weights_arrived(rank, version, out)
             case SwitchDone(rank):
                 self._switch_done(rank, out)
             case RankLost(rank):
@@ -326,6 +320,17 @@ class PipelineScheduler:
                 raise ScheduleError(f"unknown event {ev!r}")
 
     # --- rollout ----------------------------------------------------------------------------------------------------
+    def _weights_arrived(self, rank: int, version: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if version not in r.sending:
+            return  # sent before the rank switched roles (a switch drops what was on its way)
+        r.sending.discard(version)
+        if not r.lost and r.role is Role.ROLLOUT:
+            r.versions.add(version)
+            if not self.mech.continuous_rollout:
+                r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
+            self._assign(rank, out)
+
     def _rank(self, rank: int, role: Role) -> _Rank | None:
         r = self.ranks[rank]
         return r if r.role is role and not r.lost else None
@@ -427,7 +432,7 @@ class PipelineScheduler:
         for rank in sorted(self.waiting):
             self._assign(rank, out)
 
-    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str) -> list[int] | None:
+    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str | None) -> list[int] | None:
         """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
         done. None for a late report of a rank already fenced off (its groups were handed out again)."""
         r = self.ranks[rank]
@@ -435,6 +440,7 @@ class PipelineScheduler:
         if len(mine) != len(groups):
             if r.lost:
                 return None
+            of = f"of batch {b.index}" if of is None else of
             raise ScheduleError(f"rank {rank} reported groups {sorted(set(groups) - set(mine))} {of} it was not given")
         b.held[rank] -= len(mine)
         for g in mine:
@@ -457,7 +463,7 @@ class PipelineScheduler:
         if self.sampling is not None and len(kept) != len(groups):
             raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
                                 f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
-        mine = self._finish_groups(b, rank, groups, f"of batch {batch}")
+        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
         if self.sampling is None:
             b.add_ready(mine)
         else:
@@ -467,12 +473,13 @@ class PipelineScheduler:
             r.inflight_version = None
             if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back
                 self._start_switch(rank, out)
-        if b.complete:
+        if len(b.done) == b.groups and b.sealed:  # b.complete
             self._prune_and_send(out)
             self._release(out)
             if self.sampling is not None and batch == self.produced:
                 self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
-        self._try_train(out)
+        if not self.t_busy:  # (_try_train's own first test)
+            self._try_train(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
 
@@ -561,9 +568,11 @@ class PipelineScheduler:
             return
         needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
         cap = self.cfg.max_versions_per_rank
-        for rank in self.rollout_ranks():
-            r = self.ranks[rank]
-            if len(r.versions) > 1:
+        produced = self.produced
+        for rank, r in enumerate(self.ranks):
+            if r.role is not Role.ROLLOUT or r.lost:
+                continue  # (self.rollout_ranks())
+            if len(r.versions) > 1 and min(r.versions) < produced:  # (else no version is dropped)
                 for v in sorted(r.versions):
                     if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
                         if v not in needed:

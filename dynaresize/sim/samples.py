@@ -348,7 +348,7 @@ class SamplePipeline:
             return math.inf  # draining for a switch, or helping the trainers: only its completions matter
         if rank in core.waiting:
             # it waits for work of a new version: the next chance is when it is empty (else woken by the core)
-            return dr.drain_time() if dr.active > 0 else math.inf
+            return dr.drain_time() if len(dr.seqs) > dr.head else math.inf  # (dr.active > 0)
         if self.in_flight and self.in_flight.get(rank):
             return math.inf  # an assignment is on its way: its arrival schedules the next claim
         return dr.claim_time(self._claim_seqs(dr))
@@ -521,18 +521,27 @@ class SamplePipeline:
                 if isinstance(a, Assign):
                     self.in_flight[a.rank] = self.in_flight.get(a.rank, 0) + len(a.groups) * self.G
                 self.push(t + c, self.CMD, 0, a)
+            elif type(a) is Assign:  # the most frequent actions, without the match's pattern tests
+                self._on_assign(t, a)
+            elif type(a) is SendWeights and not (a.blocking and self.log):
+                self.seq += 1
+                heapq.heappush(self.heap, (t + self.sync_s, self.seq, self.WEIGHTS, a.rank, a.version))  # self.push
             else:
                 self._apply(t, a)
 
+    def _on_assign(self, t: float, a: Assign) -> None:
+        rank, batch, groups = a.rank, a.batch, a.groups
+        if self.mech.trainer_rollout:
+            self._lat_assign(t, batch, groups)
+            if rank in self.core.generating:
+                self._gen_assign(t, rank, batch, groups, a.version)
+                return
+        self._assign(t, rank, batch, groups, a.version)
+
     def _apply(self, t: float, a) -> None:
         match a:
-            case Assign(rank, batch, groups, version):
-                if self.mech.trainer_rollout:
-                    self._lat_assign(t, batch, groups)
-                    if rank in self.core.generating:
-                        self._gen_assign(t, rank, batch, groups, version)
-                        return
-                self._assign(t, rank, batch, groups, version)
+            case Assign():
+                self._on_assign(t, a)
             case Train(batch, groups, ranks, first):
                 self._train(t, batch, groups, ranks, first)
             case Help(rank, batch, groups):
@@ -666,7 +675,7 @@ class SamplePipeline:
         """The finished batch as the policy's pipeline predictor replays it (its lengths, its training per group, the
         decode model and the pipeline's settings)."""
         return PipelineWorkload(
-            tuple(x for g in bi.lengths for x in g), bi.group_size, bi.cap, self.w, bi.u,
+            tuple(chain.from_iterable(bi.lengths)), bi.group_size, bi.cap, self.w, bi.u,
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
             self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
             self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
@@ -747,7 +756,10 @@ class SamplePipeline:
     def _lat_done(self, t: float, batch: int, groups) -> None:
         """The longest assignment-to-end time of a group of ``batch`` so far (its slowest group: a trainer taking a
         few groups comes back when the slowest of them ends)."""
-        worst = t - min(self.assigned_at.pop((batch, g)) for g in groups)
+        if len(groups) == 1:
+            worst = t - self.assigned_at.pop((batch, groups[0]))
+        else:
+            worst = t - min(self.assigned_at.pop((batch, g)) for g in groups)
         if worst > self.lat.get(batch, 0.0):
             self.lat[batch] = worst
 
