@@ -426,6 +426,7 @@ class SamplePipeline:
             return
         lim = t + _EPS
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
+        busy_start, helping, waiting = self.busy_start, core.helping, core.waiting
         helpers = self.mech.gradient_helpers
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
         while True:
@@ -469,8 +470,10 @@ class SamplePipeline:
                     if acts:
                         self.do(t, acts)
             active = len(dr.seqs) - dr.head
-            if active == 0:
-                self._idle(rank, t)
+            if active == 0:  # self._idle(rank, t)
+                s0 = busy_start.pop(rank, None)
+                if s0 is not None:
+                    self.res.busy_rollout_gpu_s += t - s0
             if crank.role is Role.ROLLOUT and not (in_flight and in_flight.get(rank)):
                 free = dr.slots - active  # self._capacity(dr), with nothing on its way
                 cap = free // G
@@ -483,7 +486,22 @@ class SamplePipeline:
             # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
             # would pop it next: the same order)
             nxt = dr.groups[dr.gptr][0] if dr.gptr < len(dr.groups) else math.inf  # dr.next_group_time()
-            c = self._claim_at(dr)
+            # c = self._claim_at(dr), inlined
+            if crank.role is not Role.ROLLOUT or crank.lost or crank.leaving or rank in helping:
+                c = math.inf
+            elif rank in waiting:
+                c = dr.t_marks[-1] if len(dr.seqs) > dr.head else math.inf  # (a plan exists while it holds sequences)
+            elif in_flight and in_flight.get(rank):
+                c = math.inf
+            else:  # dr.claim_time(self._claim_seqs(dr))
+                active = len(dr.seqs) - dr.head
+                claim = max(1, min(dr.slots, claim_max))
+                free = dr.slots - active
+                if free >= claim or not dr.planned:
+                    c = dr.t_valid
+                else:
+                    k = min(claim - free, active) - 1
+                    c = dr.t_marks[dr.head + k] if k >= 0 else dr.t_valid
             if c < nxt:
                 nxt = c
             dr.token += 1  # only the newest scheduled event of a rank counts
