@@ -292,6 +292,30 @@ class PipelineScheduler:
             self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
         return out
 
+    def rank_ready(self, rank: int, capacity: int) -> list[Action]:
+        """``handle(RankReady(rank, capacity))``, without building the event (the simulator's most frequent call)."""
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        r = self.ranks[rank]
+        if r.role is Role.ROLLOUT and not r.lost:  # self._rank(rank, Role.ROLLOUT)
+            r.capacity = max(0, capacity)
+            self._assign(rank, out)
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
+            self._offer_generation(out)
+        return out
+
+    def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = ()) -> list[Action]:
+        """``handle(GroupsDone(rank, batch, groups, tokens))``, without building the event (no dynamic sampling: no
+        ``kept`` flags)."""
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        self._groups_done(rank, batch, groups, tokens, out)
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
+            self._offer_generation(out)
+        return out
+
     def _handle_rest(self, ev: Event, out: list[Action]) -> None:
         match ev:
             case TrainChunkDone(batch):

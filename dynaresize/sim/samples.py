@@ -463,10 +463,9 @@ class SamplePipeline:
                         self._lat_done(t, b, gs)
                     if helpers:  # self._tokens(b, gs)
                         tk = self._batch(b).tokens_per_group
-                        ev = GroupsDone(rank, b, tuple(gs), tuple([tk[g] for g in gs]))
+                        acts = core.groups_done(rank, b, tuple(gs), tuple([tk[g] for g in gs]))
                     else:
-                        ev = GroupsDone(rank, b, tuple(gs), ())
-                    acts = core.handle(ev)
+                        acts = core.groups_done(rank, b, tuple(gs))  # core.handle(GroupsDone(...))
                     if acts:
                         self.do(t, acts)
             active = len(dr.seqs) - dr.head
@@ -480,7 +479,7 @@ class SamplePipeline:
                 if active == 0 and cap < 1:
                     cap = 1
                 if cap > 0 and (active == 0 or free >= (max(1, min(dr.slots, claim_max)))):  # self._claim_seqs(dr)
-                    acts = core.handle(RankReady(rank, cap))
+                    acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
                     if acts:
                         self.do(t, acts)
             # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
