@@ -103,11 +103,8 @@ class DecodeRank:
 
     def advance(self, t: float) -> None:
         """Drop the sequences that ended by ``t``."""
-        if self.planned:
-            marks, h, n, lim = self.t_marks, self.head, len(self.seqs), t + _EPS
-            while h < n and marks[h] <= lim:
-                h += 1
-            self.head = h
+        if self.planned:  # the marks do not decrease: the first one after t (+ _EPS) from head on
+            self.head = bisect_right(self.t_marks, t + _EPS, self.head)
         if t > self.t_valid:
             self.t_valid = t
 
@@ -427,7 +424,7 @@ class SamplePipeline:
         lim = t + _EPS
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
         busy_start, helping, waiting = self.busy_start, core.helping, core.waiting
-        helpers = self.mech.gradient_helpers
+        helpers, tgen = self.mech.gradient_helpers, self.mech.trainer_rollout
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
         while True:
             groups, p = dr.groups, dr.gptr
@@ -441,17 +438,22 @@ class SamplePipeline:
             else:
                 done = None
             if dr.planned:  # dr.advance(t)
-                marks, h, n = dr.t_marks, dr.head, len(dr.seqs)
-                while h < n and marks[h] <= lim:
-                    h += 1
-                dr.head = h
+                dr.head = bisect_right(dr.t_marks, lim, dr.head)
             if t > dr.t_valid:
                 dr.t_valid = t
             if done:
-                if len(done) == 1:
+                if len(done) == 1:  # (most events: one group)
                     b, g = done[0]
                     self.rank_batch[b][rank][1] = t
-                    by_batch = ((b, (g,)),)
+                    if tgen:
+                        self._lat_done(t, b, (g,))
+                    if helpers:  # self._tokens(b, gs)
+                        acts = core.groups_done(rank, b, (g,), (self._batch(b).tokens_per_group[g],))
+                    else:
+                        acts = core.groups_done(rank, b, (g,))  # core.handle(GroupsDone(...))
+                    if acts:
+                        self.do(t, acts)
+                    by_batch = ()
                 else:
                     bb: dict[int, list[int]] = {}
                     for b, g in done:
@@ -459,7 +461,7 @@ class SamplePipeline:
                         self.rank_batch[b][rank][1] = t
                     by_batch = bb.items()
                 for b, gs in by_batch:
-                    if self.mech.trainer_rollout:
+                    if tgen:
                         self._lat_done(t, b, gs)
                     if helpers:  # self._tokens(b, gs)
                         tk = self._batch(b).tokens_per_group
