@@ -286,11 +286,37 @@ class PipelineScheduler:
                 self._assign(ev.rank, out)
         elif tp is GroupsDone:
             self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out, ev.kept)
+        elif tp is WeightsArrived:
+            self._weights_arrived(ev.rank, ev.version, out)
         elif tp is ValidationDone:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
             self._handle_rest(ev, out)
-        if self.mech.trainer_rollout and not self.restarting:
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
+            self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
+        return out
+
+    def rank_ready(self, rank: int, capacity: int) -> list[Action]:
+        """``handle(RankReady(rank, capacity))``, without building the event (the simulator's most frequent call)."""
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        r = self.ranks[rank]
+        if r.role is Role.ROLLOUT and not r.lost:  # self._rank(rank, Role.ROLLOUT)
+            r.capacity = max(0, capacity)
+            self._assign(rank, out)
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
+            self._offer_generation(out)
+        return out
+
+    def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = ()) -> list[Action]:
+        """``handle(GroupsDone(rank, batch, groups, tokens))``, without building the event (no dynamic sampling: no
+        ``kept`` flags)."""
+        out: list[Action] = []
+        if self.restarting:
+            return out
+        self._groups_done(rank, batch, groups, tokens, out)
+        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
             self._offer_generation(out)
         return out
 
@@ -301,15 +327,7 @@ class PipelineScheduler:
             case OptimizerStepDone(batch):
                 self._step_done(batch, out)
             case WeightsArrived(rank, version):
-                r = self.ranks[rank]
-                if version not in r.sending:
-                    return  # sent before the rank switched roles (a switch drops what was on its way)
-                r.sending.discard(version)
-                if not r.lost and r.role is Role.ROLLOUT:
-                    r.versions.add(version)
-                    if not self.mech.continuous_rollout:
-                        r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
-                    self._assign(rank, out)
+                self._weights_arrived(rank, version, out)
             case SwitchDone(rank):
                 self._switch_done(rank, out)
             case RankLost(rank):
@@ -330,6 +348,17 @@ class PipelineScheduler:
                 raise ScheduleError(f"unknown event {ev!r}")
 
     # --- rollout ----------------------------------------------------------------------------------------------------
+    def _weights_arrived(self, rank: int, version: int, out: list[Action]) -> None:
+        r = self.ranks[rank]
+        if version not in r.sending:
+            return  # sent before the rank switched roles (a switch drops what was on its way)
+        r.sending.discard(version)
+        if not r.lost and r.role is Role.ROLLOUT:
+            r.versions.add(version)
+            if not self.mech.continuous_rollout:
+                r.newest = max(r.newest, version)  # the barrier's sync loads the weights in place
+            self._assign(rank, out)
+
     def _rank(self, rank: int, role: Role) -> _Rank | None:
         r = self.ranks[rank]
         return r if r.role is role and not r.lost else None
@@ -354,11 +383,13 @@ class PipelineScheduler:
         cont = self.mech.continuous_rollout
         while r.capacity > 0 and j <= last and (cont or j < self.released):  # self._open(j)
             b = batches[j]
-            usable = b.version in r.versions and (r.inflight == 0 or r.inflight_version == b.version)
-            room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)  # in flight: an even share at most
-            if (b.returned or b.cursor < b.groups) and usable and room > 0:
-                got = self._hand_out(rank, b, min(r.capacity, room), out)
-                r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
+            # unclaimed, usable (it holds the version and decodes no other) and within its even share in flight
+            if ((b.returned or b.cursor < b.groups) and b.version in r.versions
+                    and (r.inflight == 0 or r.inflight_version == b.version)):
+                room = -(-b.groups // max(1, self.n_rollout)) - b.held.get(rank, 0)
+                if room > 0:
+                    got = self._hand_out(rank, b, min(r.capacity, room), out)
+                    r.capacity = 0 if len(got) == room else r.capacity - len(got)  # it asks again when it wants more
             j += 1
         if r.capacity > 0:
             self.waiting.add(rank)
@@ -429,7 +460,7 @@ class PipelineScheduler:
         for rank in sorted(self.waiting):
             self._assign(rank, out)
 
-    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str) -> list[int] | None:
+    def _finish_groups(self, b: _Batch, rank: int, groups: tuple[int, ...], of: str | None) -> list[int] | None:
         """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
         done. None for a late report of a rank already fenced off (its groups were handed out again)."""
         r = self.ranks[rank]
@@ -437,6 +468,7 @@ class PipelineScheduler:
         if len(mine) != len(groups):
             if r.lost:
                 return None
+            of = f"of batch {b.index}" if of is None else of
             raise ScheduleError(f"rank {rank} reported groups {sorted(set(groups) - set(mine))} {of} it was not given")
         b.held[rank] -= len(mine)
         for g in mine:
@@ -452,14 +484,14 @@ class PipelineScheduler:
         if r.lost and any(b.owner.get(g) != rank for g in groups):
             return  # a late report of a rank already fenced off: its groups were handed out again
         if tokens:
-            if len(tokens) != len(groups) or any(t < 0 for t in tokens):
+            if len(tokens) != len(groups) or min(tokens) < 0:
                 raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
                                     f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
             b.tokens.update(zip(groups, tokens))
         if self.sampling is not None and len(kept) != len(groups):
             raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
                                 f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
-        mine = self._finish_groups(b, rank, groups, f"of batch {batch}")
+        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
         if self.sampling is None:
             b.add_ready(mine)
         else:
@@ -469,12 +501,13 @@ class PipelineScheduler:
             r.inflight_version = None
             if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back
                 self._start_switch(rank, out)
-        if b.complete:
+        if len(b.done) == b.groups and b.sealed:  # b.complete
             self._prune_and_send(out)
             self._release(out)
             if self.sampling is not None and batch == self.produced:
                 self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
-        self._try_train(out)
+        if not self.t_busy:  # (_try_train's own first test)
+            self._try_train(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
 
@@ -563,9 +596,11 @@ class PipelineScheduler:
             return
         needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
         cap = self.cfg.max_versions_per_rank
-        for rank in self.rollout_ranks():
-            r = self.ranks[rank]
-            if len(r.versions) > 1:
+        produced = self.produced
+        for rank, r in enumerate(self.ranks):
+            if r.role is not Role.ROLLOUT or r.lost:
+                continue  # (self.rollout_ranks())
+            if len(r.versions) > 1 and min(r.versions) < produced:  # (else no version is dropped)
                 for v in sorted(r.versions):
                     if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
                         if v not in needed:
@@ -686,7 +721,8 @@ class PipelineScheduler:
         if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
             return False
         r, b = self.ranks[rank], self.batches[k]
-        if not (self.accepting(rank) and r.inflight == 0 and k in r.versions and rank not in self.helping and b.ready):
+        if not (b.ready and r.inflight == 0 and k in r.versions and r.role is Role.ROLLOUT and not r.lost
+                and not r.leaving and rank not in self.helping):  # (self.accepting(rank): the same tests)
             return True
         if gen is None:
             last = min(self.n_steps - 1, self.produced + self.s)

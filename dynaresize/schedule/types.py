@@ -16,6 +16,7 @@ Conventions (one-step-off pipeline, staleness bound ``s``):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from dynaresize.events import Role  # a rank's role; the core assigns TRAIN and ROLLOUT only (never IDLE)
@@ -326,6 +327,39 @@ class Restart:
 
 
 SchedulerAction = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
+
+
+def _fast_init(cls: type) -> None:
+    """Give a frozen slotted dataclass an ``__init__`` that sets its slots through their descriptors instead of the
+    generated one's ``object.__setattr__`` per field (about twice as fast; the simulator builds ~10,000 events and
+    actions per step at 4096 GPUs). The same parameters and defaults; eq, hash, repr, immutability and the fields
+    are the dataclass's own."""
+    fs = dataclasses.fields(cls)
+    ns: dict = {}
+    params, body = [], []
+    for f in fs:
+        if not f.init or f.default_factory is not dataclasses.MISSING:
+            raise TypeError(f"{cls.__name__}.{f.name}: _fast_init handles plain fields with plain defaults only")
+        ns[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
+        if f.default is dataclasses.MISSING:
+            params.append(f.name)
+        else:
+            ns[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+        body.append(f"    _set_{f.name}(self, {f.name})")
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__}: _fast_init does not call __post_init__")
+    exec(f"def __init__(self, {', '.join(params)}):\n" + "\n".join(body) + "\n", ns)
+    init = ns["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    init.__module__ = cls.__module__
+    cls.__init__ = init
+
+
+for _cls in (RankReady, GroupsDone, TrainChunkDone, OptimizerStepDone, WeightsArrived, SwitchDone, RankLost, StepMeasured,
+             ValidationDone, HelpDone, TrainerBack, Assign, Validate, Extend, Train, Help, Step, SendWeights, Switch,
+             Decided, Restart):
+    _fast_init(_cls)
 
 
 class ScheduleError(RuntimeError):

@@ -38,8 +38,8 @@ import heapq
 import math
 import time
 from bisect import bisect_right
-from itertools import accumulate, repeat
-from operator import mul, sub
+from itertools import accumulate, chain, repeat
+from operator import add, mul, sub
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,11 +103,8 @@ class DecodeRank:
 
     def advance(self, t: float) -> None:
         """Drop the sequences that ended by ``t``."""
-        if self.planned:
-            marks, h, n, lim = self.t_marks, self.head, len(self.seqs), t + _EPS
-            while h < n and marks[h] <= lim:
-                h += 1
-            self.head = h
+        if self.planned:  # the marks do not decrease: the first one after t (+ _EPS) from head on
+            self.head = bisect_right(self.t_marks, t + _EPS, self.head)
         if t > self.t_valid:
             self.t_valid = t
 
@@ -133,11 +130,13 @@ class DecodeRank:
         live = self.seqs[self.head:]
         if live and t > self.t0:
             d = self._done_iterations(t)
-            live = [(max(r - d, _EPS), a, uu, g) for r, a, uu, g in live]
-        gid, n, m = self.next_gid, self.next_seq, len(lengths)
-        self.gkey.update(zip(range(gid, gid + len(keys)), keys))
-        live += zip(lengths, range(n, n + m), repeat(u, m), [gid + i // group_size for i in range(m)])
-        self.next_gid += len(keys)
+            rs, an, us, gs = zip(*live)  # each (max(r - d, _EPS), a, u, g), the loop in C
+            live = list(zip(map(max, map(sub, rs, repeat(d)), repeat(_EPS)), an, us, gs))
+        gid, n, m, k = self.next_gid, self.next_seq, len(lengths), len(keys)
+        self.gkey.update(zip(range(gid, gid + k), keys))
+        # each sequence's local group id: gid + i // group_size for the i-th new sequence
+        live += zip(lengths, range(n, n + m), repeat(u, m), chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k))))
+        self.next_gid += k
         self.next_seq += m
         self._plan(t, pause, live, ended)
 
@@ -156,9 +155,9 @@ class DecodeRank:
         # completion is t0 + the running sum of (tokens left - the previous one's) x its segment's cost
         acc = list(accumulate(reversed(us)))
         acc.reverse()
-        cost = [w + a for a in acc]
+        cost = list(map(add, repeat(w), acc))  # w + a for each
         steps = accumulate(map(mul, map(sub, rs, (0.0,) + rs[:-1]), cost))
-        marks = [t0 + a for a in steps]
+        marks = list(map(add, repeat(t0), steps))  # t0 + a for each
         gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
         self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
         self.groups = sorted(zip(gend.values(), gend.keys()))
@@ -300,6 +299,8 @@ class SamplePipeline:
         self.topo = initial  # the split the last decision aimed at
         self.latency = sim.command_latency_s  # control-plane latency per command (0: every action at once)
         self.in_flight: dict[int, int] = {}  # rank -> sequences assigned to it whose Assign has not arrived yet
+        self.claim_max = self.group_size * claim_groups  # sequences a rank claims at most at a time
+        self._deferred = -1  # the rank whose event is being handled (its next event is scheduled at the event's end)
 
     # --- workload -----------------------------------------------------------------------------------------------
     def _batch(self, j: int) -> _BatchInfo:
@@ -351,13 +352,13 @@ class SamplePipeline:
             return math.inf  # draining for a switch, or helping the trainers: only its completions matter
         if rank in core.waiting:
             # it waits for work of a new version: the next chance is when it is empty (else woken by the core)
-            return dr.drain_time() if dr.active > 0 else math.inf
+            return dr.drain_time() if len(dr.seqs) > dr.head else math.inf  # (dr.active > 0)
         if self.in_flight and self.in_flight.get(rank):
             return math.inf  # an assignment is on its way: its arrival schedules the next claim
         return dr.claim_time(self._claim_seqs(dr))
 
     def _claim_seqs(self, dr: DecodeRank) -> int:
-        return max(1, min(dr.slots, self.G * self.claim_groups))
+        return max(1, min(dr.slots, self.claim_max))
 
     @property
     def G(self) -> int:
@@ -428,50 +429,99 @@ class SamplePipeline:
         if token != dr.token or crank.role is not Role.ROLLOUT:
             return
         lim = t + _EPS
-        groups, p = dr.groups, dr.gptr
-        if p < len(groups) and groups[p][0] <= lim:  # dr.pop_groups(t)
-            gkey = dr.gkey
-            done = []
-            while p < len(groups) and groups[p][0] <= lim:
-                done.append(gkey.pop(groups[p][1]))
-                p += 1
-            dr.gptr = p
-        else:
-            done = None
-        if dr.planned:  # dr.advance(t)
-            marks, h, n = dr.t_marks, dr.head, len(dr.seqs)
-            while h < n and marks[h] <= lim:
-                h += 1
-            dr.head = h
-        if t > dr.t_valid:
-            dr.t_valid = t
-        if done:
-            if len(done) == 1:
-                b, g = done[0]
-                self.rank_batch[b][rank][1] = t
-                by_batch = ((b, [g]),)
+        heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
+        busy_start, helping, waiting = self.busy_start, core.helping, core.waiting
+        helpers, tgen = self.mech.gradient_helpers, self.mech.trainer_rollout
+        self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
+        while True:
+            groups, p = dr.groups, dr.gptr
+            if p < len(groups) and groups[p][0] <= lim:  # dr.pop_groups(t)
+                gkey = dr.gkey
+                done = []
+                while p < len(groups) and groups[p][0] <= lim:
+                    done.append(gkey.pop(groups[p][1]))
+                    p += 1
+                dr.gptr = p
             else:
-                bb: dict[int, list[int]] = {}
-                for b, g in done:
-                    bb.setdefault(b, []).append(g)
+                done = None
+            if dr.planned:  # dr.advance(t)
+                dr.head = bisect_right(dr.t_marks, lim, dr.head)
+            if t > dr.t_valid:
+                dr.t_valid = t
+            if done:
+                if len(done) == 1:  # (most events: one group)
+                    b, g = done[0]
                     self.rank_batch[b][rank][1] = t
-                by_batch = bb.items()
-            for b, gs in by_batch:
-                if self.mech.trainer_rollout:
-                    self._lat_done(t, b, gs)
-                acts = core.handle(GroupsDone(rank, b, tuple(gs), self._tokens(b, gs)))
-                if acts:
-                    self.do(t, acts)
-        active = len(dr.seqs) - dr.head
-        if active == 0:
-            self._idle(rank, t)
-        if crank.role is Role.ROLLOUT and not (self.in_flight and self.in_flight.get(rank)):
-            cap = self._capacity(dr)
-            if cap > 0 and (active == 0 or dr.slots - active >= self._claim_seqs(dr)):
-                acts = core.handle(RankReady(rank, cap))
-                if acts:
-                    self.do(t, acts)
-        self._schedule_rank(rank, t)
+                    if tgen:
+                        self._lat_done(t, b, (g,))
+                    if helpers:  # self._tokens(b, gs)
+                        acts = core.groups_done(rank, b, (g,), (self._batch(b).tokens_per_group[g],))
+                    else:
+                        acts = core.groups_done(rank, b, (g,))  # core.handle(GroupsDone(...))
+                    if acts:
+                        self.do(t, acts)
+                    by_batch = ()
+                else:
+                    bb: dict[int, list[int]] = {}
+                    for b, g in done:
+                        bb.setdefault(b, []).append(g)
+                        self.rank_batch[b][rank][1] = t
+                    by_batch = bb.items()
+                for b, gs in by_batch:
+                    if tgen:
+                        self._lat_done(t, b, gs)
+                    if helpers:  # self._tokens(b, gs)
+                        tk = self._batch(b).tokens_per_group
+                        acts = core.groups_done(rank, b, tuple(gs), tuple([tk[g] for g in gs]))
+                    else:
+                        acts = core.groups_done(rank, b, tuple(gs))  # core.handle(GroupsDone(...))
+                    if acts:
+                        self.do(t, acts)
+            active = len(dr.seqs) - dr.head
+            if active == 0:  # self._idle(rank, t)
+                s0 = busy_start.pop(rank, None)
+                if s0 is not None:
+                    self.res.busy_rollout_gpu_s += t - s0
+            if crank.role is Role.ROLLOUT and not (in_flight and in_flight.get(rank)):
+                free = dr.slots - active  # self._capacity(dr), with nothing on its way
+                cap = free // G
+                if active == 0 and cap < 1:
+                    cap = 1
+                if cap > 0 and (active == 0 or free >= (max(1, min(dr.slots, claim_max)))):  # self._claim_seqs(dr)
+                    acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
+                    if acts:
+                        self.do(t, acts)
+            # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
+            # would pop it next: the same order)
+            nxt = dr.groups[dr.gptr][0] if dr.gptr < len(dr.groups) else math.inf  # dr.next_group_time()
+            # c = self._claim_at(dr), inlined
+            if crank.role is not Role.ROLLOUT or crank.lost or crank.leaving or rank in helping:
+                c = math.inf
+            elif rank in waiting:
+                c = dr.t_marks[-1] if len(dr.seqs) > dr.head else math.inf  # (a plan exists while it holds sequences)
+            elif in_flight and in_flight.get(rank):
+                c = math.inf
+            else:  # dr.claim_time(self._claim_seqs(dr))
+                active = len(dr.seqs) - dr.head
+                claim = max(1, min(dr.slots, claim_max))
+                free = dr.slots - active
+                if free >= claim or not dr.planned:
+                    c = dr.t_valid
+                else:
+                    k = min(claim - free, active) - 1
+                    c = dr.t_marks[dr.head + k] if k >= 0 else dr.t_valid
+            if c < nxt:
+                nxt = c
+            dr.token += 1  # only the newest scheduled event of a rank counts
+            if nxt < math.inf:
+                if nxt <= t and (not heap or heap[0][0] > t) and not (core.produced == core.n_steps and core.finished):
+                    if crank.role is not Role.ROLLOUT:
+                        break
+                    continue
+                self.seq += 1
+                heapq.heappush(heap, (nxt if nxt > t else t, self.seq, 0, rank, dr.token))  # kind READY
+            break
+        self._deferred = -1
 
     def _tokens(self, batch: int, groups) -> tuple[int, ...]:
         """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
@@ -497,18 +547,27 @@ class SamplePipeline:
                 if isinstance(a, Assign):
                     self.in_flight[a.rank] = self.in_flight.get(a.rank, 0) + len(a.groups) * self.G
                 self.push(t + c, self.CMD, 0, a)
+            elif type(a) is Assign:  # the most frequent actions, without the match's pattern tests
+                self._on_assign(t, a)
+            elif type(a) is SendWeights and not (a.blocking and self.log):
+                self.seq += 1
+                heapq.heappush(self.heap, (t + self.sync_s, self.seq, self.WEIGHTS, a.rank, a.version))  # self.push
             else:
                 self._apply(t, a)
 
+    def _on_assign(self, t: float, a: Assign) -> None:
+        rank, batch, groups = a.rank, a.batch, a.groups
+        if self.mech.trainer_rollout:
+            self._lat_assign(t, batch, groups)
+            if rank in self.core.generating:
+                self._gen_assign(t, rank, batch, groups, a.version)
+                return
+        self._assign(t, rank, batch, groups, a.version)
+
     def _apply(self, t: float, a) -> None:
         match a:
-            case Assign(rank, batch, groups, version):
-                if self.mech.trainer_rollout:
-                    self._lat_assign(t, batch, groups)
-                    if rank in self.core.generating:
-                        self._gen_assign(t, rank, batch, groups, version)
-                        return
-                self._assign(t, rank, batch, groups, version)
+            case Assign():
+                self._on_assign(t, a)
             case Train(batch, groups, ranks, first):
                 self._train(t, batch, groups, ranks, first)
             case Help(rank, batch, groups):
@@ -547,7 +606,8 @@ class SamplePipeline:
             dr.slots = min(dr.slots, bi.cap)
         self._admit(t, rank, batch, groups, version)
         self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
-        self._schedule_rank(rank, t)
+        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
+            self._schedule_rank(rank, t)
 
     def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
         """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
@@ -561,7 +621,7 @@ class SamplePipeline:
         else:
             prefill = float(bi.prefill_s[list(groups)].sum())
         lengths = bi.lengths
-        self.ranks[rank].admit(t, [x for g in groups for x in lengths[g]], bi.u, [(batch, g) for g in groups],
+        self.ranks[rank].admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
                                bi.group_size, pause + prefill)
         if self.record:
             for g in groups:
@@ -641,7 +701,7 @@ class SamplePipeline:
         """The finished batch as the policy's pipeline predictor replays it (its lengths, its training per group, the
         decode model and the pipeline's settings)."""
         return PipelineWorkload(
-            tuple(x for g in bi.lengths for x in g), bi.group_size, bi.cap, self.w, bi.u,
+            tuple(chain.from_iterable(bi.lengths)), bi.group_size, bi.cap, self.w, bi.u,
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
             self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
             self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
@@ -722,7 +782,10 @@ class SamplePipeline:
     def _lat_done(self, t: float, batch: int, groups) -> None:
         """The longest assignment-to-end time of a group of ``batch`` so far (its slowest group: a trainer taking a
         few groups comes back when the slowest of them ends)."""
-        worst = t - min(self.assigned_at.pop((batch, g)) for g in groups)
+        if len(groups) == 1:
+            worst = t - self.assigned_at.pop((batch, groups[0]))
+        else:
+            worst = t - min(self.assigned_at.pop((batch, g)) for g in groups)
         if worst > self.lat.get(batch, 0.0):
             self.lat[batch] = worst
 

@@ -779,3 +779,52 @@ def test_trainer_gen_events_survive_the_schedule_log_codec():
     assert decode(encode(cfg)) == cfg
     with pytest.raises(ValueError):
         SchedulerConfig(4, 2, (3,), trainer_gen_groups=0)
+
+
+class _FastEntries(PipelineScheduler):
+    """A core answering RankReady and GroupsDone (no ``kept``) through ``rank_ready``/``groups_done``, each answer
+    checked against a twin core fed the same events through ``handle`` alone."""
+
+    def __init__(self, cfg: SchedulerConfig):
+        super().__init__(cfg)
+        self.twin = PipelineScheduler(cfg)
+        self.fast = 0
+
+    def start(self):
+        out = super().start()
+        assert out == self.twin.start()
+        return out
+
+    def handle(self, ev):
+        if type(ev) is RankReady:
+            out = self.rank_ready(ev.rank, ev.capacity)
+            self.fast += 1
+        elif type(ev) is GroupsDone and not ev.kept:
+            out = self.groups_done(ev.rank, ev.batch, ev.groups, ev.tokens)
+            self.fast += 1
+        else:
+            out = super().handle(ev)
+        assert out == self.twin.handle(ev), ev
+        return out
+
+
+def test_the_fast_entry_points_answer_as_handle():
+    """``rank_ready``/``groups_done`` (the simulator's calls) are ``handle(RankReady(...))``/``handle(GroupsDone(...))``:
+    random worlds with every mechanism mix, helpers, trainer-gen and a lost rank, answer for answer."""
+    fast = 0
+    for seed in range(40):
+        tgen = seed % 3 == 0
+        cfg = SchedulerConfig(4, 1, (5,) * 4, staleness=1 + seed % 2,
+                              mechanisms=Mechanisms(seed % 4 != 3, seed % 2 == 0, False, True, tgen),
+                              helper_cost_s=0.05, helper_rate=1.0, train_chunks=5, **(TGEN if tgen else {}))
+        core = _FastEntries(cfg)
+        world = World(core, cfg, 2, losses_left=seed % 2, tokens=seed % 4 < 2, **(CHEAP_TRAINING if tgen else {}))
+        world.apply(core.start())
+        rnd = random.Random(seed)
+        while not core.finished and not world.restarted:
+            ev = world.enabled()
+            if not ev:
+                break
+            world.fire(ev[rnd.randrange(len(ev))])
+        fast += core.fast
+    assert fast > 500
