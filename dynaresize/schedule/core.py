@@ -956,6 +956,9 @@ class PipelineScheduler:
                 self._try_train(out)  # the trainers that stayed took part in the switch
         else:
             self._try_train(out)
+            # the last rollout rank was lost while this one was leaving for training (still counted a rollout rank
+            # then): only now is none left; the pipeline stalled with the lost rank's groups to generate
+            self._rescue(out)
 
     # --- faults ------------------------------------------------------------------------------------------------
     def _lost(self, rank: int, out: list[SchedulerAction]) -> None:

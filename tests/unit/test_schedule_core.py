@@ -828,3 +828,24 @@ def test_the_fast_entry_points_answer_as_handle():
             world.fire(ev[rnd.randrange(len(ev))])
         fast += core.fast
     assert fast > 500
+
+
+def test_the_last_rollout_rank_lost_while_the_other_one_leaves_for_training_restarts():
+    """A resize to 4:1 moves ranks 2 and 3 to training; rank 4, the one rollout rank it keeps, is lost while rank 2
+    still finishes its groups (so rank 2 still counted as a rollout rank then). Once rank 2 is a trainer no rank is
+    left to generate rank 4's group: the core asks for a restart (it stalled, found by the property test above)."""
+    cfg = SchedulerConfig(5, 2, (2, 2), staleness=1, mechanisms=Mechanisms(False, False, True), helper_cost_s=0.1)
+    core = PipelineScheduler(cfg, ScriptedPolicy([4]))
+    w = World(core, cfg, 2, losses_left=1)
+    w.apply(core.start())
+    script = ["RankReady(rank=2, capacity=2)", "RankReady(rank=2, capacity=1)",
+              "GroupsDone(rank=2, batch=0, groups=(0,), tokens=(), kept=())", "RankReady(rank=2, capacity=1)",
+              "RankReady(rank=4, capacity=2)", "GroupsDone(rank=2, batch=0, groups=(1,), tokens=(), kept=())",
+              "TrainChunkDone(batch=0)", "OptimizerStepDone(batch=0)", "('switch', 3, <Role.TRAIN: 'train'>)",
+              "RankLost(rank=4)", "GroupsDone(rank=2, batch=1, groups=(0,), tokens=(), kept=())",
+              "('switch', 2, <Role.TRAIN: 'train'>)"]
+    for want in script:
+        ev = [e for e in w.enabled() if repr(e) == want]
+        assert ev, f"{want} is not possible here: {w.enabled()}"
+        w.fire(ev[0])
+    assert w.restarted and not core.finished
