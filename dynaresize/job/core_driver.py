@@ -11,8 +11,9 @@ The loop reads::
     act      -> each action the core returns becomes a command: Assign -> ``generate`` (those prompts, that
                 version), SendWeights -> ``fetch_weights`` (received in the background into a second buffer: with
                 ``pipeline.weights_transport: comm`` from rank 0 point to point over the world group built at
-                start-up, rank 0 sending once the rank's ack says the receive is posted (``push_weights``); with the
-                ``file`` fallback read from the snapshot rank 0 staged at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
+                start-up, rank 0 told by a ``push_weights`` sent with a new version's fetches, ahead of its next
+                training command (``push_first``); with the ``file`` fallback read from the snapshot rank 0 staged
+                at its optimizer step), Train -> ``train_chunk`` (a chunk of complete GRPO groups), Step ->
                 ``optimizer_step`` (the batch's token or sequence count as the normaliser), Switch -> one
                 ``switch_role`` over the old and new trainers (the core's collective mode)
     drain    -> at a checkpoint, a stop or a time-out warning: the state of a step boundary of the static run
