@@ -280,13 +280,10 @@ class PipelineScheduler:
             return out
         tp = type(ev)
         if tp is RankReady:  # the two most frequent events first, without the match's pattern tests
-            r = self._rank(ev.rank, Role.ROLLOUT)
-            if r is not None:
-                r.capacity = max(0, ev.capacity)
-                self._assign(ev.rank, out)
-        elif tp is GroupsDone:
-            self._groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, out, ev.kept)
-        elif tp is WeightsArrived:
+            return self.rank_ready(ev.rank, ev.capacity)
+        if tp is GroupsDone:
+            return self.groups_done(ev.rank, ev.batch, ev.groups, ev.tokens, ev.kept)
+        if tp is WeightsArrived:
             self._weights_arrived(ev.rank, ev.version, out)
         elif tp is ValidationDone:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
@@ -296,9 +293,9 @@ class PipelineScheduler:
             self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
         return out
 
-    def rank_ready(self, rank: int, capacity: int) -> list[Action]:
+    def rank_ready(self, rank: int, capacity: int) -> list[SchedulerAction]:
         """``handle(RankReady(rank, capacity))``, without building the event (the simulator's most frequent call)."""
-        out: list[Action] = []
+        out: list[SchedulerAction] = []
         if self.restarting:
             return out
         r = self.ranks[rank]
@@ -309,13 +306,13 @@ class PipelineScheduler:
             self._offer_generation(out)
         return out
 
-    def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = ()) -> list[Action]:
-        """``handle(GroupsDone(rank, batch, groups, tokens))``, without building the event (no dynamic sampling: no
-        ``kept`` flags)."""
-        out: list[Action] = []
+    def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = (),
+                    kept: tuple[bool, ...] = ()) -> list[SchedulerAction]:
+        """``handle(GroupsDone(rank, batch, groups, tokens, kept))``, without building the event."""
+        out: list[SchedulerAction] = []
         if self.restarting:
             return out
-        self._groups_done(rank, batch, groups, tokens, out)
+        self._groups_done(rank, batch, groups, tokens, out, kept)
         if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
             self._offer_generation(out)
         return out
@@ -348,7 +345,7 @@ class PipelineScheduler:
                 raise ScheduleError(f"unknown event {ev!r}")
 
     # --- rollout ----------------------------------------------------------------------------------------------------
-    def _weights_arrived(self, rank: int, version: int, out: list[Action]) -> None:
+    def _weights_arrived(self, rank: int, version: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
         if version not in r.sending:
             return  # sent before the rank switched roles (a switch drops what was on its way)
