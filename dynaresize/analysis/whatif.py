@@ -169,7 +169,7 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     p, r = cfg.pipeline, cfg.rollout
     per_cmd = r.pull_batch if lockstep else p.groups_per_command * r.group_size
     if not lockstep and r.max_running != 0:
-        slots, claim = min(r.max_running or r.pull_batch, cfg.sim.rollout.max_seqs_per_gpu), 1
+        slots, claim = min(r.kv_slots, cfg.sim.rollout.max_seqs_per_gpu), 1
     else:
         slots, claim = max(1, per_cmd), max(1, per_cmd // r.group_size)
     return {"sim.rollout.max_seqs_per_gpu": slots, "sim.pipeline.claim_groups": claim,

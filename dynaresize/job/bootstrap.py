@@ -88,7 +88,7 @@ def _check_vllm(job: Job, model_dir: Path) -> None:
     cfg = job.cfg
     dtype = str(model_dtype(model_dir, cfg.model.dtype)).removeprefix("torch.")
     res = preflight(str(model_dir), cfg.rollout.vllm, cfg.cluster.device, seed=cfg.run.seed, dtype=dtype,
-                    max_seqs=cfg.rollout.max_running or cfg.rollout.pull_batch)
+                    max_seqs=cfg.rollout.kv_slots)
     job.events.emit("control", what="vllm_check", reason=f"vLLM imports and builds on {cfg.cluster.device}",
                     import_s=round(res.get("import_s", 0.0), 2), build_s=round(res.get("build_s", 0.0), 2))
 

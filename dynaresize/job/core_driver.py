@@ -620,7 +620,7 @@ class ContinuousSchedule:
             if isinstance(a, SendWeights) and a.blocking and not (self.drain is not None and self.parks(a)):
                 self.syncs.setdefault(a.version, set()).add(a.rank)
         self.send_syncs()
-        pushed = self.push_first(actions)
+        self.push_first(actions)
         for a in actions:
             if self.drain is not None and self.parks(a):
                 self.parked.append(a)
@@ -638,7 +638,7 @@ class ContinuousSchedule:
                     self.send_step(a)
                 case SendWeights(rank, version, blocking):
                     if not blocking:
-                        self.send_fetch(rank, version, pushed=version in pushed)
+                        self.send_fetch(rank, version)
                 case Decided(step, decision, sid):
                     self.decided(step, decision, sid)
                 case Switch(_, _, sid) if sid not in done_switch:
@@ -705,28 +705,26 @@ class ContinuousSchedule:
                 elif self.replay is None:  # a takeover's replay: recorded by the old coordinator
                     self.p.validation.record(v, time.monotonic() - t0)
 
-    def push_first(self, actions) -> set[int]:
+    def push_first(self, actions) -> None:
         """comm: the versions the core sends to rollout ranks in ``actions`` go to rank 0 as ``push_weights`` now,
         before any training command of this round, with each fetch marked ``pushed`` (the rank posts one receive
         whatever it holds). Rank 0 runs its commands one at a time: a push sent after the fetch's ack waited behind
         the chunk of the next batch rank 0 had started meanwhile (seconds), and the rollout ranks with it."""
         if self.barrier or self.transport != "comm":
-            return set()
+            return
         to: dict[int, list[int]] = {}
         for a in actions:
             if isinstance(a, SendWeights) and not a.blocking and not (self.drain is not None and self.parks(a)):
                 to.setdefault(a.version, []).append(a.rank)
         for v, ranks in sorted(to.items()):
             self.send_push(v, ranks)
-        return set(to)
 
-    def send_fetch(self, rank: int, version: int, pushed: bool = False) -> None:
+    def send_fetch(self, rank: int, version: int) -> None:
         """The core sent ``version`` to ``rank``: the rank starts receiving it in the background (its ack is the
-        core's WeightsArrived). comm: rank 0 sends it, told by ``push_first`` (``pushed``) or else once the fetch's ack
-        says the receive is posted (``send_push``)."""
+        core's WeightsArrived). comm: ``push_first`` told rank 0 to send it already (the fetch says ``pushed``)."""
         keep = sorted(set(self.core.versions_counted(rank)) | {version})  # a version the core dropped frees its buffer
         payload = {"version": version, "transport": self.transport, "keep": keep}
-        if pushed:
+        if self.transport == "comm":
             payload["pushed"] = True
         self.send("fetch_weights", [rank], payload, version=version)
 

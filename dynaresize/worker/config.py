@@ -70,6 +70,11 @@ class RolloutConfig(Section):
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
     sync_bucket_mb: int = Field(64, ge=1, description="Weight sync trainer -> rollout moves parameters in buckets of this size (MiB)")
 
+    @property
+    def kv_slots(self) -> int:
+        """A rank's KV slots (vLLM's ``max_num_seqs``): ``max_running``, else (null, or 0: no stream) ``pull_batch``."""
+        return self.max_running or self.pull_batch
+
 
 class TrainConfig(Section):
     engine: Literal["deepspeed"] = Field("deepspeed", description="Training engine")

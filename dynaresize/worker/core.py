@@ -174,7 +174,6 @@ class Worker:
     incoming: dict[int, _Incoming] = field(default_factory=dict)  # fetched versions, by version (rollout ranks)
     max_incoming: int = 2  # fetched versions a rank holds at most (each a full copy of the weights in host memory)
     held: set[int] = field(default_factory=set)  # versions this rank fetched or installed (a refetch reads only these)
-    discarded: list[CommFetch] = field(default_factory=list)  # receives of pushed versions not needed (dropped at the end)
     sender: WeightSender | None = None  # rank 0 with the comm transport: held versions, background sends
     stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
     done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
@@ -253,10 +252,8 @@ class Worker:
 
     @property
     def _slots(self) -> int:
-        """KV slots of the rollout engine (vLLM's ``max_num_seqs``): ``rollout.max_running``, else (null, or 0: no
-        stream) ``pull_batch``."""
-        cfg = self.setup.rollout_cfg
-        return int(getattr(cfg, "max_running", None) or cfg.pull_batch)
+        """KV slots of the rollout engine (``RolloutConfig.kv_slots``)."""
+        return self.setup.rollout_cfg.kv_slots
 
     @property
     def _dev(self) -> torch.device:
@@ -753,11 +750,9 @@ class Worker:
             owed = False
             return out
         finally:
-            if owed:  # the send on its way has its one receive; what it brings is dropped
-                self.discarded = [d for d in self.discarded if d.finished is None]
+            if owed:  # the send on its way has its one receive (its thread holds it); what it brings is dropped
                 try:
-                    self.discarded.append(CommFetch(self._weights(), 0, version,
-                                                    self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev))
+                    CommFetch(self._weights(), 0, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
                 except Exception as e:  # noqa: BLE001 - rank 0's send to this rank then waits out its timeout
                     log.warning("rank %d: no receive posted for version %d pushed here: %s", self.rank, version, e)
 
