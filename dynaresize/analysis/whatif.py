@@ -165,7 +165,8 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     torch engine decodes one command's batch at a time (``pipeline.groups_per_command`` groups; ``rollout.pull_batch``
     samples in a run of the retired lockstep loop, ``lockstep``), so a simulated GPU holds at most that many
     sequences and claims that many groups once it has drained.
-    A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups."""
+    A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups; the trainers hold
+    ``pipeline.train_queue`` training commands at once (1 in the retired lockstep loop)."""
     p, r = cfg.pipeline, cfg.rollout
     per_cmd = r.pull_batch if lockstep else p.groups_per_command * r.group_size
     if not lockstep and r.max_running != 0:
@@ -174,6 +175,7 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
         slots, claim = max(1, per_cmd), max(1, per_cmd // r.group_size)
     return {"sim.rollout.max_seqs_per_gpu": slots, "sim.pipeline.claim_groups": claim,
             "sim.pipeline.stream_chunks": max(1, r.prompts_per_step // p.stream_min_groups),
+            "sim.pipeline.train_queue": 1 if lockstep else p.train_queue,
             "sim.workload.prompts_per_step": r.prompts_per_step, "sim.workload.responses_per_prompt": r.group_size}
 
 

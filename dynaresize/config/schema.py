@@ -93,6 +93,12 @@ class PipelineConfig(Section):
         4, ge=1, description="continuous schedule: the fewest complete groups a training chunk starts with (each chunk "
         "is one forward/backward with its own gradient reduction: small chunks start training sooner and cost more)",
     )
+    train_queue: int = Field(
+        2, ge=1, le=2, description="Training commands (chunks of a batch, then its optimizer step) the trainers hold at "
+        "once, run in the order sent: 2 queues the next chunk, or the batch's step, behind the one running, so the "
+        "trainers never wait a control-plane round trip between two (the same groups, in the same order, with the same "
+        "loss normalisation; a chunk sent early holds the groups ready then). 1: one at a time",
+    )
     groups_per_command: int = Field(
         4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
         "rank has two commands queued, so it never waits for the coordinator between them)",

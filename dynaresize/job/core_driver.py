@@ -137,6 +137,7 @@ class ContinuousSchedule:
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
+        self.held_step: Step | None = None  # barrier: an optimizer step waiting for its version's sync to be sent
         # barrier-free: how versions travel (comm: rank 0 -> each rank over the world group; file: the fallback)
         self.transport = job.cfg.pipeline.weights_transport
         self.gen_version: dict[int, int] = {}  # rollout rank -> newest version of the generates sent to it
@@ -486,6 +487,9 @@ class ContinuousSchedule:
         if self.replay is None:  # a takeover's replay: reported by the old coordinator (batches.jsonl has it)
             p.reporter.report(k, built, trained)
         self.forget_old_weights(k + 1)
+        if self.drain is None and k + 1 < self.cfg.run.steps and (
+                p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested)):
+            self.drain = k + 1  # before the step's actions go out: the next batch's training waits for the checkpoint
         self.feed(OptimizerStepDone(k))
         if k + 1 < self.cfg.run.steps:
             n_t = max(1, st.n_train)
@@ -496,9 +500,6 @@ class ContinuousSchedule:
             self.feed(StepMeasured(obs, self.cfg.run.steps - k - 1, per_group))
             if self.core.policy_state is not None:
                 st.policy = policy_to_dict(self.core.policy_state)
-        if self.drain is None and k + 1 < self.cfg.run.steps and (
-                p.checkpointer.due(k + 1) or self.stop_requested() or (self.preemption is not None and self.preemption.requested)):
-            self.drain = k + 1
 
     def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
         """Complete groups of batch ``j``: their reward failures reported (every generated sample, trained or not),
@@ -634,6 +635,9 @@ class ContinuousSchedule:
                     self.p.rollout.add_round(batch, round_, len(groups))
                 case Train():
                     self.send_chunk(a)
+                case Step() if self.barrier and any(v <= a.batch for v in self.syncs):
+                    # rank 0 sends version k from its live weights: its step to k + 1 goes behind that sync
+                    self.held_step = a
                 case Step():
                     self.send_step(a)
                 case SendWeights(rank, version, blocking):
@@ -757,6 +761,10 @@ class ContinuousSchedule:
         s = self.send("sync_weights", [0] + self.job.rollouts(), {"version": v, "n_train": st.n_train, "lost": st.lost},
                       version=v)
         s.targets = tuple(sorted(targets))
+        a = self.held_step
+        if a is not None and not any(u <= a.batch for u in self.syncs):
+            self.held_step = None
+            self.send_step(a)
 
     def deliver(self, ranks: list[int], version: int) -> None:
         """Bring ``ranks`` (rollout ranks) to ``version`` now, outside the core's plan (a resume, a checkpoint): one

@@ -28,7 +28,7 @@ def scheduler_config(cfg: Config, n_train: int, resume_step: int, validations: t
     return SchedulerConfig(
         n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
         staleness=pl.staleness_bound, mechanisms=mechanisms(cfg),
-        stream_min_groups=pl.stream_min_groups, collective_switch=True, resume_step=resume_step, validations=validations,
+        stream_min_groups=pl.stream_min_groups, train_queue=pl.train_queue, collective_switch=True, resume_step=resume_step, validations=validations,
         sampling=sampling(cfg), resumed=resumed,
     )
 

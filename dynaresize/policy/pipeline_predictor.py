@@ -96,7 +96,10 @@ class PipelinePredictor:
         trained = [0] * K
         version_at = [0.0] + [math.inf] * K  # when version v reaches the GPUs
         produced = 0  # versions made (optimizer steps taken)
-        t_busy = False
+        q = max(1, w0.train_queue)  # training commands the trainers hold at once (run in the order sent)
+        t_queued = 0  # chunks and the step sent, not done
+        stepping = False  # the step of batch ``produced`` is sent
+        t_free = 0.0  # when the trainers end what they hold
         helping: dict[int, int] = {}  # rollout GPU -> groups of the batch in training it is computing gradients of
         helps_open = [0] * K  # per batch: helps not finished
         trainers_started = [False] * K
@@ -188,9 +191,9 @@ class PipelinePredictor:
             push(t + c + hc + acc / h, 4, r)
 
         def try_train(t: float) -> None:
-            nonlocal t_busy
+            nonlocal t_queued, t_free
             k = produced
-            if t_busy or k >= K:
+            if t_queued >= q or stepping or k >= K:
                 return
             left = ngroups[k] - trained[k]
             if left == 0 or len(ready[k]) < min(w0.stream_min_groups, left):
@@ -200,7 +203,7 @@ class PipelinePredictor:
                 take = min(take, max(1, -(-ngroups[k] // max(1, wl[k].train_chunks))))
             chunk, ready[k] = ready[k][:take], ready[k][take:]
             trained[k] += len(chunk)
-            t_busy = True
+            t_queued += 1
             trainers_started[k] = True
             if ready[k]:
                 for r in sorted(waiting):
@@ -208,15 +211,22 @@ class PipelinePredictor:
                         offer_help(r, t)
             tpg = wl[k].train_s_per_group
             dur = sum(tpg[g] for g in chunk) / rate
-            push(t + c + dur, 1, k)
+            t_free = max(t + c, t_free) + dur  # (train_queue > 1: behind the chunk running)
+            push(t_free, 1, k)
+            try_step(t, k)  # (train_queue > 1: the step queued behind the batch's last chunk)
+
+        def try_step(t: float, k: int) -> None:
+            nonlocal t_queued, stepping, t_free
+            if (k == produced and not stepping and t_queued < q and trained[k] == ngroups[k] and not ready[k]
+                    and helps_open[k] == 0):
+                t_queued += 1  # the optimizer step
+                stepping = True
+                t_free = max(t + c, t_free) + w0.step_overhead_s
+                push(t_free, 2, k)
 
         def maybe_step(t: float, k: int) -> None:
-            nonlocal t_busy
-            if k == produced and trained[k] == ngroups[k] and not ready[k] and helps_open[k] == 0 and not t_busy:
-                t_busy = True  # the optimizer step
-                push(t + c + w0.step_overhead_s, 2, k)
-            elif not t_busy:
-                try_train(t)
+            try_step(t, k)
+            try_train(t)
 
         for r in range(n_r):
             assign(r, 0.0)
@@ -245,17 +255,16 @@ class PipelinePredictor:
                 if done:
                     try_train(t)
             elif kind == 1:  # a training chunk done
-                t_busy = False
+                t_queued -= 1
                 maybe_step(t, key)
             elif kind == 4:  # a help done: the GPU is a rollout GPU again
                 k = helping.pop(key)
                 helps_open[k] -= 1
-                if not t_busy:
-                    maybe_step(t, k)
+                maybe_step(t, k)
                 assign(key, t)
                 schedule(key, t)
             elif kind == 2:  # optimizer step done: version key + 1 is made, reaches the GPUs sync_s later
-                t_busy = False
+                t_queued, stepping = 0, False
                 ends[key] = t
                 produced = key + 1
                 push(t + c + sync, 3, produced)

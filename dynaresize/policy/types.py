@@ -54,6 +54,7 @@ class PipelineWorkload:
     helper_cost_s: float = 0.0  # gradient helpers: overhead per help
     helper_margin: float = 1.5  # a help must save more than its cost times this
     train_chunks: int = 8  # with helpers, a training chunk takes at most 1/train_chunks of the batch (micro-chunks)
+    train_queue: int = 1  # training commands the trainers hold at once, run in order (2: no round trip between two)
 
 
 @dataclass(frozen=True, slots=True)

@@ -196,7 +196,8 @@ class PipelineScheduler:
                 b.add_ready(range(b.groups))
         self.first_open = min(k + self.s, cfg.steps) if k > 0 else 0  # oldest batch that may still have unclaimed groups
         self.released = self.first_open  # barrier: batches < released are open to the rollout pool
-        self.t_busy = False  # a chunk or an optimizer step is running
+        self.t_queued = 0  # training commands sent and not done yet (chunks, the step): at most cfg.train_queue
+        self.t_stepping = False  # the optimizer step of batch ``produced`` is sent
         self.t_ranks: tuple[int, ...] = ()  # trainer set of the batch in training (fixed from its first chunk)
         self.t_started = False
         self.switch_id = 0
@@ -220,6 +221,11 @@ class PipelineScheduler:
             r.newest = k
 
     # --- public views -----------------------------------------------------------------------------------------------
+    @property
+    def t_busy(self) -> bool:
+        """The trainers hold a training command (a chunk or the optimizer step)."""
+        return self.t_queued > 0
+
     @property
     def finished(self) -> bool:
         return self.produced == self.cfg.steps and all(b.complete for b in self.vals.values())
@@ -503,7 +509,7 @@ class PipelineScheduler:
             self._release(out)
             if self.sampling is not None and batch == self.produced:
                 self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
-        if not self.t_busy:  # (_try_train's own first test)
+        if self.t_queued < self.cfg.train_queue:  # (_try_train's own first test)
             self._try_train(out)
         if r.inflight == 0 and not r.leaving:
             self._assign(rank, out)  # a drained rank may move on to the next version
@@ -625,7 +631,7 @@ class PipelineScheduler:
     # --- training -----------------------------------------------------------------------------------------------
     def _try_train(self, out: list[SchedulerAction]) -> None:
         k = self.produced
-        if self.t_busy or k >= self.cfg.steps or self.restarting or self.generating:
+        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps or self.restarting or self.generating:
             return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
         b = self.batches[k]
         left = b.train_total - b.trained
@@ -649,9 +655,10 @@ class PipelineScheduler:
         chunk = tuple(b.ready[:take])
         b.take_ready(chunk)
         b.trained += len(chunk)
-        self.t_busy = True
+        self.t_queued += 1
         out.append(Train(k, chunk, self.t_ranks, first))
         self._offer_help_all(out)
+        self._maybe_step(out)  # (train_queue > 1: the step queued behind the batch's last chunk)
 
     def _offer_help_all(self, out: list[SchedulerAction]) -> None:
         """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
@@ -833,17 +840,18 @@ class PipelineScheduler:
     def _maybe_step(self, out: list[SchedulerAction]) -> None:
         """The optimizer step once every group went through forward/backward, the helpers' included."""
         k = self.produced
-        if self.t_busy or k >= self.cfg.steps or self.generating:
+        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps or self.generating:
             return
         b = self.batches[k]
         if b.complete and b.trained == b.train_total and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
-            self.t_busy = True
+            self.t_queued += 1
+            self.t_stepping = True
             out.append(Step(k, self.t_ranks))
 
     def _chunk_done(self, batch: int, out: list[SchedulerAction]) -> None:
-        if batch != self.produced or not self.t_busy:
+        if batch != self.produced or self.t_queued <= self.t_stepping:
             raise ScheduleError(f"training chunk of batch {batch} finished, but batch {self.produced} is in training")
-        self.t_busy = False
+        self.t_queued -= 1
         b = self.batches[batch]
         if b.trained == b.train_total and b.sealed:
             self._maybe_step(out)  # (dynamic sampling: once every prompt of its rounds is generated, as a static run)
@@ -851,9 +859,10 @@ class PipelineScheduler:
             self._try_train(out)
 
     def _step_done(self, batch: int, out: list[SchedulerAction]) -> None:
-        if batch != self.produced or not self.t_busy:
+        if batch != self.produced or self.t_queued != 1 or not self.t_stepping:
             raise ScheduleError(f"optimizer step of batch {batch} finished, but batch {self.produced} is in training")
-        self.t_busy = False
+        self.t_queued = 0
+        self.t_stepping = False
         self.t_started = False
         self.produced = batch + 1
         for rank in self.t_ranks:

@@ -70,6 +70,10 @@ class SchedulerConfig:
     mechanisms: Mechanisms = Mechanisms()
     stream_min_groups: int = 1  # streaming: the least number of complete groups a training chunk starts with
     max_versions_per_rank: int = 2  # weight buffers per rollout rank (the one decoding + one received in the background)
+    # Training commands (chunks, then the optimizer step) the trainers may hold at once, run in the order sent: 2 queues
+    # the next chunk, or the batch's step, behind the one running, so the trainers never wait a control-plane round
+    # trip between two (what they compute, and in which order, is the same; a chunk sent early has fewer groups)
+    train_queue: int = 1
     train_chunks: int = 8  # with gradient helpers: the trainers take a batch in chunks of 1/train_chunks of its groups
     helper_rate: float = 0.9  # a gradient helper's forward/backward rate relative to one trainer GPU (ASSUMPTION)
     helper_cost_s: float = 1.0  # a helper's own overhead per chunk: leave decoding, send its gradient, come back

@@ -235,6 +235,7 @@ class SampleSettings:
     trainer_gen_kv_fraction: float = 0.5
     trainer_gen_rate: float = 0.7
     tail_share: float = TAIL_SHARE_BARRIER_FREE  # barrier-free observations: the share of the longest response reported as tail
+    train_queue: int = 1  # training commands the trainers hold at once, run in order (SchedulerConfig.train_queue)
 
 
 class SamplePipeline:
@@ -278,7 +279,8 @@ class SamplePipeline:
             SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min, helper_rate=helper_rate,
                             helper_cost_s=helper_cost_s, train_scaling_per_doubling=sim.train.scaling_per_doubling,
                             train_chunks=stream_chunks, trainer_gen_cost_s=trainer_gen_cost_s,
-                            trainer_gen_rate=trainer_gen_rate, trainer_gen_groups=self._gen_slots(0) // self._batch(0).group_size),
+                            trainer_gen_rate=trainer_gen_rate, trainer_gen_groups=self._gen_slots(0) // self._batch(0).group_size,
+                            train_queue=st.train_queue),
             policy if mechanisms.resize else None)
         self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
         self.heap: list = []
@@ -288,6 +290,7 @@ class SamplePipeline:
         self.rank_batch: dict[int, dict[int, list[float]]] = {}  # batch -> rank -> [first admission, last end]
         self.train_busy: dict[int, float] = {}  # batch -> trainer compute seconds (wall, on its trainer set)
         self.train_start: dict[int, float] = {}
+        self.t_free = 0.0  # when the trainers end the training commands they hold (they run them in the order sent)
         self.prev_trainers: tuple[int, ...] = tuple(range(initial.n_train))
         self.switch_plans: dict[int, tuple[float, float, float, float]] = {}  # sid -> (moving, trainers, bg, overhead)
         self.pending_trainer_cost = 0.0
@@ -581,6 +584,8 @@ class SamplePipeline:
                 self.push(t + dur, self.HELP, rank, batch)
             case Step(batch, ranks):
                 dur = self.train_cfg.step_overhead_s
+                t = max(t, self.t_free)  # queued behind the batch's last chunk (train_queue > 1)
+                self.t_free = t + dur
                 self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
                 self.res.busy_train_gpu_s += dur * len(ranks)
                 self.push(t + dur, self.STEP, batch, (t, ranks))
@@ -628,6 +633,7 @@ class SamplePipeline:
                 self.res.versions[(batch, g)] = version
 
     def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
+        t = max(t, self.t_free)  # queued behind the chunk the trainers run (train_queue > 1)
         bi = self._batch(batch)
         n = len(ranks)
         eff = efficiency(n, self.train_cfg.scaling_per_doubling)
@@ -651,6 +657,7 @@ class SamplePipeline:
             self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=format_ranks(ranks), start=round(t, 6),
                       end=round(t + extra + dur, 6), tokens=bi.tokens_trained if first else 0,
                       samples=len(groups) * bi.group_size)
+        self.t_free = t + extra + dur
         self.push(t + extra + dur, self.TRAIN, batch)
 
     def _step_done(self, t: float, batch: int) -> None:
@@ -705,7 +712,7 @@ class SamplePipeline:
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
             self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
             self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
-            self.core.cfg.train_chunks)
+            self.core.cfg.train_chunks, self.core.cfg.train_queue)
 
     # --- switches -------------------------------------------------------------------------------------------------
     def _decided(self, t: float, step: int, dec, sid: int | None) -> None:

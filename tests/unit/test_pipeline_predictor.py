@@ -51,6 +51,31 @@ def test_predicts_the_simulated_barrier_free_period(split):
     assert predicted == pytest.approx(measured, rel=0.10)
 
 
+def test_a_train_queue_hides_the_trainers_command_latency_in_the_prediction_as_in_the_simulator():
+    """With a control-plane latency, ``train_queue=2`` (the next chunk or the step queued behind the one running)
+    shortens the period, in the predictor as in the simulator it replays (each within 10% of the simulated one)."""
+    got = {}
+    for q in (1, 2):
+        cfg = load_config(ROOT / "configs/sim/stationary_8gpu.yaml", [
+            "sim.write_events=false", "cluster.gpus=8", "cluster.initial_train=5", "sim.workload.response_tokens_start=300",
+            "sim.workload.response_tokens_end=300", "run.seed=0", "sim.command_latency_s=2.0", f"sim.pipeline.train_queue={q}"])
+        runs = {}
+        for steps in (20, 30):
+            s = setup(cfg.model_copy(update={"sim": cfg.sim.model_copy(update={"steps": steps})}))
+            runs[steps] = run_samples(s, Topology(5, 3), MECH).total_s
+        p = cfg.sim.pipeline
+        pipe = SamplePipeline("t", s.table, s.initial, MECH, s.costs, None,
+                              SampleSettings(cfg.pipeline.staleness_bound, False, 0.9, p.claim_groups, p.stream_chunks,
+                                             train_queue=q))
+        trace = tuple(pipe._workload(pipe._batch(j)) for j in range(10, 14))
+        assert all(w.train_queue == q and w.command_latency_s == 2.0 for w in trace)
+        predicted = PipelinePredictor(cfg.policy.train_scaling_per_doubling).period_s(trace, Topology(5, 3))
+        measured = (runs[30] - runs[20]) / 10
+        assert predicted == pytest.approx(measured, rel=0.10), q
+        got[q] = (predicted, measured)
+    assert got[2][0] < got[1][0] and got[2][1] < got[1][1], got
+
+
 def test_without_a_batch_the_pipeline_policy_is_the_capacity_policy():
     costs = SwitchCostModel(SwitchCostConfig(), OptimizationsConfig())
     cands = candidate_topologies(8)

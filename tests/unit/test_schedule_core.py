@@ -65,7 +65,7 @@ class World:
     generated: dict[tuple[int, int], int] = field(default_factory=dict)  # (batch, group) -> version that made it
     trained: dict[int, set[int]] = field(default_factory=dict)
     steps_done: int = 0
-    chunk: Train | None = None
+    chunks: list[Train] = field(default_factory=list)  # training chunks the trainers hold, run in the order sent
     stepping: int | None = None
     lost: set[int] = field(default_factory=set)
     restarted: bool = False
@@ -114,7 +114,7 @@ class World:
             if isinstance(a, Switch):
                 switched.setdefault(a.switch_id, []).append(a.rank)
                 if self.cfg.collective_switch:  # the trainers take part: never in the middle of a batch
-                    assert self.chunk is None and self.stepping is None, "a collective switch while the trainers train"
+                    assert not self.chunks and self.stepping is None, "a collective switch while the trainers train"
                     assert not self.trained.get(self.steps_done), "a collective switch in the middle of a batch"
             match a:
                 case Assign(rank, batch, groups, version):
@@ -124,7 +124,7 @@ class World:
                         assert self.cfg.mechanisms.trainer_rollout, "work for a trainer"
                         assert version == self.steps_done, f"trainer {rank} generates with {version}, holds {self.steps_done}"
                         assert rank not in self.gen and not self.inflight[rank], "a trainer sent out twice"
-                        assert self.stepping is None and (self.chunk is None or rank not in self.chunk.ranks), \
+                        assert self.stepping is None and not any(rank in c.ranks for c in self.chunks), \
                             "a trainer generates while it trains"
                         self.gen.add(rank)
                         self.trainer_gens += 1
@@ -154,7 +154,8 @@ class World:
                     assert groups == tuple(range(first, first + ds.round_groups)), "a round of other prompts"
                     self.extended[batch] = round_
                 case Train(batch, groups, ranks, first):
-                    assert self.chunk is None and self.stepping is None
+                    assert self.stepping is None, "a chunk after the batch's step"
+                    assert len(self.chunks) < self.cfg.train_queue, f"more than {self.cfg.train_queue} training commands held"
                     assert batch == self.steps_done, "batches trained out of order"
                     assert all(self.core.role(r) is Role.TRAIN for r in ranks) and ranks
                     assert not self.gen & set(ranks), "a trainer trains while it generates"
@@ -163,7 +164,7 @@ class World:
                         assert (batch, g) in self.generated, "trained a group before it was generated"
                         assert g not in self.trained.setdefault(batch, set()), "group trained twice"
                         self.trained[batch].add(g)
-                    self.chunk = a
+                    self.chunks.append(a)
                     self.pending.append(TrainChunkDone(batch))
                 case Help(rank, batch, groups):
                     assert self.core.role(rank) is Role.ROLLOUT and not self.inflight[rank] and rank not in self.lost
@@ -177,7 +178,8 @@ class World:
                     self.helps += 1
                     self.pending.append(HelpDone(rank, batch))
                 case Step(batch, ranks):
-                    assert batch == self.steps_done and self.chunk is None
+                    assert batch == self.steps_done and self.stepping is None
+                    assert len(self.chunks) < self.cfg.train_queue, f"more than {self.cfg.train_queue} training commands held"
                     assert not self.gen & set(ranks), "a step while a trainer generates"
                     assert self.t_set.get(batch, ranks) == ranks, "the trainer set changed within a batch"
                     assert not any(b == batch for b, _ in self.helping.values()), "step before the helpers' gradients"
@@ -190,8 +192,7 @@ class World:
                 case Switch(rank, to, _):
                     assert not self.inflight[rank] and not self.vinflight[rank], "switched a rank that holds work"
                     assert rank not in self.helping, "switched a rank in the middle of its help"
-                    if self.chunk is not None:
-                        assert rank not in self.chunk.ranks, "a trainer left in the middle of a batch"
+                    assert not any(rank in c.ranks for c in self.chunks), "a trainer left in the middle of a batch"
                     self.held[rank] = set()
                     self.switches += 1
                     self.pending.append(("switch", rank, to))
@@ -209,7 +210,8 @@ class World:
             assert heading == list(range(len(heading))), f"trainers {heading} are not a prefix"
 
     def enabled(self) -> list:
-        ev = list(self.pending)
+        # the trainers run their commands in order: the step ends after every chunk queued before it
+        ev = [e for e in self.pending if not (isinstance(e, OptimizerStepDone) and self.chunks)]
         for r in range(self.cfg.n_ranks):
             if r in self.gen:
                 ev.extend(self.done(r, batch, g) for batch, g, _ in self.inflight[r])
@@ -243,7 +245,7 @@ class World:
             case TrainerBack(rank):
                 self.gen.discard(rank)
             case TrainChunkDone():
-                self.chunk = None
+                self.chunks.pop(0)  # the trainers run their commands in the order sent
             case OptimizerStepDone(batch):
                 self.stepping = None
                 self.steps_done = batch + 1
@@ -337,9 +339,9 @@ MECHS = st.builds(Mechanisms, st.booleans(), st.booleans(), st.just(True), st.bo
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), s=st.integers(0, 2),
-       groups=st.integers(1, 4), slots=st.integers(1, 3))
-def test_random_event_orders_keep_the_contract(data, mech, n, steps, s, groups, slots):
-    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1)
+       groups=st.integers(1, 4), slots=st.integers(1, 3), q=st.integers(1, 2))
+def test_random_event_orders_keep_the_contract(data, mech, n, steps, s, groups, slots, q):
+    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1, train_queue=q)
     w = run_world(cfg, data, slots)
     check_finished(w)
 
@@ -347,12 +349,13 @@ def test_random_event_orders_keep_the_contract(data, mech, n, steps, s, groups, 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), groups=st.integers(1, 4),
        vals=st.lists(st.integers(0, 5), max_size=4, unique=True), vgroups=st.integers(1, 4), slots=st.integers(1, 3),
-       script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)), losses=st.integers(0, 1))
+       script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)), losses=st.integers(0, 1),
+       q=st.integers(1, 2))
 def test_validation_passes_interleave_and_keep_the_contract(data, mech, n, steps, groups, vals, vgroups, slots, script,
-                                                            losses):
+                                                            losses, q):
     validations = tuple((v, vgroups) for v in sorted(vals) if v <= steps)
     cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=1, mechanisms=mech, helper_cost_s=0.1,
-                          validations=validations)
+                          validations=validations, train_queue=q)
     w = run_world(cfg, data, slots, script=script, losses=losses)
     check_finished(w)
 
@@ -361,11 +364,12 @@ def test_validation_passes_interleave_and_keep_the_contract(data, mech, n, steps
 @given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(1, 5), need=st.integers(1, 4),
        rgroups=st.integers(1, 3), max_rounds=st.integers(0, 3), salt=st.integers(0, 2),
        slots=st.integers(1, 3), script=st.one_of(st.none(), st.lists(st.integers(1, 5), min_size=1, max_size=3)),
-       losses=st.integers(0, 1), s=st.integers(0, 2))
+       losses=st.integers(0, 1), s=st.integers(0, 2), q=st.integers(1, 2))
 def test_dynamic_sampling_keeps_the_static_runs_groups_whatever_the_order(data, mech, n, steps, need, rgroups, max_rounds,
-                                                                         salt, slots, script, losses, s):
+                                                                         salt, slots, script, losses, s, q):
     ds = DynamicSampling(need, rgroups, max_rounds, pad=True)  # unfilled batches: the next test
-    cfg = SchedulerConfig(n, n // 2, (need,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1, sampling=ds)
+    cfg = SchedulerConfig(n, n // 2, (need,) * steps, staleness=s, mechanisms=mech, helper_cost_s=0.1, sampling=ds,
+                          train_queue=q)
     check_finished(run_world(cfg, data, slots, script=script, losses=losses, salt=salt))
 
 
@@ -420,9 +424,9 @@ def test_validation_goes_before_the_training_work_of_its_version_and_the_last_ve
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), mech=MECHS, n=st.integers(3, 6), steps=st.integers(2, 6),
-       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3))
-def test_resizes_in_both_directions_keep_the_contract(data, mech, n, steps, script, slots):
-    cfg = SchedulerConfig(n, n // 2, (3,) * steps, staleness=1, mechanisms=mech, helper_cost_s=0.1)
+       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3), q=st.integers(1, 2))
+def test_resizes_in_both_directions_keep_the_contract(data, mech, n, steps, script, slots, q):
+    cfg = SchedulerConfig(n, n // 2, (3,) * steps, staleness=1, mechanisms=mech, helper_cost_s=0.1, train_queue=q)
     w = run_world(cfg, data, slots, script=script)
     check_finished(w)
     assert w.core.topology().total == n
@@ -439,12 +443,12 @@ def test_a_lost_rollout_rank_has_its_groups_handed_out_again(data, mech, steps, 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), stream=st.booleans(), n=st.integers(3, 6), steps=st.integers(2, 6),
-       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3))
-def test_collective_switches_move_all_movers_at_a_batch_boundary(data, stream, n, steps, script, slots):
+       script=st.lists(st.integers(1, 5), min_size=1, max_size=4), slots=st.integers(1, 3), q=st.integers(1, 2))
+def test_collective_switches_move_all_movers_at_a_batch_boundary(data, stream, n, steps, script, slots, q):
     """The runtime's switch (one collective over old and new trainers): the contract holds, and every resize
     switches its movers together, between two training batches, with the trainers a prefix (World.apply checks)."""
     cfg = SchedulerConfig(n, n // 2, (3,) * steps, staleness=1, mechanisms=Mechanisms(True, stream, True),
-                          collective_switch=True)
+                          collective_switch=True, train_queue=q)
     w = run_world(cfg, data, slots, script=script)
     check_finished(w)
     assert w.core.topology().total == n
@@ -584,6 +588,25 @@ def test_streaming_training_starts_before_the_batch_is_complete_and_steps_after(
     core.handle(GroupsDone(1, 0, (1,)))
     assert core.handle(TrainChunkDone(0)) == [Train(0, (1,), (0,), False)]
     assert core.handle(TrainChunkDone(0)) == [Step(0, (0,))]
+
+
+def test_a_train_queue_of_two_sends_the_next_chunk_and_then_the_step_behind_the_one_running():
+    """``train_queue=2``: the trainers hold the next chunk (or the batch's step) while one runs, so they never wait a
+    round trip between two; the same groups train, in the same order, and the step still follows every chunk."""
+    core = PipelineScheduler(SchedulerConfig(3, 1, (3, 3), mechanisms=Mechanisms(streaming_training=True), train_queue=2))
+    core.start()
+    core.handle(RankReady(1, 2))
+    core.handle(RankReady(2, 1))
+    assert core.handle(GroupsDone(2, 0, (2,))) == [Train(0, (2,), (0,), True)]
+    assert core.handle(GroupsDone(1, 0, (0,))) == [Train(0, (0,), (0,), False)]  # queued behind the first
+    assert core.handle(GroupsDone(1, 0, (1,))) == []  # two held: the group waits
+    assert core.handle(TrainChunkDone(0)) == [Train(0, (1,), (0,), False)]  # the last chunk, behind the second
+    assert core.handle(TrainChunkDone(0)) == [Step(0, (0,))]  # the step, behind the last chunk
+    assert core.handle(TrainChunkDone(0)) == []
+    with pytest.raises(ScheduleError):
+        core.handle(TrainChunkDone(0))  # only the step is held now
+    out = core.handle(OptimizerStepDone(0))
+    assert core.produced == 1 and not any(isinstance(a, (Train, Step)) for a in out)  # batch 1 is not generated yet
 
 
 

@@ -39,6 +39,22 @@ def test_a_serial_world_is_slower_by_its_seven_commands(c):
     assert run_static(s1, s1.initial).total_s == pytest.approx(run_static(s0, s0.initial).total_s + 7 * c)
 
 
+@pytest.mark.parametrize("c", [0.05, 0.3])
+def test_a_train_queue_of_two_hides_the_steps_command_behind_its_chunk(c):
+    """``sim.pipeline.train_queue=2`` (the runtime's ``pipeline.train_queue``): each optimizer step is sent with the
+    batch's last chunk and waits behind it on the trainers, so 5 of the serial world's 7 commands are left on the
+    critical path; with no latency the queue changes nothing."""
+    barrier = Mechanisms(False, False, False)
+    q2 = ["sim.pipeline.train_queue=2"]
+
+    def total(c: float, extra: list[str]) -> float:
+        s = setup(load_config(ROOT / "configs/sim/paper_8gpu.yaml", SERIAL + [f"sim.command_latency_s={c}"] + extra))
+        return run_samples(s, s.initial, barrier).total_s
+
+    assert total(0.0, q2) == pytest.approx(total(0.0, []))
+    assert total(c, q2) == pytest.approx(total(0.0, []) + 5 * c)
+
+
 def test_latency_never_speeds_a_run_up_and_zero_is_the_old_model():
     base = ["sim.steps=12", "sim.write_events=false"]
     runs = {}
