@@ -109,6 +109,7 @@ class Tally:
     samples: int = 0  # sequences of the chunks built: the sequence normaliser
     chunks: int = 0
     train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
+    sync_s: float = 0.0  # rollout-rank seconds waiting for the version it is generated with (StepTimes.sync_s)
     loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
     chunk_stats: dict[int, list] = field(default_factory=dict)  # trainer -> its chunks' mismatch/TIS sums
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
@@ -352,12 +353,14 @@ class ContinuousSchedule:
                 t = self.tally.setdefault(sent.batch, Tally())
                 t.gen_busy_s += float(res[r].get("busy_s", 0.0))
                 t.tokens_generated += int(res[r].get("tokens", 0))
+                self.waited_for(sent.version, float(res[r].get("install_s", 0.0)))
                 self.feed(GroupsDone(r, sent.batch, sent.groups, kept=self.judge(sent.batch, sent.groups)))
                 if self.core.unfilled(sent.batch):
                     self.unfilled(sent.batch)
                 self.clock_starts()
                 self.ready(r)
-            case "validate":
+            case "validate":  # a pass handed out before its version's training work may install the version
+                self.waited_for(sent.version, float(res[sent.rank].get("install_s", 0.0)))
                 self.feed(ValidationDone(sent.rank, sent.version, sent.groups))
                 self.validated()
                 self.ready(sent.rank)
@@ -369,7 +372,8 @@ class ContinuousSchedule:
                     self.feed(WeightsArrived(sent.rank, sent.version))
             case "push_weights":
                 pass
-            case "sync_weights":
+            case "sync_weights":  # blocking: every rollout rank of the split takes part from send to the last ack
+                self.waited_for(sent.version, (time.monotonic() - sent.flight.sent_at) * (len(sent.flight.ranks) - 1))
                 for r in sent.targets:
                     if r not in self.job.state.lost:
                         self.feed(WeightsArrived(r, sent.version))
@@ -406,8 +410,8 @@ class ContinuousSchedule:
         den = self.denominator(t)
         built = self.whole_batch(k, t.results)
         job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
-            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=0.0, tokens_generated=t.tokens_generated,
-            tokens_trained=t.tokens)
+            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=t.sync_s / max(1, len(job.rollouts())),
+            tokens_generated=t.tokens_generated, tokens_trained=t.tokens)
         # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
         results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
@@ -469,6 +473,13 @@ class ContinuousSchedule:
         k = self.job.state.step
         if self.t_step is None and k < self.cfg.run.steps and self.core.complete(k):
             self.t_step = time.monotonic()
+
+    def waited_for(self, version: int | None, seconds: float) -> None:
+        """Rollout-rank seconds spent waiting for ``version`` to arrive (an install before a generate, a blocking
+        sync): the batch generated with it (``version + s``) reports them, per rollout rank, as its ``sync_s``."""
+        j = (version or 0) + self.core_cfg.staleness
+        if seconds > 0 and self.job.state.step <= j < self.cfg.run.steps:
+            self.tally.setdefault(j, Tally()).sync_s += seconds
 
     def denominator(self, t: Tally) -> float:
         return float(t.tokens if self.cfg.train.loss_norm == "token" else t.samples)
@@ -700,9 +711,10 @@ class ContinuousSchedule:
         if not ranks:
             return
         if self.barrier:
-            st = self.job.state
+            st, t0 = self.job.state, time.monotonic()
             self.p.tx.call(self.at, "sync_weights", [0] + self.job.rollouts(), {"version": version, "n_train": st.n_train,
                                                                               "lost": st.lost})
+            self.waited_for(version, (time.monotonic() - t0) * len(self.job.rollouts()))
             return
         # a no-op where the transfer is under way or done; comm: rank 0 sends where a receive started. ``version`` is
         # the newest one and the generate below installs it: a version a rank fetched and never installed (an idle
@@ -712,7 +724,8 @@ class ContinuousSchedule:
         started = [r for r, a in sorted(fetched.acks.items()) if (a.result or {}).get("started")]
         if self.transport == "comm" and started:
             self.p.tx.call(self.at, "push_weights", [0], {"version": version, "ranks": started})
-        self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+        installed = self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+        self.waited_for(version, sum(float((a.result or {}).get("install_s", 0.0)) for a in installed.acks.values()))
         for r in ranks:
             self.gen_version[r] = max(version, self.gen_version.get(r, version))
             self.gen_last[r] = version
