@@ -89,6 +89,7 @@ def main() -> int:
         "emulation.time_scale of every run (default 0.1, not the configs' 0.02: the control plane's real latency, "
         "tens of ms a command on a loaded 2-core machine, does not shrink with the time scale; docs/emulation.md)"))
     ap.add_argument("-o", "--override", action="append", default=[], help="extra dotted override for every run")
+    ap.add_argument("--keep", type=Path, default=None, help="keep every row's run directory under this folder")
     args = ap.parse_args()
     from dynaresize.config.loader import load_config
 
@@ -97,6 +98,9 @@ def main() -> int:
     sched = {"barrier": ["pipeline.schedule=barrier"], "continuous": ["pipeline.schedule=continuous"]}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-emulated-") as tmp:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
         def row(name: str, n_train: int, schedule: str, resize: bool) -> dict:
             over = [*base, *sched[schedule], f"cluster.initial_train={n_train}", f"policy.enabled={str(resize).lower()}"]
             rd = one_run(Path(tmp) / f"{len(rows)}", args.config, over)
