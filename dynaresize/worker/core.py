@@ -839,7 +839,7 @@ class Worker:
         for v in [v for v in self.incoming if v < version]:
             del self.incoming[v]
         self._stage(Stage.WEIGHT_SYNC, max(0, version - 1), t0, time.perf_counter(), version=version,
-                    bytes=sum(t.numel() * t.element_size() for _, t in named))
+                    bytes=sum(t.numel() * t.element_size() for _, t in named), install=True)
 
     # -- role switch ----------------------------------------------------------------------------------------
 
