@@ -50,8 +50,11 @@ def to_costs_section(fit: dict) -> dict:
       length cap, and what a trained token counts; the length *shape* is not in the log (the default is kept).
     - ``command_latency_s``: the control plane's fitted latency per command, a training chunk's (every log;
       :func:`dynaresize.analysis.fit.fit_command_latency`).
-    - ``schedule`` and ``step_gap_s``: barrier_lockstep with the coordinator's measured per-step gap for a runtime
-      log, less the two commands a step the model prices with ``command_latency_s``.
+    - ``schedule`` and the mechanisms the run's coordinator ran (:func:`dynaresize.analysis.fit.fit_schedule`): a run
+      on the scheduler core is ``barrier`` with ``pipeline.continuous_rollout`` and ``pipeline.streaming_training``
+      as it ran them (``pipeline.schedule: barrier_free`` or ``barrier``; the sample-level model turns them on); a
+      run of the retired lockstep loop is barrier_lockstep with ``step_gap_s``, the coordinator's measured per-step
+      gap less the two commands a step the model prices with ``command_latency_s``.
     ``rollout``, ``workload`` and ``schedule`` are written for real (non-simulated) logs only.
     """
     costs: dict = {}
@@ -97,7 +100,17 @@ def to_costs_section(fit: dict) -> dict:
         sim["schedule"] = "barrier_lockstep"
         if sc.get("step_gap_s") is not None:  # the model prices two commands a step on the critical path itself
             sim["step_gap_s"] = round(max(0.0, sc["step_gap_s"] - 2 * (lat or 0.0)), 6)
+    elif sc.get("schedule"):
+        sim["schedule"] = sc["schedule"]
+        if sc.get("mechanisms"):
+            sim["pipeline"] = dict(sc["mechanisms"])
     return {**out, "sim": sim}
+
+
+def schedule_label(sc: dict) -> str:
+    """The fitted schedule in words: ``barrier_lockstep``, ``barrier`` or ``barrier + continuous rollout + ...``."""
+    on = [name.replace("_", " ") for name, v in (sc.get("mechanisms") or {}).items() if v]
+    return " + ".join([sc.get("schedule") or "barrier", *on])
 
 
 def _comments(fit: dict) -> str:
@@ -114,7 +127,9 @@ def _comments(fit: dict) -> str:
                      f"{max(w['response_tokens_by_step']):.1f} tokens, {w['prompts_per_step']}x{w['responses_per_prompt']} samples, "
                      f"trained tokens = {w['trained_tokens']}; length shape (response_sigma) assumed, not in the log")
     if sc.get("schedule") == "barrier_lockstep":
-        lines.append(f"schedule: barrier_lockstep (runtime coordinator), step_gap_s from {sc['n']} steps")
+        lines.append(f"schedule: barrier_lockstep (the retired lockstep loop), step_gap_s from {sc['n']} steps")
+    elif s.get("kind") == "runtime" and sc.get("schedule"):
+        lines.append(f"schedule: {schedule_label(sc)} (the run's coordinator)")
     cl = fit.get("command_latency") or {}
     if cl.get("n"):
         kinds = ", ".join(f"{k} {v['median_s']:.4g} s (n={v['n']})" for k, v in (cl.get("by_kind") or {}).items())

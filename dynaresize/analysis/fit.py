@@ -19,9 +19,12 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
   per step; whether ``tokens_trained`` counts the response only (the CPU runtime: train tokens of step k equal
   the rollout tokens of step k) or prompt + response. B x G and the length cap come from the run's
   ``config.yaml`` when present (else B = samples, G = 1, no cap known).
-- schedule: a runtime log (``run_start.source == "runtime"``) is the coordinator's lock-step loop; step_gap_s =
-  median over steps of (step_end_k - step_end_{k-1} - max(rollout span of k+1, train span of k)) - weight_sync_s,
-  the coordinator's own per-step time (batch assembly, command round trips), clipped at 0.
+- schedule: what the run's coordinator ran (:func:`ran_lockstep`, :func:`ran_mechanisms`). A run on the scheduler
+  core is ``barrier`` with the mechanisms it ran (``pipeline.schedule: barrier_free``: continuous rollout and, with
+  ``streaming_training``, streaming training; ``barrier``: none), read from its ``schedule.jsonl``. A runtime log of
+  the retired lock-step loop is ``barrier_lockstep`` with step_gap_s = median over steps of (step_end_k -
+  step_end_{k-1} - max(rollout span of k+1, train span of k)) - weight_sync_s, the coordinator's own per-step time
+  (batch assembly, command round trips), clipped at 0.
 - command latency (``sim.command_latency_s``): per command, from its trigger to its last rank's start, by kind;
   the training chunks' median is the one the simulator charges, and the optimizer step's measured time and latency
   give the step overhead an emulated run's what-if uses (:func:`fit_command_latency`); the lock-step
@@ -37,6 +40,7 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 
@@ -127,14 +131,58 @@ def fit_costs(rd: RunData) -> dict:
     }
 
 
-def _run_config(rd: RunData) -> dict:
+def _run_dir(rd: RunData) -> Path:
     p = Path(rd.path)
-    f = (p.parent if p.name == "events.jsonl" else p) / "config.yaml"
+    return p.parent if p.name == "events.jsonl" else p
+
+
+def _read_config(run_dir: Path) -> dict:
+    """The run's own ``config.yaml`` as written (not validated: an old run's keys may be retired), or {}."""
+    f = run_dir / "config.yaml"
     try:
         data = yaml.safe_load(f.read_text()) if f.is_file() else None
     except (OSError, yaml.YAMLError):
         data = None
     return data if isinstance(data, dict) else {}
+
+
+def _run_config(rd: RunData) -> dict:
+    return _read_config(_run_dir(rd))
+
+
+def ran_lockstep(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is a run of the retired lockstep loop: its config.yaml says ``pipeline.schedule: lockstep``
+    (loaded now as ``barrier``), or the run has neither that setting nor a ``schedule.jsonl`` (written before the
+    setting existed, when the lockstep loop was the only one; a run on the scheduler core logs its schedule there).
+    That loop admitted one command's ``rollout.pull_batch`` samples at a time and started both pools together after
+    each sync: the simulator's ``sim.schedule: barrier_lockstep``."""
+    pipeline = _read_config(Path(run_dir)).get("pipeline")
+    schedule = pipeline.get("schedule") if isinstance(pipeline, dict) else None
+    return schedule == "lockstep" or (schedule is None and not (Path(run_dir) / "schedule.jsonl").is_file())
+
+
+def ran_mechanisms(run_dir: Path):
+    """The barrier-free mechanisms (a :class:`dynaresize.schedule.Mechanisms`) the scheduler core ran in ``run_dir``:
+    the core's own configuration (the first line of its ``schedule.jsonl``), else what the run's config.yaml gives
+    the core (:func:`dynaresize.job.core_io.mechanisms`); None for a run of the retired lockstep loop
+    (:func:`ran_lockstep`) or when neither file can be read."""
+    run_dir = Path(run_dir)
+    if ran_lockstep(run_dir):
+        return None
+    from dynaresize.schedule.codec import decode
+
+    try:
+        with open(run_dir / "schedule.jsonl") as f:
+            return decode(json.loads(f.readline())["config"]).mechanisms
+    except (OSError, ValueError, KeyError, TypeError):  # no log, or a torn one (a CodecError is a ValueError)
+        pass
+    from dynaresize.config.loader import ConfigError, load_config
+    from dynaresize.job.core_io import mechanisms
+
+    try:
+        return mechanisms(load_config(run_dir / "config.yaml"))
+    except (OSError, ConfigError, ValueError):
+        return None
 
 
 def fit_workload(rd: RunData) -> dict:
@@ -165,10 +213,16 @@ def fit_workload(rd: RunData) -> dict:
 
 
 def fit_schedule(rd: RunData, sync_s: float) -> dict:
-    """The simulator's schedule, ``barrier_lockstep`` (the runtime coordinator's loop) or ``barrier`` (a simulated
-    log), and the coordinator's per-step gap."""
+    """The simulator's schedule for the log: ``barrier`` for a simulated log; for a runtime log what its coordinator
+    ran: ``barrier`` with the mechanisms of the scheduler core (``mechanisms``: continuous_rollout,
+    streaming_training; what the sample-level model turns on), or ``barrier_lockstep`` with the coordinator's
+    per-step gap for a run of the retired lockstep loop (:func:`ran_lockstep`)."""
     if rd.source != "runtime":
         return {"schedule": "barrier", "step_gap_s": None, "n": 0}
+    if not ran_lockstep(_run_dir(rd)):
+        m = ran_mechanisms(_run_dir(rd))
+        ran = {"continuous_rollout": m.continuous_rollout, "streaming_training": m.streaming_training} if m else None
+        return {"schedule": "barrier", "mechanisms": ran, "step_gap_s": None, "n": 0}
     ends = {k: s.end for k, s in rd.steps.items() if s.end == s.end}
     gaps = []
     for k in sorted(ends):

@@ -10,8 +10,9 @@ against the time the run took. How the work and the costs are taken, by the kind
   (``sim.rollout``, ``sim.train``, ``switching.costs``), the workload the trace of its ``batches.jsonl`` with
   ``trace_token_scale = emulation.tokens_per_token``; modelled seconds x ``emulation.time_scale`` = wall seconds;
 - **real CPU** (any other runtime log): the calibrated fit (:func:`dynaresize.analysis.calibrate.to_costs_section`:
-  train rate and step overhead, switch-op medians, empirical rollout rate and overhead, barrier_lockstep with the
-  coordinator's gap) and the trace of its ``batches.jsonl`` (when it holds per-sample lengths; else the log's
+  train rate and step overhead, switch-op medians, empirical rollout rate and overhead, the schedule the run ran:
+  barrier with its mechanisms on the scheduler core, barrier_lockstep with the coordinator's gap for a run of the
+  retired lockstep loop) and the trace of its ``batches.jsonl`` (when it holds per-sample lengths; else the log's
   per-step mean lengths, with an assumed shape). The sample-level rows need decode physics, which a stage-time fit
   does not give: :func:`cpu_decode_physics` maps the fitted rate onto it (fitted: one rank's tokens/s; assumed: a
   CPU iteration costs per sequence in the batch, no fixed part, no KV or prefill term, no slot cap), and the
@@ -35,12 +36,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
 from dynaresize import atomic
-from dynaresize.analysis.calibrate import to_costs_section
-from dynaresize.analysis.fit import fit_command_latency, fit_costs
+from dynaresize.analysis.calibrate import schedule_label, to_costs_section
+from dynaresize.analysis.fit import fit_command_latency, fit_costs, ran_lockstep
 from dynaresize.analysis.metrics import analyze
 from dynaresize.analysis.reader import RunData, load_run
 from dynaresize.config.loader import ConfigError, load_config
@@ -101,18 +101,6 @@ def with_values(cfg: Config, values: dict[str, object], origin: str) -> Config:
 
         raise ConfigError("; ".join(f"{error_key(er)}: {er['msg'].removeprefix('Value error, ')} ({origin})"
                                     for er in e.errors())) from None
-
-
-def ran_lockstep(run_dir: Path) -> bool:
-    """Whether ``run_dir`` is a run of the retired lockstep loop: ``pipeline.schedule: lockstep`` in its own
-    config.yaml (loaded now as ``barrier``). That loop admitted one command's ``rollout.pull_batch`` samples at a time
-    and started both pools together after each sync: the simulator's ``sim.schedule: barrier_lockstep``."""
-    try:
-        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return False
-    pipeline = raw.get("pipeline") if isinstance(raw, dict) else None
-    return isinstance(pipeline, dict) and pipeline.get("schedule") == "lockstep"
 
 
 def _trace_steps(run_dir: Path) -> int:
@@ -224,7 +212,8 @@ def _cpu_replay(run_dir: Path, rd: RunData) -> Replay:
     cfg = merge_sections(_config(run_dir), f"calibrated fit of {run_dir}", sections)
     notes = [f"costs: dynaresize calibrate's fit of this run (train {fit['train']['tokens_per_s_per_gpu']:.0f} tokens/s "
              f"per rank + {max(fit['train']['overhead_s'], 0):.3f} s/step; rollout {fit['rollout']['tokens_per_s_per_gpu']:.0f} "
-             f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; barrier_lockstep)"]
+             f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; "
+             f"{schedule_label(fit['schedule'])})"]
     steps = len(rd.steps)
     values: dict[str, object] = {}
     try:

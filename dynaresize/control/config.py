@@ -44,6 +44,12 @@ class RedisConfig(Section):
         5, ge=1, description="A rank whose heartbeat is older than this many periods is reported dead (then fenced off and "
         "removed or the ranks restarted, see faults): too small a deadline turns a rank starved of CPU into a false loss",
     )
+    start_grace_s: float = Field(
+        60.0, ge=0, description="A rank that registered but is not ready yet (importing, loading the model, building its "
+        "communicators: its main thread can starve its heartbeat thread for seconds on a loaded machine) is reported dead "
+        "only after this long without a heartbeat (or the heartbeat deadline, if longer); a rank whose process exits is "
+        "seen at once whatever its state",
+    )
     socket_timeout_s: float = Field(10.0, gt=0, description="redis-py socket timeout; blocking reads use a shorter block time")
     connect_timeout_s: float = Field(5.0, gt=0, description="redis-py socket connect timeout")
     health_check_s: int = Field(15, ge=0, description="redis-py health-check interval: an idle connection is PINGed before reuse")

@@ -44,14 +44,15 @@ class SimRank:
         from dynaresize.control.commands import CommandReceiver
         from dynaresize.control.registry import Heartbeater, Registry
         from dynaresize.control.server import connect
-        from dynaresize.control.wire import Registration
+        from dynaresize.control.wire import RankState, Registration
 
         self.rank = rank
         self.role = Role.IDLE
         self.applied = 0
         self._stop = threading.Event()
         reg = Registration(job_id=job_id, rank=rank, host=socket.gethostname(), device="cpu",
-                           staging_dir=f"/tmp/dynaresize-stage/{job_id}/{rank}", pid=os.getpid())
+                           staging_dir=f"/tmp/dynaresize-stage/{job_id}/{rank}", pid=os.getpid(),
+                           state=RankState.IDLE)  # ready at once (no start-up grace)
         self.client = connect(endpoint_file, role=f"rank{rank}", cfg=cfg)
         self.hb = Heartbeater(Registry(self.client, job_id, cfg), reg, events=events)
         self.hb.start()

@@ -50,7 +50,7 @@ from dynaresize.contract.fencing import FencedRankError
 from dynaresize.control.config import RedisConfig
 from dynaresize.contract.keys import Keys
 from dynaresize.control.server import BACKOFF_CAP_S
-from dynaresize.control.wire import Registration, WireError, decode, encode
+from dynaresize.control.wire import RankState, Registration, WireError, decode, encode
 from dynaresize.events import EventLog
 
 log = logging.getLogger("dynaresize.control.registry")
@@ -178,7 +178,8 @@ class Registry:
         self.keys = Keys(job_id)
         self.job_id = job_id
         self.cfg = cfg
-        self.ttl_ms = max(1, int(cfg.dead_after_s * 3 * 1000))  # registration GC; liveness is the zset's job
+        # registration GC (liveness is the zset's job); it outlives a starting rank's grace (its state is read there)
+        self.ttl_ms = max(1, int(max(cfg.dead_after_s * 3, cfg.start_grace_s + cfg.dead_after_s) * 1000))
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
@@ -291,7 +292,7 @@ class Registry:
                 live[rank] = decode(Registration, raw, self.cfg.max_message_bytes).model_copy(update={"incarnation": int(inc)})
             except WireError as e:
                 log.warning("job %s rank %d: unreadable registration skipped: %s", self.job_id, rank, e.reason)
-        dead_ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        dead_ages = self._past_start_grace({int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)})
         if dead_ages:
             dead_ages = self._silent_since_restart(dead_ages)
         return Liveness(now, live, dead_ages)
@@ -361,7 +362,31 @@ class Registry:
         now_s, dead = self._dead(keys=[self.keys.live], args=[self.cfg.dead_after_s])
         now = float(now_s)
         ages = {int(dead[i]): now - float(dead[i + 1]) for i in range(0, len(dead), 2)}
+        ages = self._past_start_grace(ages)
         return self._silent_since_restart(ages) if ages else ages
+
+    def _past_start_grace(self, dead: dict[int, float]) -> dict[int, float]:
+        """Leave out the ranks still starting (registration state ``starting``) whose silence is shorter than
+        ``start_grace_s``: a rank's start-up (imports, model load, communicators) can hold its interpreter long
+        enough to starve the heartbeat thread on a loaded machine; that is not a lost rank. Reads the registrations
+        of the silent ranks only (none in a healthy run)."""
+        young = [r for r, age in dead.items() if age <= self.cfg.start_grace_s]
+        if not young:
+            return dead
+        pipe = self.r.pipeline(transaction=False)
+        for r in young:
+            pipe.hget(self.keys.rank(r), "m")
+        out = dict(dead)
+        for r, raw in zip(young, pipe.execute()):
+            if raw is None:
+                continue
+            try:
+                reg = decode(Registration, raw, self.cfg.max_message_bytes)
+            except WireError:
+                continue
+            if reg.state is RankState.STARTING:
+                del out[r]
+        return out
 
 
 class Heartbeater:

@@ -33,14 +33,15 @@ configuration), so replaying the events through a fresh core reproduces the run'
 A coordinator started with ``--resume`` while the ranks live takes them over (``takeover``): the segment of
 ``schedule.jsonl`` is replayed through this very code from the job state it started from, each logged event from
 the stored ack of the command that caused it, every command computed with its first id and not sent; then the
-commands still in flight are sent again under their ids (:mod:`dynaresize.job.takeover`) and the loop goes on.
+commands still in flight are sent again under their ids and the loop goes on. What the replay needs (the records,
+where it is in them, the stored acks, the commands held back) is a :class:`dynaresize.job.takeover.Takeover`; the
+loop asks it whether this is a replay, for the next observed acks, to compare each line and to go live.
 
 Not here (yet): gradient helpers (within-step role flow) in the runtime.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import time
@@ -57,7 +58,7 @@ from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.reporting import TrainedBatch
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
-from dynaresize.job.takeover import Segment, StoredAcks, fence_aborted, redo_id, replace_log
+from dynaresize.job.takeover import Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, redo_id
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.policy import Topology
@@ -108,6 +109,7 @@ class Tally:
     samples: int = 0  # sequences of the chunks built: the sequence normaliser
     chunks: int = 0
     train_s: float = 0.0  # the trainers' compute: chunks and the step (the slowest rank of each)
+    sync_s: float = 0.0  # rollout-rank seconds waiting for the version it is generated with (StepTimes.sync_s)
     loss_sum: dict[int, float] = field(default_factory=dict)  # trainer -> its summed loss over the chunks
     chunk_stats: dict[int, list] = field(default_factory=dict)  # trainer -> its chunks' mismatch/TIS sums
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
@@ -146,42 +148,48 @@ class ContinuousSchedule:
         self.parked: list = []  # actions held back while draining
         self.stopping = False
         self.t_step: float | None = None  # the loop's clock: from the first batch to train complete
-        self.checked = time.monotonic()
-        # a takeover: the segment's records still to be replayed (None: live), and the ranks' stored acks
-        self.replay: list[dict] | None = None
-        self.at_rec = 0
-        self.stored = StoredAcks(parts.svc.redis, job.job_id, self.cfg.redis.max_message_bytes)
-        self.events = job.events  # the run's event log (muted while a takeover replays what was logged already)
+        self.checked = time.monotonic()  # when the ranks' liveness was last checked
+        self.takeover: Takeover | None = None  # a takeover of the live ranks: its segment replayed first
         if takeover is None:
             self.log = ScheduleLog(job.run_dir / "schedule.jsonl", self.core_cfg, st.incarnation, self.core.policy_state,
                                    state=asdict(st))
         else:
-            replace_log(job.run_dir, takeover)  # the old coordinator, if it comes back, writes to the file it opened
+            stored = StoredAcks(parts.svc.redis, job.job_id, self.cfg.redis.max_message_bytes)
+            self.takeover = Takeover(takeover, stored, job, parts.tx, self.sent)
             self.log = ScheduleLog(job.run_dir / "schedule.jsonl", self.core_cfg, st.incarnation, None, header=False)
-            self.replay = list(takeover.records)
-            parts.tx.replay, parts.tx.held, parts.tx.on_frontier = self.stored, [], self.go_live
-            job.events = _Muted(self.events)
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> None:
         try:
             self.start()
             while not self.core.finished and not self.stopping:
-                for sent, ack in (self.replayed() if self.replay is not None else self.wait()):
+                for sent, ack in self.next_acks():
                     self.observe(sent, ack)
-                if self.drain is not None and (self.at_checkpoint() if self.replay is not None else self.quiescent()):
+                if self.drain is not None and self.drained():
                     self.checkpoint_and_go_on()
-                elif not self.sent and not self.core.finished and not self.stopping and self.replay is None:
+                elif not self.sent and not self.core.finished and not self.stopping and not self.replaying:
                     self.stalled()
-            if self.replay is not None:
-                self.go_live()
+            self.go_live()  # a takeover whose log reached the run's end or a stop
             self.wait_for_the_rest()
             if self.core.finished:
                 self.install_newest(self.job.state.step)  # the end's checkpoint: every rollout rank holds the last version
         finally:
-            self.job.events = self.events
-            self.p.tx.replay = None
+            if self.takeover is not None:
+                self.takeover.close()
             self.log.close()
+
+    @property
+    def replaying(self) -> bool:
+        """A takeover replaying its segment: commands computed, not sent; acks read from the ranks' stored copies."""
+        return self.takeover is not None and self.takeover.replaying
+
+    def next_acks(self) -> list[tuple[Sent, Any]]:
+        """The acks to observe next: those that arrived, or (a takeover's replay) the next ones the log observed."""
+        return self.replayed() if self.replaying else self.wait()
+
+    def drained(self) -> bool:
+        """Draining: the drain is over (a takeover's replay: where the log says it was)."""
+        return self.takeover.at_checkpoint() if self.replaying else self.quiescent()
 
     def start(self) -> None:
         job, k = self.job, self.job.state.step
@@ -221,6 +229,8 @@ class ContinuousSchedule:
         acks = self.p.svc.bus.read_acks(cursors, timeout=1.0)
         for cid, cur in cursors.items():
             self.sent[cid].cursor = cur
+        if self.takeover is not None and self.takeover.live_at is not None:  # watched from the takeover on
+            self.checked = max(self.checked, self.takeover.live_at)
         if not acks or time.monotonic() - self.checked > 2.0:
             self.checked = time.monotonic()
             self.check_ranks()
@@ -258,59 +268,35 @@ class ContinuousSchedule:
 
     # --- a takeover: the segment replayed, then live -------------------------------------------------------------------
     def record(self, rec: dict) -> None:
-        """A line of ``schedule.jsonl``; while a takeover replays, the line the log has there instead (the same, or
-        the replay diverged: stop, with the ranks left as they are)."""
-        if self.replay is not None and self.at_rec >= len(self.replay):
-            self.go_live()  # the old coordinator stopped in the middle of an ack's events: the rest are new
-        if self.replay is None:
+        """A line of ``schedule.jsonl`` (while a takeover replays, compared with the logged one instead)."""
+        if not (self.replaying and self.takeover.replays(rec)):
             self.log.write(rec)
-            return
-        want = self.replay[self.at_rec]
-        if json.loads(json.dumps(rec)) != want:
-            raise JobError(f"taking over the live ranks: replaying {self.job.run_dir / 'schedule.jsonl'} gave {rec} "
-                           f"where the log has {want} (line {self.at_rec + 2} of the segment); this is a DynaResize bug: "
-                           f"please report it with the run directory. To go on from the last checkpoint instead, stop "
-                           f"the ranks (kill the processes in {self.job.run_dir / 'launch.json'}) and resume again")
-        self.at_rec += 1
 
     def replayed(self) -> list[tuple[Sent, Any]]:
         """The next logged event's cause: the stored acks of the command whose ack the old coordinator observed
         there (or a loss it handled); at the end of the log, live."""
-        if self.at_rec >= len(self.replay):
-            self.go_live()
-            return []
-        rec = self.replay[self.at_rec]
-        if "checkpoint" in rec:  # the drain reached its checkpoint here (run() takes it: at_checkpoint)
-            if self.drain != rec["checkpoint"]:
-                raise JobError(f"taking over the live ranks: line {self.at_rec + 2} of the segment of "
-                               f"{self.job.run_dir / 'schedule.jsonl'} ({rec}) is a checkpoint the replay does not "
-                               f"drain to (drain: {self.drain}); this is a DynaResize bug: please report it with the "
-                               f"run directory")
-            return []
-        if "lost" in rec:  # the old coordinator fenced these off (Recovery.shrink): only this coordinator's part
-            new = sorted(set(rec["lost"]) - set(self.job.state.lost))
-            self.job.state.lost = sorted(set(self.job.state.lost) | set(new))
-            self.p.planner.rebuild()
-            self.lost(new)
-            return []
-        if "noted" in rec:  # a switch's note to the other rollout ranks, acked
-            s = next((x for x in self.sent.values() if x.kind == "switch_note" and list(x.flight.ranks) == rec["noted"]), None)
-        else:
-            s = self.cause(decode(rec["event"]) if "event" in rec else None)
+        tk = self.takeover
+        match tk.next_line():
+            case None:
+                self.go_live()
+                return []
+            case Drained(step) if step == self.drain:  # the drain reached its checkpoint here (run() takes it)
+                return []
+            case Drained():
+                raise tk.bug(f"is a checkpoint the replay does not drain to (drain: {self.drain})")
+            case Fenced(lost):  # the old coordinator fenced these off (Recovery.shrink): only this coordinator's part
+                new = sorted(set(lost) - set(self.job.state.lost))
+                self.job.state.lost = sorted(set(self.job.state.lost) | set(new))
+                self.p.planner.rebuild()
+                self.lost(new)
+                return []
+            case Noted(ranks):  # a switch's note to the other rollout ranks, acked
+                s = next((x for x in self.sent.values() if x.kind == "switch_note" and tuple(x.flight.ranks) == ranks), None)
+            case Observed(ev):
+                s = self.cause(ev)
         if s is None:
-            raise JobError(f"taking over the live ranks: line {self.at_rec + 2} of the segment of "
-                           f"{self.job.run_dir / 'schedule.jsonl'} ({rec}) follows no command this replay sent; this is "
-                           f"a DynaResize bug: please report it with the run directory")
-        out = []
-        for r in s.flight.ranks:
-            if r in s.acks:
-                continue
-            _, ack = self.stored.final(s.flight.cmd.command_id, r)
-            if ack is None or fence_aborted(ack):
-                raise JobError(f"taking over the live ranks: the log says {s.kind} {s.flight.cmd.command_id} was "
-                               f"answered, but rank {r} has no stored ack of it (the run's Redis lost it?)")
-            out.append((s, ack))
-        return out
+            raise tk.bug("follows no command this replay sent")
+        return [(s, ack) for ack in tk.stored_acks(s)]
 
     def cause(self, ev) -> Sent | None:
         """The command in flight whose ack gives event ``ev``."""
@@ -331,45 +317,10 @@ class ContinuousSchedule:
                     return s
         return None
 
-    def go_live(self, call=None) -> None:
-        """The end of the replay: every command still in flight (and a call the old coordinator stopped in) is sent
-        again under its id with this coordinator's epoch, in the order first sent: a rank that applied it answers
-        its stored ack, one that did not applies it now; a generate the rank aborted at the takeover goes under the
-        next id of its chain. Then the steps the old coordinator reported past the replay are rewound."""
-        if self.replay is None:
-            return
-        from dynaresize.job.checkpointer import rewind_batches
-
-        tx, bus, job = self.p.tx, self.p.svc.bus, self.job
-        self.replay, tx.replay, tx.on_frontier = None, None, None
-        job.events = self.events
-        by_cid = {s.flight.cmd.command_id: (cid, s) for cid, s in self.sent.items()}
-        pending = {s.flight.cmd.command_id for s in self.sent.values()}
-        resent = 0
-        for f in tx.held:
-            cid = f.cmd.command_id
-            if cid not in pending and f.cmd is not call:  # answered in the replay (call: the one in progress)
-                continue
-            now, ack = self.stored.final(cid, f.ranks[0]) if f.cmd.kind.value == "generate" and f.ranks else (cid, None)
-            if fence_aborted(ack):
-                now = redo_id(now)
-            cmd = bus.command(f.cmd.kind, f.ranks, f.cmd.payload, command_id=now)
-            bus.resend(cmd)
-            f.cmd = cmd
-            if cid in by_cid:
-                old, s = by_cid[cid]
-                s.cursor = b"0-0"
-                del self.sent[old]
-                self.sent[now] = s
-            resent += 1
-        tx.held = []
-        rewind_batches(job.run_dir, job.state.step, job.events)
-        job.events.emit("control", what="takeover", reason=f"replayed {self.at_rec} line(s) of schedule.jsonl to step "
-                        f"{job.state.step}; {resent} command(s) in flight sent again under their ids; no rank restarted",
-                        epoch=bus.epoch)
-        log.warning("took the live ranks over at step %d: %d command(s) in flight sent again under their ids",
-                    job.state.step, resent)
-        self.checked = time.monotonic()
+    def go_live(self) -> None:
+        """A takeover's replay ends here: the commands in flight are sent again under their ids (a no-op when live)."""
+        if self.replaying:
+            self.takeover.go_live()
 
     def redo(self, sent: Sent, ack) -> None:
         """A generate the rank aborted because this coordinator took the run over: sent again under the next id
@@ -381,20 +332,6 @@ class ContinuousSchedule:
         sent.flight.cmd, sent.cursor = cmd, b"0-0"
         del self.sent[old]
         self.sent[cmd.command_id] = sent
-
-    def checkpointed(self, k: int) -> bool:
-        """A takeover's replay reaches the checkpoint at step k: whether the old coordinator wrote it."""
-        from dynaresize.job.checkpoint_files import tag_step
-        from dynaresize.job.state import load_state
-
-        try:
-            st = load_state(self.job.run_dir)
-            done = st is not None and st.checkpoint and tag_step(st.checkpoint.rsplit("/", 1)[-1]) >= k
-        except (OSError, ValueError):
-            return False
-        if done and st.checkpoint != self.job.state.checkpoint:
-            self.job.state.checkpoint = st.checkpoint
-        return bool(done)
 
     # --- acks -> the core's events ----------------------------------------------------------------------------------
     def observe(self, sent: Sent, ack) -> None:
@@ -416,12 +353,14 @@ class ContinuousSchedule:
                 t = self.tally.setdefault(sent.batch, Tally())
                 t.gen_busy_s += float(res[r].get("busy_s", 0.0))
                 t.tokens_generated += int(res[r].get("tokens", 0))
+                self.waited_for(sent.version, float(res[r].get("install_s", 0.0)))
                 self.feed(GroupsDone(r, sent.batch, sent.groups, kept=self.judge(sent.batch, sent.groups)))
                 if self.core.unfilled(sent.batch):
                     self.unfilled(sent.batch)
                 self.clock_starts()
                 self.ready(r)
-            case "validate":
+            case "validate":  # a pass handed out before its version's training work may install the version
+                self.waited_for(sent.version, float(res[sent.rank].get("install_s", 0.0)))
                 self.feed(ValidationDone(sent.rank, sent.version, sent.groups))
                 self.validated()
                 self.ready(sent.rank)
@@ -433,7 +372,8 @@ class ContinuousSchedule:
                     self.feed(WeightsArrived(sent.rank, sent.version))
             case "push_weights":
                 pass
-            case "sync_weights":
+            case "sync_weights":  # blocking: every rollout rank of the split takes part from send to the last ack
+                self.waited_for(sent.version, (time.monotonic() - sent.flight.sent_at) * (len(sent.flight.ranks) - 1))
                 for r in sent.targets:
                     if r not in self.job.state.lost:
                         self.feed(WeightsArrived(r, sent.version))
@@ -470,8 +410,8 @@ class ContinuousSchedule:
         den = self.denominator(t)
         built = self.whole_batch(k, t.results)
         job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
-            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=0.0, tokens_generated=t.tokens_generated,
-            tokens_trained=t.tokens)
+            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=t.sync_s / max(1, len(job.rollouts())),
+            tokens_generated=t.tokens_generated, tokens_trained=t.tokens)
         # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
         results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
@@ -483,7 +423,7 @@ class ContinuousSchedule:
         st.loop_s += now - (self.t_step if self.t_step is not None else now)
         self.t_step = now
         st.elapsed_s = job.elapsed()
-        if self.replay is None:  # a takeover's replay: reported by the old coordinator (batches.jsonl has it)
+        if not self.replaying:  # a takeover's replay: reported by the old coordinator (batches.jsonl has it)
             p.reporter.report(k, built, trained)
         self.forget_old_weights(k + 1)
         self.feed(OptimizerStepDone(k))
@@ -533,6 +473,13 @@ class ContinuousSchedule:
         k = self.job.state.step
         if self.t_step is None and k < self.cfg.run.steps and self.core.complete(k):
             self.t_step = time.monotonic()
+
+    def waited_for(self, version: int | None, seconds: float) -> None:
+        """Rollout-rank seconds spent waiting for ``version`` to arrive (an install before a generate, a blocking
+        sync): the batch generated with it (``version + s``) reports them, per rollout rank, as its ``sync_s``."""
+        j = (version or 0) + self.core_cfg.staleness
+        if seconds > 0 and self.job.state.step <= j < self.cfg.run.steps:
+            self.tally.setdefault(j, Tally()).sync_s += seconds
 
     def denominator(self, t: Tally) -> float:
         return float(t.tokens if self.cfg.train.loss_norm == "token" else t.samples)
@@ -600,7 +547,7 @@ class ContinuousSchedule:
         self.record({"lost": sorted(self.job.state.lost)})  # a replay re-plans over the live ranks here too
         vq = self.p.validation.queue()
         for r in ranks:
-            if self.replay is None:
+            if not self.replaying:
                 for v in self.validating:
                     vq.release(v, r)  # its validation prompts go to another rank holding the version
             self.feed(RankLost(r))
@@ -687,7 +634,7 @@ class ContinuousSchedule:
         if a.version not in self.validating:
             self.p.validation.publish(a.version)
             vq = self.p.validation.queue()
-            for r in range(self.job.world) if self.replay is None else ():  # an earlier launch's claims (none yet)
+            for r in range(self.job.world) if not self.replaying else ():  # an earlier launch's claims (none yet)
                 vq.release(a.version, r)
             self.validating[a.version] = time.monotonic()
         self.again(a.rank, a.version)
@@ -702,7 +649,7 @@ class ContinuousSchedule:
                 if v in self.core.vals_abandoned:
                     log.warning("validation at version %d: a rank holding the version was lost before it finished its "
                                 "prompts and no other rank holds that version any more; the pass is not recorded", v)
-                elif self.replay is None:  # a takeover's replay: recorded by the old coordinator
+                elif not self.replaying:  # a takeover's replay: recorded by the old coordinator
                     self.p.validation.record(v, time.monotonic() - t0)
 
     def push_first(self, actions) -> None:
@@ -764,9 +711,10 @@ class ContinuousSchedule:
         if not ranks:
             return
         if self.barrier:
-            st = self.job.state
+            st, t0 = self.job.state, time.monotonic()
             self.p.tx.call(self.at, "sync_weights", [0] + self.job.rollouts(), {"version": version, "n_train": st.n_train,
                                                                               "lost": st.lost})
+            self.waited_for(version, (time.monotonic() - t0) * len(self.job.rollouts()))
             return
         # a no-op where the transfer is under way or done; comm: rank 0 sends where a receive started. ``version`` is
         # the newest one and the generate below installs it: a version a rank fetched and never installed (an idle
@@ -776,7 +724,8 @@ class ContinuousSchedule:
         started = [r for r, a in sorted(fetched.acks.items()) if (a.result or {}).get("started")]
         if self.transport == "comm" and started:
             self.p.tx.call(self.at, "push_weights", [0], {"version": version, "ranks": started})
-        self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+        installed = self.p.tx.call(self.at, "generate", ranks, self.p.rollout.payload(version, version=version, prompts=[]))
+        self.waited_for(version, sum(float((a.result or {}).get("install_s", 0.0)) for a in installed.acks.values()))
         for r in ranks:
             self.gen_version[r] = max(version, self.gen_version.get(r, version))
             self.gen_last[r] = version
@@ -849,11 +798,6 @@ class ContinuousSchedule:
         resume starts them there): fetched if it was not, then installed by a generate of no prompts."""
         self.deliver(self.behind(k), k)
 
-    def at_checkpoint(self) -> bool:
-        """A takeover's replay: the drain is over where the log says it was (when the old coordinator found nothing
-        in flight depends on when acks arrived, which the replay cannot see: the log line says it)."""
-        return self.at_rec < len(self.replay) and "checkpoint" in self.replay[self.at_rec]
-
     def checkpoint_and_go_on(self) -> None:
         k, p = self.drain, self.p
         self.record({"checkpoint": k})  # where the drain ended, for a takeover's replay (parked actions go out now)
@@ -866,31 +810,10 @@ class ContinuousSchedule:
         if stop:
             self.stopping = True  # the final checkpoint is taken when the ranks shut down
             return
-        if p.checkpointer.due(k):
-            if self.replay is not None and self.checkpointed(k):
-                self.at.sent["stage_state"] = self.at.sent.get("stage_state", 0) + 1  # its id, as it was sent
-            else:
-                if self.replay is not None and self.at_rec >= len(self.replay):
-                    # the old coordinator stopped in this checkpoint: live from here (its claims, the ranks' stored
-                    # acks judged and the events said by this coordinator; a checkpoint it gave up and went on from
-                    # is replayed as it was)
-                    self.go_live()
-                p.checkpointer.checkpoint(self.at)
-        if self.replay is None:
+        if p.checkpointer.due(k) and not (self.replaying and self.takeover.replays_checkpoint(k, self.at)):
+            p.checkpointer.checkpoint(self.at)  # (a takeover's replay: one the old coordinator did not write)
+        if not self.replaying:
             p.journal.write()
         self.drain = None
         parked, self.parked = self.parked, []
         self.act(parked)
-
-
-class _Muted:
-    """The run's event log while a takeover replays: what the old coordinator logged is not logged twice."""
-
-    def __init__(self, events):
-        self._events = events
-
-    def emit(self, *args, **kwargs) -> None:
-        pass
-
-    def __getattr__(self, name):
-        return getattr(self._events, name)

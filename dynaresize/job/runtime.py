@@ -27,8 +27,18 @@ if TYPE_CHECKING:  # the annotations only (no import cycle, no Redis or transfor
 
 @dataclass
 class StepTimes:
-    rollout_s: float = 0.0
-    train_s: float = 0.0
+    """What step k measured (the report's ``step_end`` and the loggers' ``time/*``), for batch k, the batch it trained."""
+
+    rollout_s: float = 0.0  # batch k's generation: its generate commands' busy seconds per rollout rank
+    train_s: float = 0.0  # batch k's training: its chunks and its optimizer step (the slowest trainer of each)
+    # The seconds a rollout rank waited for the weights batch k is generated with (version k - s) to arrive, per
+    # rollout rank: the barrier schedule's blocking ``sync_weights`` (every rollout rank of the split takes part, from
+    # its send to the last ack), the barrier-free schedule's installs (a rank's wait for its background receive to
+    # end, plus loading it, before its first generate of the version: the generate's ``install_s``); 0 for the
+    # batches of version 0. The retired lockstep loop measured its blocking sync of the version step k made, at the
+    # end of step k; on the core step k is reported when its optimizer step is done, before that version travels.
+    # ``dynaresize analyze`` shows the same transfers as ``weight_sync`` intervals, labelled by the step whose
+    # optimizer step made the version (k - s - 1).
     sync_s: float = 0.0
     tokens_generated: int = 0
     tokens_trained: int = 0

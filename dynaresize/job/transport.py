@@ -7,14 +7,16 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dynaresize.control.commands import AckResult
 from dynaresize.control.server import RedisRefusesWrites, redis_error_text
 from dynaresize.disk import is_disk_full
 from dynaresize.events import format_ranks
 from dynaresize.job.errors import JobError, RanksLost, where_stopped
 from dynaresize.job.runtime import Job, Services
+
+if TYPE_CHECKING:
+    from dynaresize.job.takeover import Takeover
 
 
 @dataclass
@@ -51,11 +53,9 @@ class Transport:
     def __init__(self, job: Job, svc: Services):
         self.job, self.svc = job, svc
         self.writes_refused = False  # Redis refused writes: the final shutdown does not wait for it once more
-        # a takeover replaying the schedule (dynaresize.job.takeover): commands are computed, not sent; a wait is
-        # answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
-        self.replay: Any = None  # a StoredAcks while replaying
-        self.held: list[InFlight] = []  # the commands computed while replaying, in the order they were first sent
-        self.on_frontier: Any = None  # called when a wait finds no stored ack: the replay goes live there
+        # a takeover replaying the schedule (it sets and clears this): a command is computed and held, not sent; a
+        # wait is answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
+        self.replay: Takeover | None = None
 
     def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None) -> InFlight:
         """Send with an id that a coordinator re-running the same step from the journal computes again: the ranks
@@ -64,9 +64,7 @@ class Transport:
         ranks = list(ranks)
         cid = at.command_id(self.job.state.incarnation, kind, ranks, payload)
         if self.replay is not None:  # the old coordinator sent it (or was about to): sent again when the replay ends
-            flight = InFlight(self.svc.bus.command(kind, ranks, payload, command_id=cid), ranks, step)
-            self.held.append(flight)
-            return flight
+            return self.replay.hold(InFlight(self.svc.bus.command(kind, ranks, payload, command_id=cid), ranks, step))
         return InFlight(self.svc.bus.send(kind, ranks, payload, command_id=cid), ranks, step)
 
     def call(self, at: Phase, kind: str, ranks, payload: dict):
@@ -78,13 +76,10 @@ class Transport:
         """Wait for acks, watching the ranks waited on: one whose process exited or whose heartbeat is older than
         the deadline (hung, SIGSTOPped, its node gone) raises :class:`RanksLost`."""
         ranks = [r for r in ranks if r not in self.job.state.lost]
-        if self.replay is not None:
-            acks = {r: self.replay.get(cmd.command_id, r) for r in ranks}
-            if all(a is not None for a in acks.values()):
-                res = AckResult(acks, [])
-                self.require(res, what, ranks)
-                return res
-            self.on_frontier(cmd)  # the old coordinator stopped in this call: live from here (this command resent)
+        stored = self.replay.answer(cmd, ranks) if self.replay is not None else None  # None: live (from here)
+        if stored is not None:
+            self.require(stored, what, ranks)
+            return stored
         while True:
             res = self.svc.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
             if not res.missing:

@@ -100,7 +100,7 @@ def run_coordinator(ctx) -> int:
 def run_worker(ctx) -> int:
     from dynaresize.control.registry import Heartbeater, Registry
     from dynaresize.control.server import connect
-    from dynaresize.control.wire import Registration
+    from dynaresize.control.wire import RankState, Registration
 
     cfg, run_dir, ident = ctx.cfg, Path(ctx.run_dir), ctx.identity
     if ident is None:
@@ -112,6 +112,7 @@ def run_worker(ctx) -> int:
         device=f"cuda:{ident.cuda_device}" if cfg.cluster.device == "cuda" else "cpu",
         staging_dir=os.environ.get("SLURM_TMPDIR", "/tmp"), pid=os.getpid(), slurm_job_id=ident.job_id,
         het_group=ident.het_group, node=ident.node, local_id=ident.localid, gpu=ident.gpu,
+        state=RankState.IDLE,  # ready at once (no start-up grace)
     )
     hb = Heartbeater(Registry(client, ident.job_id, cfg.redis), reg)
     hb.start()

@@ -145,6 +145,7 @@ class _Streamed:
     results: dict[int, Any] = field(default_factory=dict)  # item position -> SampleResult
     completed: set[int] = field(default_factory=set)  # slices (start positions) completed to the data plane
     tokens: int = 0
+    installed_s: float = 0.0  # the install of its version before it began (waiting for the fetch's read, loading it)
 
 
 # Commands that run beside the stream (they change nothing it uses). fetch_weights only starts a receive (or a read)
@@ -320,8 +321,7 @@ class Worker:
         A ``version`` this rank fetched (``fetch_weights``) is installed first; any other version but the one held
         is refused."""
         self._check_generate(version)
-        if version != self.version:
-            self._install(version)
+        installed_s = self._install(version) if version != self.version else 0.0
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         t0, samples, tokens = time.perf_counter(), 0, 0
         if prompts is None:
@@ -339,7 +339,8 @@ class Worker:
         t1 = time.perf_counter()
         if not validation:  # a validation pass is not part of any step's rollout stage
             self._stage(Stage.ROLLOUT, step, t0, t1, tokens=tokens, samples=samples, version=self.version)
-        out = {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version}
+        out = {"samples": samples, "tokens": tokens, "busy_s": t1 - t0, "version": self.version,
+               "install_s": installed_s}
         if prompts is not None:
             out["prompts"] = list(prompts)
         return out
@@ -412,13 +413,15 @@ class Worker:
                         temperature: float, top_p: float, validation: bool = False,
                         prompts: list[int] | None = None) -> dict[str, Any] | None:
         self._check_generate(version)
+        installed_s = 0.0
         if version != self.version:  # every sample keeps one version: the old one's end before the new one installs
             self.finish_stream()
-            self._install(version)
+            installed_s = self._install(version)
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         items = self.setup.data.claim_prompts(step, self.rank, list(prompts or []), validation=validation)
         t0 = time.perf_counter()
-        s = _Streamed(command_id, step, self.version, validation, list(prompts or []), items, pull_batch, t0)
+        s = _Streamed(command_id, step, self.version, validation, list(prompts or []), items, pull_batch, t0,
+                      installed_s=installed_s)
         if not items:
             return self._streamed_result(s, t0)
         self.rollout.add([Request(f"{command_id}/{i}", tuple(it.prompt_ids), it.seed, params)
@@ -492,7 +495,7 @@ class Worker:
         if not s.validation:
             self._stage(Stage.ROLLOUT, s.step, start, end, tokens=s.tokens, samples=samples, version=s.version)
         return {"samples": samples, "tokens": s.tokens, "busy_s": end - start, "version": s.version,
-                "prompts": list(s.prompts)}
+                "prompts": list(s.prompts), "install_s": s.installed_s}
 
     def _fail(self, s: _Streamed, error: str) -> None:
         self.rollout.abort([f"{s.command_id}/{i}" for i in range(len(s.items))])
@@ -809,9 +812,10 @@ class Worker:
         self._stage(Stage.WEIGHT_SYNC, max(0, inc.version - 1), inc.read.started, inc.read.finished, version=inc.version,
                     bytes=sum(t.numel() * t.element_size() for t in tensors.values()), background=True, **how)
 
-    def _install(self, version: int) -> None:
+    def _install(self, version: int) -> float:
         """Install fetched ``version`` (waiting for its read if it still runs) into the rollout engine in place;
-        fetched versions older than it are dropped."""
+        fetched versions older than it are dropped. Returns its seconds (the wait for the read included): what the
+        rank waited for the weight sync before it could generate (a generate's ack says it: ``install_s``)."""
         inc = self.incoming.pop(version)
         t0 = time.perf_counter()
         try:
@@ -838,8 +842,10 @@ class Worker:
         self.version = self.rollout.version = version
         for v in [v for v in self.incoming if v < version]:
             del self.incoming[v]
-        self._stage(Stage.WEIGHT_SYNC, max(0, version - 1), t0, time.perf_counter(), version=version,
+        t1 = time.perf_counter()
+        self._stage(Stage.WEIGHT_SYNC, max(0, version - 1), t0, t1, version=version,
                     bytes=sum(t.numel() * t.element_size() for _, t in named), install=True)
+        return t1 - t0
 
     # -- role switch ----------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 
 from dynaresize.control.config import RedisConfig
 from dynaresize.control.server import RedisServer, connect
-from dynaresize.control.wire import Registration
+from dynaresize.control.wire import RankState, Registration
 
 FAST = dict(heartbeat_s=0.1, dead_after_heartbeats=2, socket_timeout_s=2.0, connect_timeout_s=1.0, block_ms=100, retries=3)
 
@@ -46,5 +46,6 @@ def registration():
 
 
 def make_registration(job_id: str, rank: int, **kw) -> Registration:
-    fields = dict(host="testhost", device="cpu", staging_dir="/tmp/stage", pid=os.getpid()) | kw
+    # ready ranks (a starting one, ``state=RankState.STARTING``, gets ``start_grace_s`` before it is reported dead)
+    fields = dict(host="testhost", device="cpu", staging_dir="/tmp/stage", pid=os.getpid(), state=RankState.IDLE) | kw
     return Registration(job_id=job_id, rank=rank, **fields)

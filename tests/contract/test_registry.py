@@ -141,3 +141,27 @@ def test_heartbeat_many_answers_each_rank_in_one_round_trip(client, cfg, job_id,
     assert reg.dead() == {} == reg.liveness().dead
     reg.fence(2)  # a rank declared lost: its beats answer SUPERSEDED here too
     assert reg.heartbeat_many({0: regs[0].incarnation, 2: regs[2].incarnation}) == {0: Beat.OK, 2: Beat.SUPERSEDED}
+
+
+def test_a_rank_still_starting_is_not_reported_dead_within_its_start_grace(client, cfg, job_id, registration):
+    """A rank between registering and ``ready`` (imports, model load, communicators) can starve its heartbeat thread
+    for seconds on a loaded machine: it is reported dead only past ``start_grace_s``; once ready, the usual deadline."""
+    cfg = cfg.model_copy(update={"heartbeat_s": 0.1, "start_grace_s": 1.5})
+    coord = Registry(client("coord"), job_id, cfg)
+    starting = Heartbeater(Registry(client("rank0"), job_id, cfg), registration(job_id, 0, state=RankState.STARTING))
+    ready = Heartbeater(Registry(client("rank1"), job_id, cfg), registration(job_id, 1))
+    for hb in (starting, ready):
+        hb.start()
+    past_restart_allowance(coord.r, cfg)
+    starting.stop(deregister=False)
+    ready.stop(deregister=False)
+    silent = time.monotonic()
+    while 1 not in coord.dead():
+        assert time.monotonic() - silent < 10 * cfg.dead_after_s, "the ready rank was never reported dead"
+        time.sleep(0.02)
+    assert 0 not in coord.dead() and 0 not in coord.liveness().dead, "a starting rank reported dead within its grace"
+    while 0 not in coord.dead():
+        assert time.monotonic() - silent < cfg.start_grace_s + 10 * cfg.dead_after_s, "the starting rank never reported dead"
+        time.sleep(0.05)
+    assert time.monotonic() - silent >= cfg.start_grace_s - cfg.dead_after_s
+    assert coord.dead()[0] > cfg.start_grace_s and 0 in coord.liveness().dead

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.integration.test_job import SEED, batches, run, run_dir_of
 
@@ -85,11 +86,31 @@ def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cach
     assert sum(1 for r in recs for a in r.get("actions", []) if a["type"] == "Train") > STEPS  # streamed in chunks
 
     weights_over_the_communicators(rd)
+    waited_for_weights_and_calibrates_as_it_ran(rd, {"continuous_rollout": True, "streaming_training": True})
 
     replayed = replay_log(rd)
     assert len(replayed) > 50
     for what, logged, again in replayed:
         assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
+def waited_for_weights_and_calibrates_as_it_ran(rd: Path, mechanisms: dict[str, bool]) -> None:
+    """Each step from 2 on reports the time its batch's rollout ranks waited for the version it was generated with
+    (``step_end.sync_s``: batches 0 and 1 are generated with version 0, which no rank waits for); and ``dynaresize
+    calibrate`` of the run's log names the schedule the core ran (barrier with these mechanisms, not the retired
+    lockstep loop's)."""
+    from dynaresize.analysis.calibrate import write_costs
+    from dynaresize.analysis.fit import fit_costs
+    from dynaresize.analysis.reader import load_run
+
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    sync = {e["step"]: e["sync_s"] for e in events if e.get("type") == "step_end"}
+    assert sorted(sync) == list(range(STEPS)) and all(sync[k] > 0 for k in range(2, STEPS)), sync
+    assert sync[0] == 0.0, sync
+    fit = fit_costs(load_run(rd))
+    assert fit["schedule"]["schedule"] == "barrier" and fit["schedule"]["mechanisms"] == mechanisms, fit["schedule"]
+    sim = yaml.safe_load(write_costs(fit, rd / "analysis" / "costs.yaml").read_text())["sim"]
+    assert sim["schedule"] == "barrier" and sim["pipeline"] == mechanisms and "step_gap_s" not in sim, sim
 
 
 def weights_over_the_communicators(rd: Path) -> None:
@@ -158,6 +179,7 @@ def test_the_barrier_schedule_on_the_core_keeps_rl_semantics_and_its_barrier(tmp
     events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
     syncs = [e for e in events if e.get("stage") == "weight_sync"]
     assert syncs and not any(e.get("background") or e.get("publish") for e in syncs)
+    waited_for_weights_and_calibrates_as_it_ran(rd, {"continuous_rollout": False, "streaming_training": False})
     for what, logged, again in replay_log(rd):
         assert logged == again, f"replaying {what}: {logged} != {again}"
 

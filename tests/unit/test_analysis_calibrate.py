@@ -7,6 +7,7 @@ real-run check calibrates tests/fixtures/real_cpu_run (a 30-step CPU quickstart 
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from pathlib import Path
@@ -244,3 +245,39 @@ def test_empirical_rollout_and_observed_lengths_in_the_simulator():
         ph = StepPhysics(sim, b)
         assert ph.rollout_s(2) == pytest.approx(0.2 + b.tokens_generated / 2000.0)
         assert ph.tail_s == 0.2
+
+
+@pytest.mark.parametrize("schedule,want", [
+    ("barrier_free", ("barrier", {"continuous_rollout": True, "streaming_training": True})),
+    ("barrier", ("barrier", {"continuous_rollout": False, "streaming_training": False})),
+    ("lockstep", ("barrier_lockstep", None)),
+])
+def test_calibrate_writes_the_schedule_the_run_ran(tmp_path, schedule, want):
+    """A run on the scheduler core is calibrated as ``barrier`` with the mechanisms its core ran (the first line of its
+    schedule.jsonl), one of the retired lockstep loop as ``barrier_lockstep`` with its gap; the file merges into a
+    simulator config. The log is the real-run fixture's, the run directory says which schedule ran it."""
+    from dynaresize.analysis.fit import ran_lockstep
+    from dynaresize.config.loader import load_config
+    from dynaresize.job.core_io import scheduler_config
+    from dynaresize.schedule.codec import encode
+    from dynaresize.sim.cli import merge_costs
+
+    rd = tmp_path / "run"
+    rd.mkdir()
+    (rd / "events.jsonl").write_text((Path(__file__).parents[1] / "fixtures" / "real_cpu_run" / "events.jsonl").read_text())
+    (rd / "config.yaml").write_text(yaml.safe_dump({"pipeline": {"staleness_bound": 1, "schedule": schedule}}))
+    if schedule != "lockstep":  # the core logs its configuration first (the mechanisms it ran)
+        cfg = load_config(Path(__file__).parents[2] / "configs" / "quickstart.yaml", [f"pipeline.schedule={schedule}"])
+        (rd / "schedule.jsonl").write_text(json.dumps({"config": encode(scheduler_config(cfg, 3, 0))}) + "\n")
+    assert ran_lockstep(rd) == (schedule == "lockstep")
+    fit = fit_costs(load_run(rd))
+    assert (fit["schedule"]["schedule"], fit["schedule"].get("mechanisms")) == want
+    costs = write_costs(fit, tmp_path / "costs.yaml")
+    sim = yaml.safe_load(costs.read_text())["sim"]
+    assert sim["schedule"] == want[0] and sim.get("pipeline") == want[1]
+    assert ("step_gap_s" in sim) == (schedule == "lockstep")
+    merged = merge_costs(load_config(Path(__file__).parents[2] / "configs" / "sim" / "cpu_quickstart.yaml"), str(costs))
+    assert merged.sim.schedule == want[0]
+    if want[1]:
+        assert merged.sim.pipeline.continuous_rollout == want[1]["continuous_rollout"]
+        assert merged.sim.pipeline.streaming_training == want[1]["streaming_training"]
