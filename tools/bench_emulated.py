@@ -9,8 +9,8 @@ It compares samples per wall second: the runtime's over its span (``dynaresize a
 simulator's per modelled second / ``time_scale``. Static rows: the initial split and the simulator's best static
 barrier split. Prints the table, then one JSON line: ``runtime_vs_sim`` (the row furthest from 1), ``worst_row``,
 ``dynamic_vs_best_static_runtime`` and ``dynamic_vs_best_static_sim`` (dynamic continuous over the best static
-barrier row) and ``runtime_vs_sim_no_latency`` (the same with the simulator's control-plane latency per command,
-fitted from each run's log, set to 0).
+barrier row) and ``runtime_vs_sim_no_latency`` (the same with nothing fitted from the run's log: no control-plane
+latency per command, the profile's optimizer step; :func:`dynaresize.analysis.whatif.fitted_fixed_costs`).
 
     .venv/bin/python tools/bench_emulated.py --steps 10                        # configs/emulated-8gpu.yaml, ~7 min
     .venv/bin/python tools/bench_emulated.py --config configs/emulated-16gpu.yaml --steps 10 --time-scale 0.2
@@ -66,11 +66,9 @@ def simulate(run_dir: Path, n_train: int, continuous: bool, streaming: bool, res
     from dynaresize.schedule import Mechanisms
     from dynaresize.sim.compare import run_samples, setup
 
-    c, scale = emulated_sim_config(run_dir)
-    if not latency:  # the same prediction without the control plane's fitted latency per command
-        from dynaresize.analysis.whatif import with_values
-
-        c = with_values(c, {"sim.command_latency_s": 0.0}, "bench_emulated")
+    # latency=False: the same prediction from the profile alone, without what the run's log says its control plane
+    # cost (the fitted latency per command and the optimizer step after it: whatif.fitted_fixed_costs)
+    c, scale = emulated_sim_config(run_dir, fitted=latency)
     st = setup(c)
     res = run_samples(st, Topology(n_train, c.cluster.gpus - n_train), Mechanisms(continuous, streaming, resize))
     return {"samples_per_s": res.samples / (res.total_s * scale), "switches": res.switches, "critical_s": res.critical_s * scale}
@@ -89,6 +87,7 @@ def main() -> int:
         "emulation.time_scale of every run (default 0.1, not the configs' 0.02: the control plane's real latency, "
         "tens of ms a command on a loaded 2-core machine, does not shrink with the time scale; docs/emulation.md)"))
     ap.add_argument("-o", "--override", action="append", default=[], help="extra dotted override for every run")
+    ap.add_argument("--keep", type=Path, default=None, help="keep every row's run directory under this folder")
     args = ap.parse_args()
     from dynaresize.config.loader import load_config
 
@@ -97,6 +96,9 @@ def main() -> int:
     sched = {"barrier": ["pipeline.schedule=barrier"], "continuous": ["pipeline.schedule=continuous"]}
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-emulated-") as tmp:
+        if args.keep is not None:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            tmp = str(args.keep)
         def row(name: str, n_train: int, schedule: str, resize: bool) -> dict:
             over = [*base, *sched[schedule], f"cluster.initial_train={n_train}", f"policy.enabled={str(resize).lower()}"]
             rd = one_run(Path(tmp) / f"{len(rows)}", args.config, over)
@@ -134,7 +136,7 @@ def main() -> int:
     best_sim = max(barrier, key=lambda r: r["sim"])
     print(json.dumps({
         "runtime_vs_sim": max(rows, key=lambda r: abs(r["ratio"] - 1.0))["ratio"],  # the row furthest from 1
-        # the same without the control plane's latency per command in the simulator (sim.command_latency_s = 0)
+        # the same with the profile alone (no fitted control-plane latency nor optimizer step: fitted_fixed_costs)
         "runtime_vs_sim_no_latency": max(rows, key=lambda r: abs(r["ratio_no_latency"] - 1.0))["ratio_no_latency"],
         "worst_row": (lambda w: f"{w['row']} {w['schedule']}")(max(rows, key=lambda r: abs(r["ratio"] - 1.0))),
         "dynamic_vs_best_static_runtime": round(dyn["runtime"] / best_rt["runtime"], 4),

@@ -48,7 +48,8 @@ def to_costs_section(fit: dict) -> dict:
       physics is for GPUs; a stage-time fit does not determine its parameters, so it is not used).
     - ``workload``: the log's mean response length of every step (``response_tokens_by_step``), B x G, the
       length cap, and what a trained token counts; the length *shape* is not in the log (the default is kept).
-    - ``command_latency_s``: the control plane's fitted latency per command (every log).
+    - ``command_latency_s``: the control plane's fitted latency per command, a training chunk's (every log;
+      :func:`dynaresize.analysis.fit.fit_command_latency`).
     - ``schedule`` and the mechanisms the run's coordinator ran (:func:`dynaresize.analysis.fit.fit_schedule`): a run
       on the scheduler core is ``barrier`` with ``pipeline.continuous_rollout`` and ``pipeline.streaming_training``
       as it ran them (``pipeline.schedule: barrier_free`` or ``barrier``; the sample-level model turns them on); a
@@ -131,8 +132,15 @@ def _comments(fit: dict) -> str:
         lines.append(f"schedule: {schedule_label(sc)} (the run's coordinator)")
     cl = fit.get("command_latency") or {}
     if cl.get("n"):
-        lines.append(f"command latency: median {cl['command_latency_s']:.4g} s (quartiles {cl['p25_s']:.4g}..{cl['p75_s']:.4g} s) "
-                     f"over {cl['n']} spans, from the latest end of any span to each span's start")
+        kinds = ", ".join(f"{k} {v['median_s']:.4g} s (n={v['n']})" for k, v in (cl.get("by_kind") or {}).items())
+        lines.append(f"command latency: {cl['command_latency_s']:.4g} s, the training chunks' median (every command: "
+                     f"quartiles {cl['p25_s']:.4g}..{cl['p75_s']:.4g} s over {cl['n']}; by kind: {kinds}), from each "
+                     "command's trigger to its last rank's start (fit_command_latency)")
+        st = cl.get("optimizer_step") or {}
+        if st.get("overhead_s") is not None:
+            lines.append(f"optimizer step: {st['span_s']:.4g} s from its last trainer's start (median of {st['n']}); "
+                         f"{st['overhead_s']:.4g} s after the charged latency (what an emulated run's what-if gives "
+                         "sim.train.step_overhead_s, x 1 / time_scale)")
     lines.append(f"replay: dynaresize simulate CONFIG --costs THIS_FILE sim.steps={s['steps']} policy.enabled=false "
                  f"'policy.forced_splits={fit.get('forced_splits') or {}}'")
     for op, o in fit["ops"].items():

@@ -25,9 +25,11 @@ Model fitted (the one the simulator and :mod:`dynaresize.analysis.synth` use):
   the retired lock-step loop is ``barrier_lockstep`` with step_gap_s = median over steps of (step_end_k -
   step_end_{k-1} - max(rollout span of k+1, train span of k)) - weight_sync_s, the coordinator's own per-step time
   (batch assembly, command round trips), clipped at 0.
-- command latency (``sim.command_latency_s``): the median gap from the latest end of any span to a span's
-  start (:func:`fit_command_latency`); the lock-step ``step_gap_s`` written is the measured gap less the two
-  commands per step the model then prices (the weight fetch and the generate/train command on the critical path).
+- command latency (``sim.command_latency_s``): per command, from its trigger to its last rank's start, by kind;
+  the training chunks' median is the one the simulator charges, and the optimizer step's measured time and latency
+  give the step overhead an emulated run's what-if uses (:func:`fit_command_latency`); the lock-step
+  ``step_gap_s`` written is the measured gap less the two commands per step the model then prices (the weight
+  fetch and the generate/train command on the critical path).
 - switch ops: the median duration per op name (robust to one slow outlier), with n, min, max and the share of
   critical occurrences; written as ``override_s`` (op -> seconds), the measured-duration override of the
   simulator's switch cost model (``dynaresize.policy.config.SwitchCostConfig.override_s``), except for ops seen
@@ -47,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from dynaresize.analysis.reader import RunData
+from dynaresize.analysis.reader import TAG_BACKGROUND, TAG_CHUNK, TAG_COMMAND, TAG_INSTALL, TAG_STEP, RunData
 
 
 def fit_stage(xs: list[float], ys: list[float]) -> dict:
@@ -234,33 +236,139 @@ def fit_schedule(rd: RunData, sync_s: float) -> dict:
 
 
 LATENCY_STAGES = ("rollout", "train", "weight_sync")  # spans that begin when a command reaches their ranks
+QUEUED_S = 0.002  # a span that begins this soon after its rank's previous one ended was queued behind it
+
+
+def _latency_kind(stage: str, tag: int) -> str:
+    if stage == "rollout":
+        return "generate"
+    if stage == "weight_sync":
+        return "weight_sync"
+    return {TAG_STEP: "optimizer_step", TAG_CHUNK: "train_chunk"}.get(tag, "train")
 
 
 def fit_command_latency(rd: RunData) -> dict:
-    """The control plane's latency per command, from the gaps between the logged spans (no command send/ack times
-    are logged).
+    """The control plane's latency per command, from the spans the commands started (no command send or ack times
+    are logged), by kind of command, and what the simulator is given.
 
-    Every rollout, train and weight_sync span begins when a command reaches its ranks, and the coordinator sends a
-    command when something it waits for has ended: some span of some rank (the previous stage, a group, a weight
-    sync's ack). So the gap from the latest end of any span (of positive length, on any rank, its own included) to
-    a span's start is one command's latency plus whatever the coordinator did in between. The median over the spans
-    is the fit (robust to the spans that waited for something unlogged: the run's start, a decision, a switch);
-    spans of zero length (a weight sync of 0 s in a simulated log) are neither samples nor triggers.
+    Commands: a rollout span is one generate command; the k-th training span of step s on each trainer (a chunk's
+    forward and backward, an optimizer step, or a whole-batch train) is one command sent to all of them, and so is
+    the k-th weight-sync span of step s (a blocking sync); an install (``install``: the start of the generate that
+    installs a fetched version) and background work (a fetch, a send, rank 0's copy of new weights) are none. A
+    command sent to several ranks takes effect when its LAST rank starts it (the coordinator's next command waits for
+    its last ack, and an optimizer step's collectives for its last trainer), so its latency is from its trigger to its
+    last rank's start. Its trigger: the latest end, before its first start, of a span of its own ranks (their previous
+    command: the ack the coordinator answered; background work is acked when it starts, so its end is none), of a rollout span of its own batch when it trains (the groups it
+    needs), or of a version-making training span (an optimizer step, a whole-batch train) when it generates or syncs
+    weights. A command whose every span began within ``QUEUED_S`` of its rank's previous end waited for nothing seen
+    (it was queued behind that one: a continuous schedule's generates) and is no sample; spans of zero length are
+    neither samples nor triggers.
+
+    The sample-level simulator charges ONE latency, ``sim.command_latency_s``, to every command: the fit gives it
+    (``command_latency_s``, with its quartiles and ``n`` samples) the median latency of the training chunks when the
+    log has any (the scheduler core's schedules: the trainers wait for every one of their commands, a chunk is built
+    from complete groups then read by every trainer and counts from the last one, so that chain is where the control
+    plane costs throughput; a rollout rank of the continuous schedule holds its next command while it decodes), else
+    (a log of the retired lockstep loop, whose whole-batch assembly is the step gap, ``fit_schedule``) the median gap
+    from the latest end of any span to each span's start (:func:`_span_gaps`, as this fit was first written). The
+    optimizer step waits
+    less (nothing to build or read): ``optimizer_step.overhead_s`` is its measured time from its last trainer's start
+    to its last end, plus its own latency less ``command_latency_s`` (never below 0): what the simulator's
+    ``sim.train.step_overhead_s`` must be for a step to take, latency included, what it took.
     """
+    none = {"n": 0, "command_latency_s": None, "p25_s": None, "p75_s": None, "by_kind": {},
+            "optimizer_step": {"n": 0, "span_s": None, "overhead_s": None}}
+    if not rd.n_intervals:
+        return none
+    starts, ends = np.frombuffer(rd.iv_start, dtype=np.float64), np.frombuffer(rd.iv_end, dtype=np.float64)
+    kinds, rss = np.frombuffer(rd.iv_kind, dtype=np.int32), np.frombuffer(rd.iv_rs, dtype=np.int32)
+    steps = np.frombuffer(rd.iv_step, dtype=np.int32)
+    tags = np.frombuffer(rd.iv_tag, dtype=np.int8) if len(rd.iv_tag) == rd.n_intervals else np.zeros(rd.n_intervals, np.int8)
+    names = {rd.kinds.index(k): k for k in LATENCY_STAGES if k in rd.kinds}
+    real = [i for i in range(rd.n_intervals) if ends[i] > starts[i] and int(kinds[i]) in names]
+    if not real:
+        return none
+    by_rs: dict[int, list[float]] = {}  # triggers: every end of a rank set, of a batch's rollout, of a new version
+    batch_done: dict[int, list[float]] = {}
+    versions: list[float] = []
+    groups: dict[tuple, list[int]] = {}  # (kind, step, rank set) -> spans in start order, for multi-rank commands
+    cmds: list[list[int]] = []
+    for i in sorted(real, key=lambda j: starts[j]):
+        stage, tag = names[int(kinds[i])], int(tags[i])
+        if tag == TAG_BACKGROUND:  # no command waits for background work (a fetch is acked once it started)
+            continue
+        by_rs.setdefault(int(rss[i]), []).append(float(ends[i]))
+        if stage == "rollout":
+            batch_done.setdefault(int(steps[i]), []).append(float(ends[i]))
+        if stage == "train" and tag in (TAG_STEP, TAG_COMMAND):
+            versions.append(float(ends[i]))
+        if tag == TAG_INSTALL:
+            continue
+        if stage == "rollout":
+            cmds.append([i])
+        else:
+            groups.setdefault((stage, int(steps[i]), int(rss[i])), []).append(i)
+    ordinal: dict[tuple, list[int]] = {}
+    for (stage, step, _), spans in groups.items():
+        for n, i in enumerate(spans):
+            ordinal.setdefault((stage, step, n), []).append(i)
+    cmds += list(ordinal.values())
+    sort = {k: np.sort(np.asarray(v)) for k, v in by_rs.items()}
+    sort_batch = {k: np.sort(np.asarray(v)) for k, v in batch_done.items()}
+    sort_versions = np.sort(np.asarray(versions))
+
+    def before(arr, t: float) -> float | None:
+        j = int(np.searchsorted(arr, t + 1e-9, side="right")) - 1 if arr is not None and len(arr) else -1
+        return float(arr[j]) if j >= 0 else None
+
+    lat: dict[str, list[float]] = {}
+    step_spans: dict[int, list[int]] = {}
+    for c in cmds:
+        first, last = min(starts[i] for i in c), max(starts[i] for i in c)
+        kind = _latency_kind(names[int(kinds[c[0]])], int(tags[c[0]]))
+        if kind == "optimizer_step":
+            step_spans.setdefault(int(steps[c[0]]), []).extend(c)
+        own = [before(sort[int(rss[i])], starts[i] - 1e-9) for i in c]  # each rank's previous end
+        if all(p is not None and starts[i] - p < QUEUED_S for p, i in zip(own, c)):
+            continue
+        cand = [before(sort[int(rss[i])], first) for i in c]
+        if kind in ("train", "train_chunk", "optimizer_step"):
+            cand.append(before(sort_batch.get(int(steps[c[0]])), first))
+        else:
+            cand.append(before(sort_versions, first))
+        cand = [x for x in cand if x is not None]
+        if cand:
+            lat.setdefault(kind, []).append(max(0.0, float(last) - max(cand)))
+    every = [x for v in lat.values() for x in v]
+    by_kind = {k: {"n": len(v), "median_s": float(np.median(v)), "p25_s": float(np.quantile(v, 0.25)),
+                   "p75_s": float(np.quantile(v, 0.75))} for k, v in sorted(lat.items())}
+    chosen = lat.get("train_chunk") or _span_gaps(rd)
+    if not len(chosen):
+        return none
+    q25, q50, q75 = (float(x) for x in np.quantile(chosen, [0.25, 0.5, 0.75]))
+    spans = [max(ends[i] for i in c) - max(starts[i] for i in c) for c in step_spans.values()]
+    step: dict = {"n": len(spans), "span_s": float(np.median(spans)) if spans else None, "overhead_s": None}
+    if spans and "optimizer_step" in by_kind:
+        step["overhead_s"] = max(0.0, step["span_s"] + by_kind["optimizer_step"]["median_s"] - q50)
+    return {"n": len(chosen), "command_latency_s": q50, "p25_s": q25, "p75_s": q75,
+            "of": "train_chunk" if "train_chunk" in lat else "any_span",
+            "median_all_s": float(np.median(every)) if every else None, "by_kind": by_kind, "optimizer_step": step}
+
+
+def _span_gaps(rd: RunData) -> np.ndarray:
+    """A log without training chunks (the retired lockstep loop's): the gap from the latest end of any span (of
+    positive length, on any rank, its own included) to each rollout, train or weight-sync span's start, per span (the
+    coordinator sends a command when something it waits for has ended; the median is robust to the spans that waited
+    for something unlogged: the run's start, a decision, a switch)."""
     starts = np.frombuffer(rd.iv_start, dtype=np.float64) if len(rd.iv_start) else np.zeros(0)
     ends = np.frombuffer(rd.iv_end, dtype=np.float64) if len(rd.iv_end) else np.zeros(0)
     kinds = np.frombuffer(rd.iv_kind, dtype=np.int32) if len(rd.iv_kind) else np.zeros(0, dtype=np.int32)
     real = ends > starts
     if not real.any():
-        return {"n": 0, "command_latency_s": None, "p25_s": None, "p75_s": None}
+        return np.zeros(0)
     trig = np.sort(ends[real])
     ids = [rd.kinds.index(k) for k in LATENCY_STAGES if k in rd.kinds]
-    sample = real & np.isin(kinds, ids)
-    s = starts[sample]
+    s = starts[real & np.isin(kinds, ids)]
     i = np.searchsorted(trig, s + 1e-9, side="right") - 1  # the latest end at or before the start
     ok = i >= 0
-    gaps = np.maximum(s[ok] - trig[i[ok]], 0.0)
-    if len(gaps) == 0:
-        return {"n": 0, "command_latency_s": None, "p25_s": None, "p75_s": None}
-    q25, q50, q75 = (float(x) for x in np.quantile(gaps, [0.25, 0.5, 0.75]))
-    return {"n": int(len(gaps)), "command_latency_s": q50, "p25_s": q25, "p75_s": q75}
+    return np.maximum(s[ok] - trig[i[ok]], 0.0)

@@ -24,6 +24,26 @@ MISMATCH_KEYS = ("mismatch_", "tis_")  # step_end's training-inference mismatch 
 # Interval kinds: the stages first, then one kind per switch operation ("op:<name>").
 STAGE_KINDS = [s.value for s in Stage]
 
+# What started a stage interval (``RunData.iv_tag``): a command reaching its rank (the default), work on a background
+# thread or after the command's own work (``background``: a weight fetch or send; ``publish``: rank 0's copy of the
+# new weights after its optimizer step), an optimizer step (``optimizer_step``: a new version), a training chunk
+# (``chunk``: forward and backward, no step), or a fetched version's install (``install``: the start of the generate
+# that installs it). Switch ops are TAG_COMMAND.
+TAG_COMMAND, TAG_BACKGROUND, TAG_STEP, TAG_CHUNK, TAG_INSTALL = 0, 1, 2, 3, 4
+
+
+def stage_tag(ev: Event) -> int:
+    """The ``iv_tag`` of a stage event (see ``TAG_COMMAND``)."""
+    if ev.get("background") or ev.get("publish"):
+        return TAG_BACKGROUND
+    if ev.get("optimizer_step"):
+        return TAG_STEP
+    if ev.get("chunk"):
+        return TAG_CHUNK
+    if ev.get("install"):
+        return TAG_INSTALL
+    return TAG_COMMAND
+
 
 @dataclass
 class StepRec:
@@ -99,6 +119,7 @@ class RunData:
     iv_kind: array = field(default_factory=lambda: array("i"))
     iv_step: array = field(default_factory=lambda: array("i"))  # -1 when unknown (switch ops)
     iv_critical: array = field(default_factory=lambda: array("b"))  # 1 for stages and critical ops
+    iv_tag: array = field(default_factory=lambda: array("b"))  # what started the interval: TAG_COMMAND, ...
     steps: dict[int, StepRec] = field(default_factory=dict)
     stage_spans: dict[tuple[int, str], StageSpan] = field(default_factory=dict)
     # role assignments in log order: (t, step, kind, a, b) with kind "topology" (a=train set, b=rollout set)
@@ -197,7 +218,7 @@ def _rs(rd: RunData, ev: Event, key: str) -> int | None:
     return rd.rankset_id(text)
 
 
-def _interval(rd: RunData, ev: Event, kind: str, step: int, critical: bool) -> int | None:
+def _interval(rd: RunData, ev: Event, kind: str, step: int, critical: bool, tag: int = TAG_COMMAND) -> int | None:
     start, end = float(ev["start"]), float(ev["end"])
     if not (math.isfinite(start) and math.isfinite(end)) or end < start:
         rd.warn(f"{ev.type.value}: bad interval start={start} end={end}")
@@ -211,6 +232,7 @@ def _interval(rd: RunData, ev: Event, kind: str, step: int, critical: bool) -> i
     rd.iv_kind.append(rd.kind_id(kind))
     rd.iv_step.append(step)
     rd.iv_critical.append(1 if critical else 0)
+    rd.iv_tag.append(tag)
     rd.t_min = min(rd.t_min, start)
     rd.t_max = max(rd.t_max, end)
     return rs
@@ -228,7 +250,7 @@ def _ingest(rd: RunData, ev: Event) -> None:
     rd.t_max = max(rd.t_max, t)
     et = ev.type
     if et is EventType.STAGE:
-        rs = _interval(rd, ev, ev["stage"], ev["step"], True)
+        rs = _interval(rd, ev, ev["stage"], ev["step"], True, stage_tag(ev))
         if rs is None:
             return
         key = (ev["step"], ev["stage"])

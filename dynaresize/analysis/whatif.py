@@ -107,17 +107,17 @@ def _trace_steps(run_dir: Path) -> int:
     return len(load_trace(run_dir).steps)
 
 
-def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
+def emulated_sim_config(run: str | Path, fitted: bool = True) -> tuple[Config, float]:
     """The simulator config that models an emulated run, and the wall seconds per modelled second.
 
     The run's own config (its GPU profile: ``sim.rollout``, ``sim.train``, ``switching.costs``; its cluster,
     policy and staleness), the workload the trace of its ``batches.jsonl`` with every length times
     ``emulation.tokens_per_token``, ``sim.steps`` the trace's steps, and the schedule the runtime's (barrier; the
     simulator's barrier_lockstep for a run of the retired lockstep loop, :func:`ran_lockstep`, with no coordinator
-    gap: the modelled profile has none), and the control
-    plane's latency per command fitted from the run's log (``sim.command_latency_s``, wall seconds / time_scale: the
-    runtime's commands take real time whatever the emulation's clock). Multiply the simulator's seconds by the
-    returned ``emulation.time_scale`` to compare with the run's wall time.
+    gap: the modelled profile has none), and what the run's own log says its control plane cost
+    (:func:`fitted_fixed_costs`: real wall time, whatever the emulation's clock; ``fitted=False``: the profile
+    alone). Multiply the simulator's seconds by the returned ``emulation.time_scale`` to compare with the run's wall
+    time.
     """
     run_dir = _run_dir(run)
     cfg = _config(run_dir)
@@ -138,11 +138,24 @@ def emulated_sim_config(run: str | Path) -> tuple[Config, float]:
     if lockstep:
         values.update({"sim.schedule": "barrier_lockstep", "sim.step_gap_s": 0.0})
     values.update(runtime_admission(cfg, lockstep))
-    # the control plane's latency is real wall time, not emulated time: fitted from the run's own log (the gaps
-    # between its spans, dynaresize.analysis.fit.fit_command_latency), in modelled seconds
-    lat = fit_command_latency(load_run(run_dir))["command_latency_s"]
-    values["sim.command_latency_s"] = (lat or 0.0) / cfg.emulation.time_scale
+    if fitted:
+        values.update(fitted_fixed_costs(fit_command_latency(load_run(run_dir)), cfg.emulation.time_scale))
     return with_values(cfg, values, f"emulated run {run_dir}"), cfg.emulation.time_scale
+
+
+def fitted_fixed_costs(lat: dict, time_scale: float) -> dict[str, object]:
+    """What an emulated run's control plane cost, as the simulator's settings in modelled seconds (wall seconds /
+    ``time_scale``: they do not shrink with the emulation's clock), from
+    :func:`dynaresize.analysis.fit.fit_command_latency` of its log: ``sim.command_latency_s`` (a training chunk's
+    latency, charged to every command) and, when its optimizer steps were logged, ``sim.train.step_overhead_s`` (a
+    step's measured time from its last trainer's start, and its own latency less the one charged). The second
+    replaces the profile's step time: the measured one already holds it (the emulated step lasts at least its
+    modelled time), and whatever the CPU's real step added."""
+    out: dict[str, object] = {"sim.command_latency_s": (lat["command_latency_s"] or 0.0) / time_scale}
+    step = lat["optimizer_step"]["overhead_s"]
+    if step is not None:
+        out["sim.train.step_overhead_s"] = step / time_scale
+    return out
 
 
 def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
@@ -242,7 +255,8 @@ def replay_of(run: str | Path, rd: RunData | None = None) -> Replay:
         return Replay("emulated", c, time_scale=scale, notes=[
             f"profile: the run's own sim.rollout, sim.train and switching.costs; workload: the trace of {trace_file(run_dir)} "
             f"x {c.sim.workload.trace_token_scale:g} tokens per token; modelled s x {scale:g} = wall s; control-plane "
-            f"latency {c.sim.command_latency_s * scale:.4g} wall s a command, fitted from the log's gaps between spans"])
+            f"latency {c.sim.command_latency_s * scale:.4g} wall s a command and optimizer step "
+            f"{c.sim.train.step_overhead_s * scale:.4g} wall s after it, fitted from the log's spans (fit_command_latency)"])
     return _cpu_replay(run_dir, rd)
 
 

@@ -87,14 +87,33 @@ class Emulator:
 
 class EmulatedRollout(TorchRollout):
     """The torch rollout engine, with each prefill and decode iteration lasting its modelled time, over the simulated
-    GPU's KV slots (``max_running`` capped by ``sim.rollout.max_seqs_per_gpu``)."""
+    GPU's KV slots (``max_running`` capped by ``sim.rollout.max_seqs_per_gpu``).
+
+    While sequences keep running, the emulated device works back to back: an iteration (or a newcomer's prefill)
+    begins where the previous one ended, not when the host got round to it, so the host's work between two
+    iterations (scoring the responses that ended, completing them to the data plane, reading the next commands)
+    overlaps the device's iteration, as a GPU's asynchronously launched decode overlaps its host. What does not fit
+    in the modelled time is recorded as an overrun of that iteration. Once no sequence is left the chain ends: the
+    next span starts when its work starts (an idle device does not bank time)."""
 
     def __init__(self, *args: Any, emulator: Emulator, max_running: int = 64, **kw: Any):
         super().__init__(*args, max_running=min(max_running, emulator.model.max_seqs), **kw)
         self.emu = emulator
+        self._device_free: float | None = None  # end of the last paced span while sequences kept running
+
+    def _begin(self, start: float) -> float:
+        return start if self._device_free is None else min(start, self._device_free)
 
     def _prefilled(self, start: float, prompts: Sequence[Sequence[int]]) -> None:
-        self.emu.pacer.finish("prefill", start, self.emu.model.prefill_s(distinct_prompt_tokens(prompts)))
+        end = self.emu.pacer.finish("prefill", self._begin(start), self.emu.model.prefill_s(distinct_prompt_tokens(prompts)))
+        self._device_free = end
 
     def _decoded(self, start: float, active: int, context: float) -> None:
-        self.emu.pacer.finish("decode", start, self.emu.model.decode_iteration_s(active, context))
+        end = self.emu.pacer.finish("decode", self._begin(start), self.emu.model.decode_iteration_s(active, context))
+        self._device_free = end if self.running else None
+
+    def abort(self, keys=None) -> list[str]:
+        out = super().abort(keys)
+        if not self.running:
+            self._device_free = None
+        return out

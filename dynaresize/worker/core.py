@@ -844,7 +844,7 @@ class Worker:
             del self.incoming[v]
         t1 = time.perf_counter()
         self._stage(Stage.WEIGHT_SYNC, max(0, version - 1), t0, t1, version=version,
-                    bytes=sum(t.numel() * t.element_size() for _, t in named))
+                    bytes=sum(t.numel() * t.element_size() for _, t in named), install=True)
         return t1 - t0
 
     # -- role switch ----------------------------------------------------------------------------------------

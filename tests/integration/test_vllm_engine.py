@@ -6,8 +6,8 @@ contract the worker relies on, against a real engine built once for the module f
 - the stream (dynaresize.engines.protocol): add / step / abort / running, and generate gives the stream's tokens;
 - processed logprobs: those of the distribution sampled (temperature applied), equal to the HF model's recomputed
   ones within float32 kernel differences;
-- weights: load_weights goes into the running engine in place; a version change resets the prefix cache and is
-  refused while requests run;
+- weights: load_weights goes into the running engine in place (on CPU by a copy of each tensor, vLLM's reload for
+  what does not map); a version change resets the prefix cache and is refused while requests run;
 - chat template: a prompt rendered by the directory's own template generates like any token prompt;
 - CPU has no sleep mode: sleep keeps the engine and refuses generate until wake_up.
 
@@ -178,6 +178,24 @@ def test_weights_load_in_place_and_a_version_resets_the_prefix_cache(engine, pro
         engine.load_weights([(n, t.detach()) for n, t in orig.named_parameters()])
         engine.finish_weight_update(0)
     assert engine.generate(prompts[:2], [3, 4], P)[0].token_ids == before[0].token_ids
+
+
+def test_a_cpu_install_copies_in_place_and_leaves_what_it_cannot_map_to_vllms_reload(engine, model_dir):
+    """CPU: a version's HF-named weights go into the running model by ``copy_in_place`` (plain parameters copied,
+    the shards of a fused layer concatenated, every packed layer packed again), not vLLM's layer-wise reload (the
+    test above checks the result against the HF model); a set of weights that does not map onto the model's
+    parameters (an unknown name) changes nothing and says so, and the engine then takes vLLM's reload."""
+    from dynaresize.engines.rollout_vllm import copy_in_place
+    from dynaresize.models import load_model
+
+    weights = [(n, t.detach()) for n, t in load_model(model_dir, torch.float32).named_parameters()]
+
+    def install(named):
+        return engine.llm.collective_rpc(lambda w: copy_in_place(w.model_runner.get_model(), named))
+
+    assert install(weights) == [True]  # the directory's own weights again: the engine is unchanged
+    assert install([*weights[:-1], ("model.no_such_module.weight", weights[-1][1])]) == [False]
+    assert install(weights[1:]) == [True]  # a parameter left out keeps its weights (a partial update is allowed)
 
 
 def test_a_chat_template_prompt_generates_like_its_token_ids(engine, tok, eos):

@@ -187,3 +187,48 @@ def test_emulated_engine_paces_each_iteration_for_the_sequences_in_its_slots(mod
     for i, w in enumerate(want):
         _same(got[f"k{i}"], w, f"emulated sample {i}")
     assert emu.pacer.to_json()["decode"]["modelled_s"] == pytest.approx(sum(model_decode(a, x) for a, x in charged))
+
+
+def test_emulated_engine_overlaps_host_work_between_iterations_and_banks_no_idle_time(model, monkeypatch):
+    """While sequences run, an iteration begins where the previous one ended (the host's work between iterations
+    overlaps the emulated device's, as an asynchronously launched decode on a GPU): host work shorter than the
+    iterations adds nothing and is no overrun, longer host work is an overrun; once the engine is empty the chain
+    ends, so an idle wait before the next request is not taken out of that request's modelled time (fake clock)."""
+    from dynaresize.config.schema import Config
+    from dynaresize.emulation.engine import EmulatedRollout, Emulator
+    from dynaresize.emulation.pacer import Pacer
+
+    c = Config.model_validate({"cluster": {"device": "emulated", "gpus": 4}, "sim": {"rollout": {"max_seqs_per_gpu": 4}}})
+    emu = Emulator(c, 4)
+    now = [0.0]
+    emu.pacer = Pacer(0.0, clock=lambda: now[0], sleep=lambda s: now.__setitem__(0, now[0] + s))
+    import types
+
+    import dynaresize.engines.rollout_torch as rt
+
+    monkeypatch.setattr(rt, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))  # the engine's span starts too
+    eng = EmulatedRollout(model, EOS, PAD, "cpu", emulator=emu, max_running=4)
+    params = PARAMS[0]
+
+    def run(host_s: float, key: str) -> float:
+        """Decode two requests to their end with ``host_s`` of host work before every step; the time it took."""
+        t0 = now[0]
+        eng.add([Request(f"{key}{i}", (5, 6, 7), 10 + i, params) for i in range(2)])
+        while eng.running:
+            now[0] += host_s
+            eng.step()
+        return now[0] - t0
+
+    def modelled() -> float:
+        return sum(k.modelled_s for k in emu.pacer.kinds.values())
+
+    m0 = modelled()
+    took = run(0.2 * emu.model.decode_iteration_s(1, 3.0), "a")  # host work shorter than any iteration
+    assert took == pytest.approx(0.2 * emu.model.decode_iteration_s(1, 3.0) + modelled() - m0)  # only the first one shows
+    assert emu.pacer.overruns == 0
+    now[0] += 100.0  # the engine is empty: an idle device banks nothing
+    m1 = modelled()
+    took = run(0.0, "b")
+    assert took == pytest.approx(modelled() - m1) and emu.pacer.overruns == 0
+    run(10.0, "c")  # host work longer than every iteration: each iteration overran (the host's time is not hidden)
+    assert emu.pacer.overruns > 0

@@ -113,3 +113,41 @@ def test_calibrate_writes_the_latency_and_takes_it_out_of_the_lockstep_gap():
     sim = to_costs_section(fit)["sim"]
     assert sim["command_latency_s"] == pytest.approx(lat, abs=1e-6)
     assert sim["step_gap_s"] == pytest.approx(max(0.0, gap - 2 * lat), abs=1e-6)
+
+
+def test_the_fit_takes_a_command_from_its_trigger_to_its_last_rank_by_kind(tmp_path):
+    """A runtime-like log of 2 trainers (ranks 0, 1) and a rollout rank (2), times by hand. A training command runs
+    on both trainers and counts from its trigger (its ranks' previous end, or its batch's last rollout end before it)
+    to its LAST trainer's start; a background span (rank 0's send) is no trigger; a rollout span that begins where its
+    rank's previous one ended was queued (no sample), and so is the generate that starts with an install; a generate
+    counts from its rank's previous end or a new version (an optimizer step's end). The simulator is charged the
+    training chunks' median (0.07 s); the optimizer step, 0.05 s from its last trainer's start (median of 0.06 and
+    0.04) after a latency of 0.03 s, is 0.05 + 0.03 - 0.07 = 0.01 s after the charged latency."""
+    from dynaresize.analysis.whatif import fitted_fixed_costs
+
+    def stage(step, stage, rank, start, end, **kw):
+        return _line(end, type="stage", step=step, stage=stage, ranks=str(rank), start=start, end=end, **kw)
+
+    lines = [_line(0.0, type="run_start", run_id="synthetic", source="runtime", world_size=3, wall_time=0.0),
+             stage(0, "rollout", 2, 0.10, 1.00, tokens=10, samples=4),  # nothing before it: no sample
+             stage(0, "rollout", 2, 1.00, 1.50, tokens=10, samples=4),  # queued behind the first
+             stage(0, "train", 0, 1.53, 1.83, chunk=True), stage(0, "train", 1, 1.56, 1.86, chunk=True),  # 1.56 - 1.50
+             stage(0, "weight_sync", 0, 1.80, 1.89, background=True),  # not a trigger: 1.93 - 1.86, not - 1.89
+             stage(0, "train", 0, 1.93, 2.13, chunk=True), stage(0, "train", 1, 1.90, 2.10, chunk=True),
+             stage(0, "train", 0, 2.16, 2.22, optimizer_step=True), stage(0, "train", 1, 2.15, 2.22, optimizer_step=True),
+             stage(0, "weight_sync", 2, 2.30, 2.31, install=True),  # the start of a generate: no command
+             stage(1, "rollout", 2, 2.31, 2.80, tokens=10, samples=4),  # right after the install: queued
+             stage(1, "train", 0, 2.84, 3.04, chunk=True), stage(1, "train", 1, 2.88, 3.08, chunk=True),  # 2.88 - 2.80
+             stage(1, "rollout", 2, 2.90, 3.20, tokens=10, samples=4),  # 2.90 - 2.80 (its own previous end)
+             stage(1, "train", 0, 3.10, 3.15, optimizer_step=True), stage(1, "train", 1, 3.11, 3.15, optimizer_step=True)]
+    (tmp_path / "events.jsonl").write_text("\n".join(lines) + "\n")
+    fit = fit_command_latency(load_run(tmp_path))
+    kinds = {k: (v["n"], round(v["median_s"], 9)) for k, v in fit["by_kind"].items()}
+    assert kinds == {"generate": (1, 0.1), "train_chunk": (3, 0.07), "optimizer_step": (2, 0.03)}
+    assert fit["of"] == "train_chunk" and fit["n"] == 3 and fit["command_latency_s"] == pytest.approx(0.07)
+    assert fit["median_all_s"] == pytest.approx(0.065)  # of 0.03 0.03 0.06 0.07 0.08 0.10
+    st = fit["optimizer_step"]
+    assert st["n"] == 2 and st["span_s"] == pytest.approx(0.05) and st["overhead_s"] == pytest.approx(0.01)
+    # an emulated run's what-if: the same in modelled seconds (wall / time_scale)
+    assert fitted_fixed_costs(fit, 0.02) == pytest.approx({"sim.command_latency_s": 3.5, "sim.train.step_overhead_s": 0.5})
+    assert to_costs_section(fit_costs(load_run(tmp_path)))["sim"]["command_latency_s"] == pytest.approx(0.07)
