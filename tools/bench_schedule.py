@@ -18,7 +18,9 @@ it the sample-level simulator's prediction for the same schedule on the run's ow
 (:func:`dynaresize.analysis.whatif.emulated_sim_config`, as ``tools/bench_emulated.py``). Then one JSON line:
 ``default_vs_best_static_barrier`` (the default started at the best split, over that split with the barrier, minus 1),
 ``default_from_start_vs_best_static_barrier`` and ``sim_predicted_gain`` (the simulator's figure for the first).
-Target (issue 25): the first > 0 and at least ``sim_predicted_gain`` minus 2 points.
+Target (issue 25): the first > 0 and at least ``sim_predicted_gain`` minus 2 points. ``overrun_s``: the seconds the
+emulated ops ran past their modelled time (the CPU could not keep up: a row the simulator cannot match). ``--keep
+DIR`` keeps the run directories.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def main() -> int:
     ap.add_argument("--time-scale", type=float, default=0.1, help="emulation.time_scale of every run (docs/emulation.md)")
     ap.add_argument("-o", "--override", action="append", default=[], help="extra dotted override for every run")
     ap.add_argument("--splits", type=int, nargs="*", help="trainer counts of the barrier rows (default: every split)")
+    ap.add_argument("--keep", type=Path, default=None, help="keep every row's run directory under this folder")
     args = ap.parse_args()
     from dynaresize.comm.groups import candidate_trainer_counts, unit_from_cluster
     from dynaresize.config.loader import load_config
@@ -51,7 +54,8 @@ def main() -> int:
     cfg = load_config(ROOT / args.config, base)
     gpus = cfg.cluster.gpus
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory(prefix="bench-schedule-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="bench-schedule-") as tmp_dir:
+        tmp = str(args.keep) if args.keep is not None else tmp_dir
         def row(name: str, n_train: int, schedule: str, resize: bool) -> dict:
             over = [*base, f"pipeline.schedule={schedule}", f"cluster.initial_train={n_train}",
                     f"policy.enabled={str(resize).lower()}"]
@@ -66,7 +70,7 @@ def main() -> int:
                 sim = {"samples_per_s": float("nan"), "switches": None}
             r = {"row": name, "runtime": round(obs["samples_per_s"], 4), "sim": round(sim["samples_per_s"], 4),
                  "ratio": round(obs["samples_per_s"] / sim["samples_per_s"], 4), "switches": obs["switches"],
-                 "sim_switches": sim["switches"], "faithful": obs["faithful"]}
+                 "sim_switches": sim["switches"], "faithful": obs["faithful"], "overrun_s": round(obs["overrun_s"], 2)}
             rows.append(r)
             print(f"  {name}: {r['runtime']:.3f} samples/s (sim {r['sim']:.3f})", file=sys.stderr, flush=True)
             return r
@@ -77,7 +81,7 @@ def main() -> int:
         from_best = row(f"default from best {best}:{gpus - best}", best, "barrier_free", True)
         init = cfg.cluster.initial_train
         from_start = row(f"default from config {init}:{gpus - init}", init, "barrier_free", True)
-    head = ["row", "runtime", "sim", "ratio", "switches", "sim_switches", "faithful"]
+    head = ["row", "runtime", "sim", "ratio", "switches", "sim_switches", "faithful", "overrun_s"]
     print("samples per wall second (sim: the simulator's prediction for the same schedule, per modelled second / "
           "time_scale)")
     print("  ".join(f"{h:>28}" if h == "row" else f"{h:>12}" for h in head))
