@@ -30,9 +30,6 @@ Mechanisms (:class:`~dynaresize.schedule.types.Mechanisms`):
   first chunk.
 - *gradient helpers* (``gradient_helpers``): an idle rollout rank that holds the version batch ``k`` trains from
   computes the gradient of some of its groups (``Help``/``HelpDone``), when priced worth it.
-- *trainer-gen* (``trainer_rollout``): idle trainers generate groups of the batch their version makes, with the same
-  ``Assign``/``GroupsDone`` contract as a rollout rank, then ``TrainerBack``; priced so that they are back before
-  they are needed (``_offer_generation``).
 
 Worked example (2 trainers + 2 rollout ranks, batches of 2 groups, s = 1, continuous rollout and streaming)::
 
@@ -62,7 +59,7 @@ from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import Decision, PolicyState, ResizeAction
 from dynaresize.schedule.types import (
     Assign, Decided, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
-    SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
 
@@ -208,11 +205,6 @@ class PipelineScheduler:
         self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
         self.gpu_s_per_token = 0.0  # the same per trained token (0: not measured)
         self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
-        self.generating: dict[int, int] = {}  # trainer-gen: trainer rank -> the batch it generates groups of
-        self.decode_s_per_group = 0.0  # the newest measured rollout GPU-seconds per group
-        self.group_latency_s = 0.0  # the newest measured longest assignment-to-end time of a group
-        self.trainer_gens = 0  # trainer-gen excursions (one Assign to one trainer each)
-        self.gen_budget: dict[int, float] = {}  # generating trainer -> its priced time away (seconds)
         # validation passes: version -> its held-out groups (one _Batch each; never trained on)
         self.vals: dict[int, _Batch] = {v: _Batch(v, n, v) for v, n in cfg.validations}
         self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
@@ -289,8 +281,6 @@ class PipelineScheduler:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
             self._handle_rest(ev, out)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
         return out
 
     def rank_ready(self, rank: int, capacity: int) -> list[SchedulerAction]:
@@ -302,8 +292,6 @@ class PipelineScheduler:
         if r.role is Role.ROLLOUT and not r.lost:  # self._rank(rank, Role.ROLLOUT)
             r.capacity = max(0, capacity)
             self._assign(rank, out)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)
         return out
 
     def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = (),
@@ -313,8 +301,6 @@ class PipelineScheduler:
         if self.restarting:
             return out
         self._groups_done(rank, batch, groups, tokens, out, kept)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)
         return out
 
     def _handle_rest(self, ev: SchedulerEvent, out: list[SchedulerAction]) -> None:
@@ -329,18 +315,14 @@ class PipelineScheduler:
                 self._switch_done(rank, out)
             case RankLost(rank):
                 self._lost(rank, out)
-            case StepMeasured(obs, steps_left, per_group, decode_per_group, latency, per_token):
+            case StepMeasured(obs, steps_left, per_group, per_token):
                 if per_group > 0:
                     self.gpu_s_per_group = per_group
                 if per_token > 0:
                     self.gpu_s_per_token = per_token
-                if decode_per_group > 0:
-                    self.decode_s_per_group, self.group_latency_s = decode_per_group, max(0.0, latency)
                 self._measured(obs, steps_left, out)
             case HelpDone(rank, batch):
                 self._help_done(rank, batch, out)
-            case TrainerBack(rank):
-                self._trainer_back(rank, out)
             case _:
                 raise ScheduleError(f"unknown event {ev!r}")
 
@@ -396,7 +378,7 @@ class PipelineScheduler:
             self.waiting.discard(rank)
 
     def _hand_out(self, rank: int, b: _Batch, n: int, out: list[SchedulerAction]) -> tuple[int, ...]:
-        """Up to ``n`` groups of batch ``b`` to ``rank`` (a rollout rank, or a trainer generating): their owner, the
+        """Up to ``n`` groups of batch ``b`` to rollout rank ``rank``: their owner, the
         rank's groups in flight and its version recorded, the ``Assign`` emitted."""
         r = self.ranks[rank]
         got = b.claim(n)
@@ -496,7 +478,7 @@ class PipelineScheduler:
             self._select(b, out)
         if r.inflight == 0:
             r.inflight_version = None
-            if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back
+            if r.leaving:
                 self._start_switch(rank, out)
         if len(b.done) == b.groups and b.sealed:  # b.complete
             self._prune_and_send(out)
@@ -625,8 +607,8 @@ class PipelineScheduler:
     # --- training -----------------------------------------------------------------------------------------------
     def _try_train(self, out: list[SchedulerAction]) -> None:
         k = self.produced
-        if self.t_busy or k >= self.cfg.steps or self.restarting or self.generating:
-            return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
+        if self.t_busy or k >= self.cfg.steps or self.restarting:
+            return
         b = self.batches[k]
         left = b.train_total - b.trained
         if left == 0 or b.unfilled:
@@ -751,89 +733,10 @@ class PipelineScheduler:
         if r.leaving and r.inflight == 0:
             self._start_switch(rank, out)
 
-    # --- trainer-gen ----------------------------------------------------------------------------------------------
-    def _offer_generation(self, out: list[SchedulerAction]) -> None:
-        """Within-step role flow, the other direction: idle trainers generate groups of the batch their version makes.
-
-        The trainers hold version ``k = produced`` (they took ``T_{k-1}``'s step), the version of batch ``k + s``. While
-        ``T_k`` has nothing to train (batch ``k``'s groups still decode: the rollout-bound tail), every trainer of the
-        coming ``T_k`` takes ``m`` unclaimed groups of batch ``k + s`` at once, as a rollout rank would (``Assign``,
-        then ``GroupsDone``; the same version rule, so the sample-to-version map is the barrier run's), and reports
-        ``TrainerBack`` once its engine sleeps again. It stays a trainer: the policy's topology does not change and the
-        trainer set of ``T_k`` is the one it was. No chunk or step of ``T_k`` starts while one of them is away.
-
-        Design: a trainer takes only what it is predicted to finish while it is not needed, rather than aborting and
-        returning unfinished groups (an abort throws away decoded tokens and still costs the engine's sleep). It is not
-        needed while the rollout pool has batch ``k + s`` work left: the rollout ranks wait for version ``k + 1``
-        only once batch ``k + s`` is claimed. So, with ``d`` the measured rollout GPU-seconds per group, the pool's
-        ``n`` ranks, ``U`` unclaimed groups of batch ``k + s`` and ``F`` groups in flight on the pool (of batches
-        ``k .. k + s``, each counted as ``trainer_gen_inflight_credit`` of a group's work), the trainers go only when
-
-            away = trainer_gen_cost_s + max(m d / trainer_gen_rate, group_latency_s)
-            away + rest of T_k  <=  (U - trainers x m + credit x F) d / n
-
-        (they come back, train the rest of batch ``k`` and step before the pool runs out of batch ``k + s``).
-        ``away`` is what the pricing allows a chunk of ``T_k`` to wait on a generating trainer (``gen_budget``);
-        ``group_latency_s`` is the slowest group's measured assignment-to-end time, so a trainer taking a few groups
-        is back within it (the simulator checks: ``SampleRunResult.trainer_gen_over_s``).
-        The saving is the pool time they spare, ``trainers x m x d / n``; it must exceed ``trainer_gen_margin x
-        trainer_gen_cost_s``. One excursion at a time (no trainer leaves while another is away), none during a resize.
-        """
-        c, k = self.cfg, self.produced
-        d, g = self.decode_s_per_group, self.gpu_s_per_group
-        if self.generating or self.t_busy or self.switching or k >= c.steps or d <= 0 or g <= 0 or self.n_rollout < 1:
-            return
-        b = self.batches[k]
-        left = b.train_total - b.trained
-        if left == 0:
-            return  # the batch is all in training (helpers, or the step is next)
-        j = next((j for j in self._batches_of(k) if self.batches[j].unclaimed and self._open(j)), None)
-        if j is None:
-            return
-        nb = self.batches[j]
-        ranks = self.t_ranks if self.t_started else tuple(
-            i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
-        if not ranks or any(self.ranks[i].leaving or self.ranks[i].lost for i in ranks):
-            return
-        nt = len(ranks)
-        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
-        rest = left * g / trate
-        unclaimed = len(nb.returned) + nb.groups - nb.cursor
-        inflight = sum(len(self.batches[i].owner) for i in range(k, j + 1))  # on the rollout ranks: none is away
-        pool = d / self.n_rollout  # pool seconds per group
-        m = min(c.trainer_gen_groups, unclaimed // nt)
-        while m >= 1:
-            away = c.trainer_gen_cost_s + max(m * d / c.trainer_gen_rate, self.group_latency_s)
-            if away + rest <= (unclaimed - nt * m + c.trainer_gen_inflight_credit * inflight) * pool:
-                break
-            m -= 1
-        if m < 1 or nt * m * pool <= c.trainer_gen_margin * c.trainer_gen_cost_s:
-            return
-        for rank in ranks:
-            self._hand_out(rank, nb, m, out)
-            self.generating[rank] = j
-            self.gen_budget[rank] = away
-            self.trainer_gens += 1
-
-    def _trainer_back(self, rank: int, out: list[SchedulerAction]) -> None:
-        r = self.ranks[rank]
-        if rank not in self.generating:
-            if r.lost:
-                return
-            raise ScheduleError(f"trainer {rank} came back from a generation it was not sent to")
-        if r.inflight:
-            raise ScheduleError(f"trainer {rank} came back with {r.inflight} groups still generating")
-        del self.generating[rank]
-        self.gen_budget.pop(rank, None)
-        if r.leaving and not (self.t_started and rank in self.t_ranks):
-            self._start_switch(rank, out)
-        self._try_train(out)
-        self._maybe_step(out)
-
     def _maybe_step(self, out: list[SchedulerAction]) -> None:
         """The optimizer step once every group went through forward/backward, the helpers' included."""
         k = self.produced
-        if self.t_busy or k >= self.cfg.steps or self.generating:
+        if self.t_busy or k >= self.cfg.steps:
             return
         b = self.batches[k]
         if b.complete and b.trained == b.train_total and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
@@ -901,7 +804,7 @@ class PipelineScheduler:
                 r = self.ranks[rank]
                 r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
                 self.switching.add(rank)
-                if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+                if not (self.t_started and rank in self.t_ranks):
                     self._start_switch(rank, out)
 
     def _switch_running(self) -> bool:
@@ -1031,7 +934,7 @@ class PipelineScheduler:
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
         self.switching.add(rank)
-        if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+        if not (self.t_started and rank in self.t_ranks):
             self._start_switch(rank, out)
 
 

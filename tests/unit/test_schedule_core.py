@@ -8,8 +8,7 @@ claims interleave in any order). After every action the world checks the contrac
   again, elsewhere), and a rank decodes one version at a time;
 - batches are trained in order, each group in exactly one chunk, only once complete; ``Step(k)`` after all of them;
 - no rank is a trainer and a rollout rank at once; a rank switches only without work;
-- trainer-gen: a trainer generates only with the version it holds (the newest), never while it trains, and the
-  trainer set of ``T_k`` is the same from its first chunk to its step;
+- the trainer set of ``T_k`` is the same from its first chunk to its step;
 - validation passes: each validation group generated exactly once, by a rank holding that version and never by one
   that decoded a newer version already, interleaved with the training work (or the pass is abandoned when a loss
   left no live rank holding its version);
@@ -30,7 +29,7 @@ from dynaresize.policy.types import Decision, Observation, PolicyState, ResizeAc
 from dynaresize.schedule import (
     Assign, Decided, DynamicSampling, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
-    TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
+    Validate, ValidationDone, WeightsArrived, version_of,
 )
 
 pytestmark = pytest.mark.unit
@@ -73,13 +72,8 @@ class World:
     losses_left: int = 1
     helping: dict[int, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
     helps: int = 0
-    gen: set[int] = field(default_factory=set)  # trainers generating
-    trainer_gens: int = 0
     t_set: dict[int, tuple[int, ...]] = field(default_factory=dict)  # batch -> trainer set of its first chunk
-    # what the world reports in StepMeasured: training GPU-s per group, rollout GPU-s per group, group latency
-    gpu_s: float = 1.0
-    decode_s: float = 1.0
-    latency_s: float = 0.0
+    gpu_s: float = 1.0  # what the world reports in StepMeasured: training GPU-s per group
     tokens: bool = False  # GroupsDone reports each group's trained tokens (world_tokens), StepMeasured the compute per token
     vinflight: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # rank -> validation (version, group)
     validated: dict[tuple[int, int], int] = field(default_factory=dict)  # (version, group) -> times generated
@@ -120,17 +114,8 @@ class World:
                 case Assign(rank, batch, groups, version):
                     assert rank not in self.lost and rank not in self.helping, "work for a lost or helping rank"
                     assert version == version_of(batch, self.cfg.staleness), "sample-to-version map broken"
-                    if self.core.role(rank) is Role.TRAIN:  # trainer-gen: the newest weights are the trainer's own
-                        assert self.cfg.mechanisms.trainer_rollout, "work for a trainer"
-                        assert version == self.steps_done, f"trainer {rank} generates with {version}, holds {self.steps_done}"
-                        assert rank not in self.gen and not self.inflight[rank], "a trainer sent out twice"
-                        assert self.stepping is None and (self.chunk is None or rank not in self.chunk.ranks), \
-                            "a trainer generates while it trains"
-                        self.gen.add(rank)
-                        self.trainer_gens += 1
-                    else:
-                        assert self.core.role(rank) is Role.ROLLOUT
-                        assert version in self.held[rank], f"rank {rank} lacks version {version}"
+                    assert self.core.role(rank) is Role.ROLLOUT, "work for a rank that is not a rollout rank"
+                    assert version in self.held[rank], f"rank {rank} lacks version {version}"
                     assert all(v == version for _, _, v in self.inflight[rank]), "two versions on one rank"
                     assert all(v == version for v, _ in self.vinflight[rank]), "two versions on one rank"
                     self.newest[rank] = max(self.newest.get(rank, 0), version)
@@ -157,7 +142,6 @@ class World:
                     assert self.chunk is None and self.stepping is None
                     assert batch == self.steps_done, "batches trained out of order"
                     assert all(self.core.role(r) is Role.TRAIN for r in ranks) and ranks
-                    assert not self.gen & set(ranks), "a trainer trains while it generates"
                     assert self.t_set.setdefault(batch, ranks) == ranks, "the trainer set changed within a batch"
                     for g in groups:
                         assert (batch, g) in self.generated, "trained a group before it was generated"
@@ -178,7 +162,6 @@ class World:
                     self.pending.append(HelpDone(rank, batch))
                 case Step(batch, ranks):
                     assert batch == self.steps_done and self.chunk is None
-                    assert not self.gen & set(ranks), "a step while a trainer generates"
                     assert self.t_set.get(batch, ranks) == ranks, "the trainer set changed within a batch"
                     assert not any(b == batch for b, _ in self.helping.values()), "step before the helpers' gradients"
                     assert self.trained.get(batch, set()) == set(static_selection(self, batch)[1]), "step before the batch trained"
@@ -211,8 +194,6 @@ class World:
     def enabled(self) -> list:
         ev = list(self.pending)
         for r in range(self.cfg.n_ranks):
-            if r in self.gen:
-                ev.extend(self.done(r, batch, g) for batch, g, _ in self.inflight[r])
             if r in self.lost or self.core.role(r) is not Role.ROLLOUT:
                 continue
             free = self.slots - len(self.inflight[r]) - len(self.vinflight[r])
@@ -235,13 +216,9 @@ class World:
                 v = next(v for b, gg, v in self.inflight[rank] if (b, gg) == (batch, g))
                 self.inflight[rank].remove((batch, g, v))
                 self.generated[(batch, g)] = v
-                if rank in self.gen and not self.inflight[rank]:
-                    self.pending.append(TrainerBack(rank))  # its engine sleeps again
             case ValidationDone(rank, v, (g,)):
                 self.vinflight[rank].remove((v, g))
                 self.validated[(v, g)] = self.validated.get((v, g), 0) + 1
-            case TrainerBack(rank):
-                self.gen.discard(rank)
             case TrainChunkDone():
                 self.chunk = None
             case OptimizerStepDone(batch):
@@ -275,8 +252,8 @@ class World:
         self.apply(self.core.handle(ev))
         if isinstance(ev, OptimizerStepDone):
             obs = Observation(step=ev.batch, topology=self.core.topology(), rollout_s=1.0, train_s=1.0)
-            self.apply(self.core.handle(StepMeasured(obs, self.cfg.steps - self.steps_done, self.gpu_s, self.decode_s,
-                                                     self.latency_s, self.gpu_s / 4.0 if self.tokens else 0.0)))
+            self.apply(self.core.handle(StepMeasured(obs, self.cfg.steps - self.steps_done, self.gpu_s,
+                                                     self.gpu_s / 4.0 if self.tokens else 0.0)))
 
 
 def static_selection(w: "World", batch: int) -> tuple[int, tuple[int, ...]]:
@@ -332,7 +309,7 @@ def check_finished(w: World) -> None:
     assert all(c == 1 for c in w.validated.values()), "a validation group generated twice"
 
 
-MECHS = st.builds(Mechanisms, st.booleans(), st.booleans(), st.just(True), st.booleans(), st.booleans())
+MECHS = st.builds(Mechanisms, st.booleans(), st.booleans(), st.just(True), st.booleans())
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -679,106 +656,17 @@ def test_the_random_worlds_do_exercise_the_helpers():
     assert helps[False] > 0 and helps[True] > 0  # priced at the mean and by tokens
 
 
-# --- trainer-gen: idle trainers generate groups of the batch their version makes ---------------------------------
-TGEN = dict(trainer_gen_cost_s=0.05, trainer_gen_rate=1.0, trainer_gen_groups=2, trainer_gen_margin=1.0)
-CHEAP_TRAINING = dict(gpu_s=0.05, decode_s=2.0, latency_s=0.0)  # rollout-bound: the trainers idle in the tail
-
-
-def _tgen_core(**over) -> PipelineScheduler:
-    """1 trainer, 3 rollout ranks, batches of 6 groups, continuous + streaming + trainer-gen."""
-    cfg = SchedulerConfig(4, 1, (6, 6, 6), mechanisms=Mechanisms(True, True, False, False, True), **{**TGEN, **over})
-    core = PipelineScheduler(cfg)
-    core.start()
-    return core
-
-
-def test_an_idle_trainer_generates_the_batch_its_version_makes_and_is_back_before_training():
-    core = _tgen_core()
-    assert core.handle(RankReady(1, 2)) == [Assign(1, 0, (0, 1), 0)]
-    assert core.handle(RankReady(2, 2)) == [Assign(2, 0, (2, 3), 0)]
-    # trainer 0 idles (nothing of batch 0 is complete) and holds version 0, the version of batches 0 and 1. Measured:
-    # 2 s of rollout GPU per group, 3 rollout ranks, so 0.67 s of the pool's time per group; 6 x 0.05 s of training.
-    acts = core.handle(StepMeasured(Observation(0, core.topology(), 1.0, 1.0), 3, 0.05, 2.0, 0.0))
-    # batch 0's 2 unclaimed groups and 4 in flight (half a group's work each) keep the pool busy (2 - 1 + 2) x 0.67 =
-    # 2 s at most with one taken, less than the trainer's time away (0.05 s + 2 s per group) + 0.3 s of training
-    assert acts == []
-    # batch 1: 6 unclaimed, 6 in flight: two groups, 0.05 + 4 + 0.3 = 4.35 s <= (6 - 2 + 3) x 0.67 s
-    assert core.handle(RankReady(3, 2)) == [Assign(3, 0, (4, 5), 0), Assign(0, 1, (0, 1), 0)]
-    assert core.generating == {0: 1} and core.role(0) is Role.TRAIN and core.topology() == Topology(1, 3)
-    assert core.gen_budget == {0: pytest.approx(4.05)}
-    # batch 0's groups arrive: no chunk starts while the trainer generates
-    assert core.handle(GroupsDone(1, 0, (0, 1))) == []
-    assert core.handle(GroupsDone(0, 1, (0, 1))) == []  # its groups are done; its engine is not asleep yet
-    assert core.handle(TrainerBack(0)) == [Train(0, (0, 1), (0,), True)]
-    assert core.complete(0) is False and core.batches[1].done == {0, 1}
-    with pytest.raises(ScheduleError):
-        core.handle(TrainerBack(0))  # it is not generating any more
-
-
-def test_trainer_gen_is_not_used_when_its_switch_costs_more_than_it_saves():
-    core = _tgen_core(trainer_gen_cost_s=5.0)
-    core.handle(StepMeasured(Observation(0, core.topology(), 1.0, 1.0), 3, 0.05, 2.0, 0.0))
-    acts = [a for r in (1, 2, 3) for a in core.handle(RankReady(r, 2))]
-    assert all(a.rank != 0 for a in acts) and not core.generating
-
-
-def test_a_trainer_does_not_generate_when_its_training_rest_would_outlast_the_pools_work():
-    core = _tgen_core()
-    core.handle(StepMeasured(Observation(0, core.topology(), 1.0, 1.0), 3, 1.0, 2.0, 0.0))  # 6 s of training left
-    acts = [a for r in (1, 2, 3) for a in core.handle(RankReady(r, 2))]
-    assert all(a.rank != 0 for a in acts) and not core.generating
-
-
-def test_a_generating_trainer_leaving_in_a_resize_switches_only_once_it_is_back():
-    cfg = SchedulerConfig(5, 2, (12, 12, 12), mechanisms=Mechanisms(True, True, True, False, True), **TGEN)
-    core = PipelineScheduler(cfg, ScriptedPolicy([2, 1]))  # hold 2 trainers, then resize to 1
-    core.start()
-    measured = StepMeasured(Observation(0, core.topology(), 1.0, 1.0), 3, 0.05, 3.0, 0.0)  # 1 s of pool per group
-    # 12 unclaimed: each trainer takes 2 (0.05 + 6 s + 0.16 s of training <= (12 - 4) x 1 s)
-    assert core.handle(measured)[1:] == [Assign(0, 0, (0, 1), 0), Assign(1, 0, (2, 3), 0)]
-    assert not any(isinstance(a, Switch) for a in core.handle(measured))  # trainer 1 leaves, but it is away
-    assert core.topology() == Topology(1, 4)
-    assert core.handle(GroupsDone(1, 0, (2, 3))) == []
-    assert core.handle(TrainerBack(1)) == [Switch(1, Role.ROLLOUT, 0)]
-    assert core.handle(GroupsDone(0, 0, (0, 1))) == []  # streaming: its groups wait for the trainer to be back
-    assert core.handle(TrainerBack(0)) == [Train(0, (2, 3, 0, 1), (0,), True)]  # T_0 on the new trainer set
-
-
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), stream=st.booleans(), helpers=st.booleans(), n=st.integers(3, 6), steps=st.integers(2, 5),
-       groups=st.integers(4, 8), slots=st.integers(1, 3), losses=st.integers(0, 1),
-       script=st.one_of(st.none(), st.lists(st.integers(1, 4), min_size=1, max_size=3)))
-def test_trainer_gen_keeps_the_contract(data, stream, helpers, n, steps, groups, slots, losses, script):
-    """Every group once by its version, batches trained once in order, the trainer set fixed, a trainer never trains
-    and generates at once, a lost rank's work handed out again (World.apply and check_finished check each)."""
-    cfg = SchedulerConfig(n, 1 + (n > 4), (groups,) * steps, staleness=1,
-                          mechanisms=Mechanisms(True, stream, script is not None, helpers, True), helper_cost_s=0.05, **TGEN)
-    w = run_world(cfg, data, slots, script=script, losses=losses, **CHEAP_TRAINING)
-    check_finished(w)
-    assert not w.gen and not w.core.generating
-
-
-def test_the_random_worlds_do_exercise_trainer_gen():
-    """Guard for the property test above: its random event orders send trainers generating (else it checks nothing)."""
-    gens = 0
-    for seed in range(40):
-        cfg = SchedulerConfig(4, 1, (6,) * 4, staleness=1, mechanisms=Mechanisms(True, seed % 2 == 0, False, False, True),
-                              **TGEN)
-        world = run_at_random(cfg, seed, **CHEAP_TRAINING)
-        gens += world.trainer_gens
-    assert gens > 10
-
-
-def test_trainer_gen_events_survive_the_schedule_log_codec():
+def test_step_measurements_survive_the_schedule_log_codec():
     from dynaresize.schedule.codec import decode, encode
 
     obs = Observation(3, Topology(2, 2), 1.0, 2.0)
-    for ev in (TrainerBack(1), StepMeasured(obs, 4, 0.5, 2.5, 30.0)):
-        assert decode(encode(ev)) == ev
-    cfg = SchedulerConfig(4, 2, (3, 3), mechanisms=Mechanisms(True, True, True, False, True), trainer_gen_cost_s=3.0)
+    ev = StepMeasured(obs, 4, 0.5, 0.01)
+    assert decode(encode(ev)) == ev
+    cfg = SchedulerConfig(4, 2, (3, 3), mechanisms=Mechanisms(True, True, True, True), helper_cost_s=3.0)
     assert decode(encode(cfg)) == cfg
-    with pytest.raises(ValueError):
-        SchedulerConfig(4, 2, (3,), trainer_gen_groups=0)
+    # a log written while trainer-gen existed: its removed fields are ignored, the rest decodes as it was
+    old = {**encode(ev), "decode_s_per_group": 2.5, "group_latency_s": 30.0}
+    assert decode(old) == ev
 
 
 class _FastEntries(PipelineScheduler):
@@ -810,15 +698,14 @@ class _FastEntries(PipelineScheduler):
 
 def test_the_fast_entry_points_answer_as_handle():
     """``rank_ready``/``groups_done`` (the simulator's calls) are ``handle(RankReady(...))``/``handle(GroupsDone(...))``:
-    random worlds with every mechanism mix, helpers, trainer-gen and a lost rank, answer for answer."""
+    random worlds with every mechanism mix, helpers and a lost rank, answer for answer."""
     fast = 0
     for seed in range(40):
-        tgen = seed % 3 == 0
         cfg = SchedulerConfig(4, 1, (5,) * 4, staleness=1 + seed % 2,
-                              mechanisms=Mechanisms(seed % 4 != 3, seed % 2 == 0, False, True, tgen),
-                              helper_cost_s=0.05, helper_rate=1.0, train_chunks=5, **(TGEN if tgen else {}))
+                              mechanisms=Mechanisms(seed % 4 != 3, seed % 2 == 0, False, True),
+                              helper_cost_s=0.05, helper_rate=1.0, train_chunks=5)
         core = _FastEntries(cfg)
-        world = World(core, cfg, 2, losses_left=seed % 2, tokens=seed % 4 < 2, **(CHEAP_TRAINING if tgen else {}))
+        world = World(core, cfg, 2, losses_left=seed % 2, tokens=seed % 4 < 2)
         world.apply(core.start())
         rnd = random.Random(seed)
         while not core.finished and not world.restarted:
