@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
-from dynaresize.schedule import Mechanisms  # noqa: E402
+from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, setup  # noqa: E402
 
 STATIONARY = {"stationary_8gpu", "cpu_quickstart"}
@@ -47,7 +47,7 @@ def timed(name: str, samples: bool, steps: int) -> tuple[float, float, float]:
     s = setup(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
     if samples:
-        run_samples(s, s.initial, Mechanisms(True, True, True, True))
+        run_samples(s, s.initial, SimMechanisms(True, True, True, True))
     else:
         run_dynamic(s, False)
     return time.perf_counter() - t0, time.process_time() - c0, os.getloadavg()[0]

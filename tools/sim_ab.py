@@ -47,7 +47,11 @@ def runner(pkg: str, scenario: str, steps: int):
     sched = importlib.import_module(pkg + ".schedule")
     cfg = loader.load_config(ROOT / f"configs/sim/{scenario}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = comp.setup(cfg)
-    return lambda: comp.run_samples(s, s.initial, sched.Mechanisms(True, True, True, True))
+    try:  # the gradient helpers' flag moved to the simulator's own mechanisms (issue 25)
+        mech = importlib.import_module(pkg + ".sim.mechanisms").SimMechanisms(True, True, True, True)
+    except ModuleNotFoundError:
+        mech = sched.Mechanisms(True, True, True, True)
+    return lambda: comp.run_samples(s, s.initial, mech)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from dynaresize.policy.config import OptimizationsConfig
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.bound import bound_total, tight_bound
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult, SampleSettings
 from dynaresize.sim.stages import StageTable
 
@@ -156,7 +157,7 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn barrier (samples)", "barrier", Mechanisms(False, False, True)),
     ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
     ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
-    ("dyn +cont+stream+helpers", "gradient_helpers", Mechanisms(True, True, True, True)),
+    ("dyn +cont+stream+helpers", "gradient_helpers", SimMechanisms(True, True, True, True)),
 )
 ALL_MECHANISMS = SAMPLE_ROWS[-1][1]  # the summary key of the run with every mechanism
 

@@ -49,10 +49,11 @@ from dynaresize.policy import Observation, OpGroup, ResizePolicy, SwitchCostMode
 from dynaresize.policy.types import PipelineWorkload
 from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
+    Assign, Decided, GroupsDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
 )
 from dynaresize.sim.engine import RunResult
+from dynaresize.sim.mechanisms import Help, HelpDone, HelperConfig, HelpingScheduler, helpers_on
 from dynaresize.sim.stages import StageTable
 
 _EPS = 1e-9
@@ -245,6 +246,7 @@ class SamplePipeline:
         self.tail_share = tail_share  # barrier-free observations: the share of the longest response reported as tail
         self.N, self.K, self.s = initial.total, table.steps, staleness
         self.initial, self.mech, self.policy = initial, mechanisms, policy
+        self.helpers = helpers_on(mechanisms)  # gradient helpers (a sim-only mechanism: dynaresize.sim.mechanisms)
         self.overlap, self.claim_groups, self.record = overlap_fraction, claim_groups, record_versions
         sim = table.sim
         self.w = sim.rollout.iteration_fixed_s
@@ -261,11 +263,13 @@ class SamplePipeline:
         stream_min = max(1, min(groups) // max(1, stream_chunks))
         self.stream_min = stream_min
         self.helper_rate, self.helper_cost_s = helper_rate, helper_cost_s
-        self.core = PipelineScheduler(
-            SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min, helper_rate=helper_rate,
-                            helper_cost_s=helper_cost_s, train_scaling_per_doubling=sim.train.scaling_per_doubling,
-                            train_chunks=stream_chunks),
-            policy if mechanisms.resize else None)
+        self.helper_cfg = HelperConfig(helper_rate, helper_cost_s, train_chunks=stream_chunks,
+                                       train_scaling_per_doubling=sim.train.scaling_per_doubling)
+        core_cfg = SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min)
+        core_policy = policy if mechanisms.resize else None
+        self.core = (HelpingScheduler(core_cfg, self.helper_cfg, core_policy) if self.helpers
+                     else PipelineScheduler(core_cfg, core_policy))
+        self.helping: dict = self.core.helping if self.helpers else {}  # helper rank -> (batch, groups)
         self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
         self.heap: list = []
         self.seq = 0
@@ -334,7 +338,7 @@ class SamplePipeline:
     def _claim_at(self, dr: DecodeRank) -> float:
         core, rank = self.core, dr.rank
         r = core.ranks[rank]
-        if r.role is not Role.ROLLOUT or r.lost or r.leaving or rank in core.helping:  # not core.accepting(rank)
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or rank in self.helping:  # not core.accepting(rank)
             return math.inf  # draining for a switch, or helping the trainers: only its completions matter
         if rank in core.waiting:
             # it waits for work of a new version: the next chance is when it is empty (else woken by the core)
@@ -412,8 +416,8 @@ class SamplePipeline:
             return
         lim = t + _EPS
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
-        busy_start, helping, waiting = self.busy_start, core.helping, core.waiting
-        helpers = self.mech.gradient_helpers
+        busy_start, helping, waiting = self.busy_start, self.helping, core.waiting
+        helpers = self.helpers
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
         while True:
             groups, p = dr.groups, dr.gptr
@@ -503,7 +507,7 @@ class SamplePipeline:
 
     def _tokens(self, batch: int, groups) -> tuple[int, ...]:
         """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
-        if not self.mech.gradient_helpers:
+        if not self.helpers:
             return ()
         tokens = self._batch(batch).tokens_per_group
         return tuple(tokens[g] for g in groups)
@@ -669,8 +673,8 @@ class SamplePipeline:
             tuple(chain.from_iterable(bi.lengths)), bi.group_size, bi.cap, self.w, bi.u,
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
             self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
-            self.helper_rate if self.mech.gradient_helpers else 0.0, self.helper_cost_s, self.core.cfg.helper_margin,
-            self.core.cfg.train_chunks)
+            self.helper_rate if self.helpers else 0.0, self.helper_cost_s, self.helper_cfg.margin,
+            self.helper_cfg.train_chunks)
 
     # --- switches -------------------------------------------------------------------------------------------------
     def _decided(self, t: float, step: int, dec, sid: int | None) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 from dynaresize.config.loader import load_config
 from dynaresize.policy import Topology
-from dynaresize.schedule import Mechanisms
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import run_samples, setup
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,8 +43,8 @@ SCENARIOS = {  # name: (steps, overrides)
     "dapo_64gpu": (6, []),
     "taskmix_64gpu": (6, []),
 }
-SCENARIO_MECHS = (Mechanisms(False, False, True), Mechanisms(True, True, True),
-                  Mechanisms(True, True, True, True), Mechanisms(True, False, False, True))
+SCENARIO_MECHS = (SimMechanisms(False, False, True), SimMechanisms(True, True, True),
+                  SimMechanisms(True, True, True, True), SimMechanisms(True, False, False, True))
 
 
 def _uniform(rng: random.Random, lo: float, hi: float) -> float:
@@ -68,7 +68,7 @@ def random_world(index: int) -> dict[str, Any]:
     )
 
 
-def random_world_runs(w: dict[str, Any]) -> tuple[str, list[str], list[tuple[str, Topology | None, Mechanisms]]]:
+def random_world_runs(w: dict[str, Any]) -> tuple[str, list[str], list[tuple[str, Topology | None, SimMechanisms]]]:
     """The config, its overrides and the two runs of a random world (name, split or ``None`` for the configured one,
     mechanisms)."""
     init = max(1, min(w["gpus"] - 1, round(w["train_frac"] * w["gpus"])))
@@ -87,12 +87,12 @@ def random_world_runs(w: dict[str, Any]) -> tuple[str, list[str], list[tuple[str
         f"sim.pipeline.claim_groups={w['claim']}",
         f"sim.pipeline.stream_chunks={w['chunks']}", f"sim.command_latency_s={w['latency']}",
         f"switching.costs.override_s={{weight_sync: {w['sync']}}}", "sim.write_events=false", *eager]
-    mirrored = Mechanisms(*w["mech"][:2], False, *w["mech"][3:])
-    return "paper_8gpu", over, [("configured", None, Mechanisms(*w["mech"])),
+    mirrored = SimMechanisms(*w["mech"][:2], False, *w["mech"][3:])
+    return "paper_8gpu", over, [("configured", None, SimMechanisms(*w["mech"])),
                                 ("mirrored", Topology(w["gpus"] - init, init), mirrored)]
 
 
-def worlds() -> Iterator[tuple[str, str, list[str], list[tuple[str, Topology | None, Mechanisms]]]]:
+def worlds() -> Iterator[tuple[str, str, list[str], list[tuple[str, Topology | None, SimMechanisms]]]]:
     """Every world: (its name, config name, overrides, its runs); ``None`` as a run's split means the configured one."""
     for k in range(RANDOM_WORLDS):
         yield (f"random-{k:03d}", *random_world_runs(random_world(k)))
@@ -119,7 +119,7 @@ def fingerprint(r) -> dict[str, Any]:
     )
 
 
-def run_world(config: str, over: list[str], runs: list[tuple[str, Topology | None, Mechanisms]]) -> dict[str, dict]:
+def run_world(config: str, over: list[str], runs: list[tuple[str, Topology | None, SimMechanisms]]) -> dict[str, dict]:
     """The world's runs (on one setup, in order), each as {"world": the world's digest, **its fingerprint}."""
     s = setup(load_config(ROOT / f"configs/sim/{config}.yaml", over))
     out = {}

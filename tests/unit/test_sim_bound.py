@@ -95,6 +95,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 from dynaresize.policy import Topology  # noqa: E402
 from dynaresize.schedule import Mechanisms  # noqa: E402
+from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.bound import tight_bound, train_options  # noqa: E402
 from dynaresize.sim.compare import run_samples  # noqa: E402
 
@@ -169,7 +170,7 @@ def test_no_schedule_of_a_random_world_beats_either_bound(w):
     sync = min(s.costs.weight_sync_s(), s.naive_costs.weight_sync_s())
     b = bound_total(s.table, cfg.sim, N, stale)
     tb = tight_bound(s.table, cfg.sim, N, stale, sync)
-    m = Mechanisms(*w["mech"][:2], w["mech"][2], *w["mech"][3:])
+    m = SimMechanisms(*w["mech"][:2], w["mech"][2], *w["mech"][3:])
     runs = [run_samples(s, s.initial, m), run_samples(s, Topology(N - init, init), Mechanisms(*w["mech"][:2], False)),
             run_static(s, s.initial), run_dynamic(s, False)]
     for r in runs:

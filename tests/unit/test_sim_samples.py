@@ -11,6 +11,7 @@ from dynaresize.config.loader import load_config
 from dynaresize.events import EventLog, EventType, make_event
 from dynaresize.policy import Topology
 from dynaresize.schedule import Mechanisms, version_of
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
@@ -118,7 +119,7 @@ def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_tr
     topo = Topology(42, 22)
     barrier = run_samples(s, topo, Mechanisms(False, False, False), record_versions=True)
     without = run_samples(s, topo, Mechanisms(True, True, False), record_versions=True)
-    helped = run_samples(s, topo, Mechanisms(True, True, False, True), record_versions=True)
+    helped = run_samples(s, topo, SimMechanisms(True, True, False, True), record_versions=True)
     assert helped.helps > 0
     assert helped.versions == barrier.versions == without.versions and helped.samples == barrier.samples
     assert helped.total_s < without.total_s
