@@ -371,8 +371,8 @@ class PipelineScheduler:
             self.waiting.discard(rank)
 
     def _hand_out(self, rank: int, b: _Batch, n: int, out: list[SchedulerAction]) -> tuple[int, ...]:
-        """Up to ``n`` groups of batch ``b`` to rollout rank ``rank``: their owner, the
-        rank's groups in flight and its version recorded, the ``Assign`` emitted."""
+        """Up to ``n`` groups of batch ``b`` to rollout rank ``rank``: their owner, the rank's groups in flight and its
+        version recorded, the ``Assign`` emitted."""
         r = self.ranks[rank]
         got = b.claim(n)
         for g in got:
