@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
-from dynaresize.schedule import Mechanisms  # noqa: E402
+from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.compare import best_static_samples, run_samples, setup  # noqa: E402
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE  # noqa: E402
 
-BARRIER_FREE = Mechanisms(True, True, True, True)
+BARRIER_FREE = SimMechanisms(True, True, True, True)
 
 
 def stationary(gpus: int, mean: int, seed: int, steps: int):

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
-from dynaresize.schedule import Mechanisms  # noqa: E402
+from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, setup  # noqa: E402
 
 STATIONARY = {"stationary_8gpu", "cpu_quickstart"}
@@ -47,7 +47,7 @@ def timed(name: str, samples: bool, steps: int) -> tuple[float, float, float]:
     s = setup(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
     if samples:
-        run_samples(s, s.initial, Mechanisms(True, True, True, True, True))
+        run_samples(s, s.initial, SimMechanisms(True, True, True, True))
     else:
         run_dynamic(s, False)
     return time.perf_counter() - t0, time.process_time() - c0, os.getloadavg()[0]
@@ -95,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * sm['fraction_of_bound']:>7.1f}% {fmt(allg):>9} "
                      f"{'-' if allb is None else f'{100 * allb:.1f}%':>8} "
                      f"{'-' if allt is None else f'{100 * allt:.1f}%':>7} "
-                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers",
-                                                                         "trainer_rollout"))
+                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
     preds = [(n, sc.get("all_mechanisms_by_predictor", {})) for n, sc in out["scenarios"].items()]
     if any(bp for _, bp in preds):
@@ -109,10 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         w512, c512, l512 = timed("scale_512gpu", True, 500)
         w4096, c4096, l4096 = timed("scale_4096gpu", True, 1000)
     print(f"{'scenario':<18} {'best':>10} {'dyn_step':>9} {'%bound':>8} {'dyn_all':>9} {'%bound':>8} {'%tight':>7} "
-          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'+tgen':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
+          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
     print("\n".join(lines))
     print("dyn_step: today's DynaResize (barrier, step level) vs the best static split; dyn_all: every mechanism (sample "
-          "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers/+tgen: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
+          "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
     if args.no_timing:
         print(json.dumps(out))
         return 0

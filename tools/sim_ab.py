@@ -5,9 +5,9 @@
 
 The old commit's ``dynaresize`` package is extracted (``git archive``) into a temporary folder as ``dynaresize_old``
 (its imports renamed), so both engines run in this process, alternating (old, new, new, old, ...), each from a fresh
-setup, every mechanism on, no event log. Each run's result (end time, switches, helps, trainer-gen excursions, the
-splits) must be equal between the two; the CPU seconds (``time.process_time``) of each run, their minimum and median,
-and the 1-minute load average are printed. The machine is shared: CPU time grows with the load too, so only runs
+setup, every mechanism on, no event log. Each run's result (end time, switches, helps, the splits) must be equal
+between the two; the CPU seconds (``time.process_time``) of each run, their minimum and median, and the 1-minute load
+average are printed. The machine is shared: CPU time grows with the load too, so only runs
 alternated like this compare like with like.
 """
 
@@ -47,7 +47,11 @@ def runner(pkg: str, scenario: str, steps: int):
     sched = importlib.import_module(pkg + ".schedule")
     cfg = loader.load_config(ROOT / f"configs/sim/{scenario}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = comp.setup(cfg)
-    return lambda: comp.run_samples(s, s.initial, sched.Mechanisms(True, True, True, True, True))
+    try:  # the gradient helpers' flag moved to the simulator's own mechanisms (issue 25)
+        mech = importlib.import_module(pkg + ".sim.mechanisms").SimMechanisms(True, True, True, True)
+    except ModuleNotFoundError:
+        mech = sched.Mechanisms(True, True, True, True)
+    return lambda: comp.run_samples(s, s.initial, mech)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
                 r = run()
                 c = time.process_time() - c0
                 cpu[which].append(c)
-                k = (repr(r.total_s), r.switches, r.helps, r.trainer_gens, tuple(r.topologies))
+                k = (repr(r.total_s), r.switches, r.helps, tuple(r.topologies))
                 if key.setdefault(which, k) != k:
                     raise SystemExit(f"{which}: two runs of the same engine differ")
                 print(f"{which}: {c:.2f} s CPU (end {r.total_s!r}, {r.switches} switches, load {os.getloadavg()[0]:.1f})",

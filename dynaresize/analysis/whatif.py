@@ -56,7 +56,6 @@ CHAIN = (
     ("continuous_rollout", "dyn +continuous", "+ continuous rollout"),
     ("streaming_training", "dyn +cont+stream", "+ streaming training"),
     ("gradient_helpers", "dyn +cont+stream+helpers", "+ gradient helpers"),
-    ("trainer_rollout", "dyn +helpers+trainer-gen", "+ trainer-gen"),
 )
 SAMPLE_ROW_NAMES = {"best static (samples)"} | {c for _, c, _ in CHAIN}
 

@@ -65,7 +65,7 @@ from dynaresize.policy import Topology
 from dynaresize.policy.types import Decision, Observation, ResizeAction
 from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Help, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
+    Assign, Decided, GroupsDone, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
     Extend, Role, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate, ValidationDone,
     WeightsArrived,
 )
@@ -602,8 +602,6 @@ class ContinuousSchedule:
                     pass
                 case Restart(rank, reason):  # every rank from the checkpoint: the restart path of a lost trainer
                     raise RanksLost(self.job.state.lost or [rank], "continuous schedule", reason)
-                case Help():
-                    raise JobError(f"the runtime has no gradient helpers: {a!r}")
 
     def parks(self, a) -> bool:
         """While draining to step k: work of batches from k + s on, and training of batch k, wait for the checkpoint."""

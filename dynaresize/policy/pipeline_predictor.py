@@ -18,7 +18,7 @@ the measured per-group cost and data-parallel efficiency), gradient helpers (a d
 generate trains some of the ready groups when that pays, priced as the core prices it) and the control-plane latency
 per command. The batches
 are the run's own recent ones (:class:`~dynaresize.policy.types.PipelineWorkload`, cycled); the period is the
-mean step time once the pipeline has filled. Not modelled: trainer-gen, switches, preemption.
+mean step time once the pipeline has filled. Not modelled: switches, preemption.
 
 Pure and deterministic: the same workloads and split give the same period (no clock, no randomness); results are
 memoised by their inputs.

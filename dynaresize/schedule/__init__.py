@@ -5,14 +5,14 @@ See :mod:`dynaresize.schedule.core` for the state machine and docs/schedule.md f
 
 from dynaresize.schedule.core import PipelineScheduler, replay
 from dynaresize.schedule.types import (
-    Assign, Decided, DynamicSampling, Extend, GroupsDone, Help, HelpDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
+    Assign, Decided, DynamicSampling, Extend, GroupsDone, Mechanisms, OptimizerStepDone, RankLost, RankReady, Restart, Role,
     ScheduleError, SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone,
-    TrainerBack, Validate, ValidationDone, WeightsArrived, version_of,
+    Validate, ValidationDone, WeightsArrived, version_of,
 )
 
 __all__ = [
-    "Assign", "Decided", "DynamicSampling", "Extend", "GroupsDone", "Help", "HelpDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
+    "Assign", "Decided", "DynamicSampling", "Extend", "GroupsDone", "Mechanisms", "OptimizerStepDone", "PipelineScheduler",
     "RankLost", "RankReady", "Restart", "Role", "ScheduleError", "SchedulerAction", "SchedulerConfig", "SchedulerEvent", "SendWeights", "Step",
-    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "TrainerBack", "Validate", "ValidationDone", "WeightsArrived", "replay",
+    "StepMeasured", "Switch", "SwitchDone", "Train", "TrainChunkDone", "Validate", "ValidationDone", "WeightsArrived", "replay",
     "version_of",
 ]

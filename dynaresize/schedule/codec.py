@@ -19,7 +19,7 @@ from dynaresize.schedule import types as T
 
 _KNOWN: dict[str, type] = {c.__name__: c for c in (
     T.RankReady, T.GroupsDone, T.TrainChunkDone, T.OptimizerStepDone, T.WeightsArrived, T.SwitchDone, T.RankLost,
-    T.StepMeasured, T.HelpDone, T.TrainerBack, T.ValidationDone, T.Validate, T.Extend, T.DynamicSampling, T.Assign, T.Train, T.Help, T.Step, T.SendWeights, T.Switch, T.Decided, T.Restart,
+    T.StepMeasured, T.ValidationDone, T.Validate, T.Extend, T.DynamicSampling, T.Assign, T.Train, T.Step, T.SendWeights, T.Switch, T.Decided, T.Restart,
     T.SchedulerConfig, T.Mechanisms, Observation, Topology, Decision, PlannedOp,
 )}
 

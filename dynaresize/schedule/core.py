@@ -28,11 +28,11 @@ Mechanisms (:class:`~dynaresize.schedule.types.Mechanisms`):
   rollout ranks at the border stop taking work, drain and switch; trainers at the border leave after the optimizer
   step of the batch they train (at once if that batch has not started). A new trainer joins at the next batch's
   first chunk.
-- *gradient helpers* (``gradient_helpers``): an idle rollout rank that holds the version batch ``k`` trains from
-  computes the gradient of some of its groups (``Help``/``HelpDone``), when priced worth it.
-- *trainer-gen* (``trainer_rollout``): idle trainers generate groups of the batch their version makes, with the same
-  ``Assign``/``GroupsDone`` contract as a rollout rank, then ``TrainerBack``; priced so that they are back before
-  they are needed (``_offer_generation``).
+
+Extension points: a subclass adds a mechanism only the simulator runs (the gradient helpers:
+:mod:`dynaresize.sim.mechanisms`) by overriding ``_occupied``, ``_idle``, ``_chunk_limit``, ``_chunk_started``,
+``_step_waits`` and ``_rank_lost`` (each documented below, under "extension points"). The core's own mechanisms never
+use them and the base versions do nothing, so this class alone is what the runtime drives.
 
 Worked example (2 trainers + 2 rollout ranks, batches of 2 groups, s = 1, continuous rollout and streaming)::
 
@@ -58,11 +58,10 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from dynaresize.policy import ResizePolicy, Topology
-from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import Decision, PolicyState, ResizeAction
 from dynaresize.schedule.types import (
-    Assign, Decided, Extend, GroupsDone, Help, HelpDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
-    SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, TrainerBack, Validate,
+    Assign, Decided, Extend, GroupsDone, OptimizerStepDone, RankLost, RankReady, Restart, Role, ScheduleError,
+    SchedulerAction, SchedulerConfig, SchedulerEvent, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
 
@@ -205,15 +204,7 @@ class PipelineScheduler:
         self.waiting: set[int] = set()
         self.restarting = False
         self.n_rollout = cfg.n_ranks - cfg.n_train  # live rollout ranks (for the even share of a batch)
-        self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # gradient helper rank -> (batch, groups)
-        self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
-        self.gpu_s_per_token = 0.0  # the same per trained token (0: not measured)
         self.grow_ready: set[int] = set()  # collective switches: drained movers waiting for the others and a boundary
-        self.generating: dict[int, int] = {}  # trainer-gen: trainer rank -> the batch it generates groups of
-        self.decode_s_per_group = 0.0  # the newest measured rollout GPU-seconds per group
-        self.group_latency_s = 0.0  # the newest measured longest assignment-to-end time of a group
-        self.trainer_gens = 0  # trainer-gen excursions (one Assign to one trainer each)
-        self.gen_budget: dict[int, float] = {}  # generating trainer -> its priced time away (seconds)
         # validation passes: version -> its held-out groups (one _Batch each; never trained on)
         self.vals: dict[int, _Batch] = {v: _Batch(v, n, v) for v, n in cfg.validations}
         self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
@@ -295,8 +286,6 @@ class PipelineScheduler:
             self._validation_done(ev.rank, ev.version, ev.groups, out)
         else:
             self._handle_rest(ev, out)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)  # (its own first test: nothing while a chunk or step runs or a trainer is away)
         return out
 
     def rank_ready(self, rank: int, capacity: int) -> list[SchedulerAction]:
@@ -308,8 +297,6 @@ class PipelineScheduler:
         if r.role is Role.ROLLOUT and not r.lost:  # self._rank(rank, Role.ROLLOUT)
             r.capacity = max(0, capacity)
             self._assign(rank, out)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)
         return out
 
     def groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...] = (),
@@ -319,8 +306,6 @@ class PipelineScheduler:
         if self.restarting:
             return out
         self._groups_done(rank, batch, groups, tokens, out, kept)
-        if self.mech.trainer_rollout and not (self.restarting or self.t_busy or self.generating):
-            self._offer_generation(out)
         return out
 
     def _handle_rest(self, ev: SchedulerEvent, out: list[SchedulerAction]) -> None:
@@ -335,18 +320,8 @@ class PipelineScheduler:
                 self._switch_done(rank, out)
             case RankLost(rank):
                 self._lost(rank, out)
-            case StepMeasured(obs, steps_left, per_group, decode_per_group, latency, per_token):
-                if per_group > 0:
-                    self.gpu_s_per_group = per_group
-                if per_token > 0:
-                    self.gpu_s_per_token = per_token
-                if decode_per_group > 0:
-                    self.decode_s_per_group, self.group_latency_s = decode_per_group, max(0.0, latency)
+            case StepMeasured(obs, steps_left):
                 self._measured(obs, steps_left, out)
-            case HelpDone(rank, batch):
-                self._help_done(rank, batch, out)
-            case TrainerBack(rank):
-                self._trainer_back(rank, out)
             case _:
                 raise ScheduleError(f"unknown event {ev!r}")
 
@@ -372,7 +347,7 @@ class PipelineScheduler:
 
     def _assign(self, rank: int, out: list[SchedulerAction]) -> None:
         r = self.ranks[rank]
-        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or rank in self.helping:
+        if r.role is not Role.ROLLOUT or r.lost or r.leaving or r.capacity <= 0 or self._occupied(rank):
             self.waiting.discard(rank)
             return
         if self.vals:
@@ -397,13 +372,13 @@ class PipelineScheduler:
         if r.capacity > 0:
             self.waiting.add(rank)
             if r.inflight == 0:
-                self._offer_help(rank, out)
+                self._idle(rank, out)
         else:
             self.waiting.discard(rank)
 
     def _hand_out(self, rank: int, b: _Batch, n: int, out: list[SchedulerAction]) -> tuple[int, ...]:
-        """Up to ``n`` groups of batch ``b`` to ``rank`` (a rollout rank, or a trainer generating): their owner, the
-        rank's groups in flight and its version recorded, the ``Assign`` emitted."""
+        """Up to ``n`` groups of batch ``b`` to rollout rank ``rank``: their owner, the rank's groups in flight and its
+        version recorded, the ``Assign`` emitted."""
         r = self.ranks[rank]
         got = b.claim(n)
         for g in got:
@@ -502,7 +477,7 @@ class PipelineScheduler:
             self._select(b, out)
         if r.inflight == 0:
             r.inflight_version = None
-            if r.leaving and rank not in self.generating:  # a generating trainer switches once it is back
+            if r.leaving:
                 self._start_switch(rank, out)
         if len(b.done) == b.groups and b.sealed:  # b.complete
             self._prune_and_send(out)
@@ -631,8 +606,8 @@ class PipelineScheduler:
     # --- training -----------------------------------------------------------------------------------------------
     def _try_train(self, out: list[SchedulerAction]) -> None:
         k = self.produced
-        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps or self.restarting or self.generating:
-            return  # (trainer-gen: every trainer trains together, so a chunk waits for the generating ones)
+        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps or self.restarting:
+            return
         b = self.batches[k]
         left = b.train_total - b.trained
         if left == 0 or b.unfilled:
@@ -650,200 +625,25 @@ class PipelineScheduler:
             self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
             self.t_started = True
         take = len(b.ready)
-        if self.mech.gradient_helpers:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
-            take = min(take, max(1, -(-b.train_total // self.cfg.train_chunks)))
+        limit = self._chunk_limit(b)
+        if limit is not None:
+            take = min(take, limit)
         chunk = tuple(b.ready[:take])
         b.take_ready(chunk)
         b.trained += len(chunk)
         self.t_queued += 1
         out.append(Train(k, chunk, self.t_ranks, first))
-        self._offer_help_all(out)
+        self._chunk_started(out)
         self._maybe_step(out)  # (train_queue > 1: the step queued behind the batch's last chunk)
 
-    def _offer_help_all(self, out: list[SchedulerAction]) -> None:
-        """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
-        help in ``_assign``)."""
-        if self.mech.gradient_helpers and self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
-            # the versions of the batches with groups to hand out: no help changes them, so once for every rank
-            last = min(self.n_steps - 1, self.produced + self.s)
-            gen = {self.batches[j].version for j in range(self.first_open, last + 1) if self.batches[j].unclaimed}
-            for rank in sorted(self.waiting):
-                if not self._offer_help(rank, out, gen):
-                    return  # not worth a helper now, for any rank (each help only shrinks what is left)
-
-    def _group_cost(self, b: _Batch, g: int) -> float:
-        """Training compute of group ``g`` of ``b`` on one GPU: by its reported tokens where known, else the mean."""
-        t = b.tokens.get(g) if self.gpu_s_per_token > 0 else None
-        return self.gpu_s_per_group if t is None else t * self.gpu_s_per_token
-
-    def _help_groups(self) -> tuple[int, ...]:
-        """Ready groups of the batch in training that one more helper should take now (none: a helper would not pay).
-
-        The share balances the trainers' rest against the helper's groups plus its cost: with ``C`` the ready groups'
-        training compute on one GPU, ``r`` the trainers' rate (GPUs x efficiency) and ``h`` the helper's, the helper
-        takes up to ``(C / r - helper_cost_s) / (1 / r + 1 / h)`` of it, and the batch's training must end sooner by
-        more than ``(helper_margin - 1) x helper_cost_s``. Each group is priced by its reported tokens where the driver
-        reports them (``GroupsDone.tokens``), else at the measured mean per group. The helper takes from the newest
-        ready groups (the trainers take the oldest), skipping one that would overshoot its share."""
-        c = self.cfg
-        nt = len(self.t_ranks)
-        if not self.t_started or nt == 0 or self.gpu_s_per_group <= 0 or self.produced >= self.n_steps:
-            return ()
-        b = self.batches[self.produced]
-        if not b.ready:
-            return ()
-        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
-        if self.gpu_s_per_token > 0:
-            total = b.ready_tokens * self.gpu_s_per_token + b.ready_untokened * self.gpu_s_per_group
-        else:
-            total = len(b.ready) * self.gpu_s_per_group
-        share = (total / trate - c.helper_cost_s) / (1.0 / trate + 1.0 / c.helper_rate)
-        need = (c.helper_margin - 1.0) * c.helper_cost_s
-        if share <= 0 or total / trate - max((total - share) / trate, share / c.helper_rate + c.helper_cost_s) <= need:
-            return ()  # not even a helper filling its whole share would pay
-        mean = total / len(b.ready)
-        scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
-        chosen: list[int] = []
-        acc = 0.0
-        for g in reversed(b.ready[-scan:]):
-            cost = self._group_cost(b, g)
-            if acc + cost <= share:
-                chosen.append(g)
-                acc += cost
-        if not chosen:
-            return ()
-        saving = total / trate - max((total - acc) / trate, acc / c.helper_rate + c.helper_cost_s)
-        return tuple(reversed(chosen)) if saving > need else ()
-
-    def _offer_help(self, rank: int, out: list[SchedulerAction], gen: set[int] | None = None) -> bool:
-        """Within-step role flow: an idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and
-        waits for the next version) computes the gradient of some of batch ``k``'s groups not yet trained, when the
-        batch's training then ends sooner by more than ``(helper_margin - 1) x helper_cost_s`` (``_help_groups``).
-        False when a helper would not pay now, whichever rank it were. ``gen``: the versions of the batches from
-        ``first_open`` to the newest open one that have unclaimed groups, where the caller knows them."""
-        k = self.produced
-        if not self.mech.gradient_helpers or k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
-            return False
-        r, b = self.ranks[rank], self.batches[k]
-        if not (b.ready and r.inflight == 0 and k in r.versions and r.role is Role.ROLLOUT and not r.lost
-                and not r.leaving and rank not in self.helping):  # (self.accepting(rank): the same tests)
-            return True
-        if gen is None:
-            last = min(self.n_steps - 1, self.produced + self.s)
-            generate = any(self.batches[j].unclaimed and self.batches[j].version in r.versions
-                           for j in range(self.first_open, last + 1))
-        else:
-            generate = not gen.isdisjoint(r.versions)
-        if generate:
-            return True  # generation comes first: it waits for its even share of a batch, not for a version
-        groups = self._help_groups()
-        if not groups:
-            return False
-        b.take_ready(groups)
-        b.trained += len(groups)
-        self.helping[rank] = (k, groups)
-        self.waiting.discard(rank)
-        r.capacity = 0
-        out.append(Help(rank, k, groups))
-        return True
-
-    def _help_done(self, rank: int, batch: int, out: list[SchedulerAction]) -> None:
-        got = self.helping.pop(rank, None)
-        if got is None or got[0] != batch:
-            if self.ranks[rank].lost:
-                return
-            raise ScheduleError(f"rank {rank} finished helping batch {batch} it was not helping")
-        self._maybe_step(out)
-        r = self.ranks[rank]
-        if r.leaving and r.inflight == 0:
-            self._start_switch(rank, out)
-
-    # --- trainer-gen ----------------------------------------------------------------------------------------------
-    def _offer_generation(self, out: list[SchedulerAction]) -> None:
-        """Within-step role flow, the other direction: idle trainers generate groups of the batch their version makes.
-
-        The trainers hold version ``k = produced`` (they took ``T_{k-1}``'s step), the version of batch ``k + s``. While
-        ``T_k`` has nothing to train (batch ``k``'s groups still decode: the rollout-bound tail), every trainer of the
-        coming ``T_k`` takes ``m`` unclaimed groups of batch ``k + s`` at once, as a rollout rank would (``Assign``,
-        then ``GroupsDone``; the same version rule, so the sample-to-version map is the barrier run's), and reports
-        ``TrainerBack`` once its engine sleeps again. It stays a trainer: the policy's topology does not change and the
-        trainer set of ``T_k`` is the one it was. No chunk or step of ``T_k`` starts while one of them is away.
-
-        Design: a trainer takes only what it is predicted to finish while it is not needed, rather than aborting and
-        returning unfinished groups (an abort throws away decoded tokens and still costs the engine's sleep). It is not
-        needed while the rollout pool has batch ``k + s`` work left: the rollout ranks wait for version ``k + 1``
-        only once batch ``k + s`` is claimed. So, with ``d`` the measured rollout GPU-seconds per group, the pool's
-        ``n`` ranks, ``U`` unclaimed groups of batch ``k + s`` and ``F`` groups in flight on the pool (of batches
-        ``k .. k + s``, each counted as ``trainer_gen_inflight_credit`` of a group's work), the trainers go only when
-
-            away = trainer_gen_cost_s + max(m d / trainer_gen_rate, group_latency_s)
-            away + rest of T_k  <=  (U - trainers x m + credit x F) d / n
-
-        (they come back, train the rest of batch ``k`` and step before the pool runs out of batch ``k + s``).
-        ``away`` is what the pricing allows a chunk of ``T_k`` to wait on a generating trainer (``gen_budget``);
-        ``group_latency_s`` is the slowest group's measured assignment-to-end time, so a trainer taking a few groups
-        is back within it (the simulator checks: ``SampleRunResult.trainer_gen_over_s``).
-        The saving is the pool time they spare, ``trainers x m x d / n``; it must exceed ``trainer_gen_margin x
-        trainer_gen_cost_s``. One excursion at a time (no trainer leaves while another is away), none during a resize.
-        """
-        c, k = self.cfg, self.produced
-        d, g = self.decode_s_per_group, self.gpu_s_per_group
-        if self.generating or self.t_busy or self.switching or k >= c.steps or d <= 0 or g <= 0 or self.n_rollout < 1:
-            return
-        b = self.batches[k]
-        left = b.train_total - b.trained
-        if left == 0:
-            return  # the batch is all in training (helpers, or the step is next)
-        j = next((j for j in self._batches_of(k) if self.batches[j].unclaimed and self._open(j)), None)
-        if j is None:
-            return
-        nb = self.batches[j]
-        ranks = self.t_ranks if self.t_started else tuple(
-            i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
-        if not ranks or any(self.ranks[i].leaving or self.ranks[i].lost for i in ranks):
-            return
-        nt = len(ranks)
-        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
-        rest = left * g / trate
-        unclaimed = len(nb.returned) + nb.groups - nb.cursor
-        inflight = sum(len(self.batches[i].owner) for i in range(k, j + 1))  # on the rollout ranks: none is away
-        pool = d / self.n_rollout  # pool seconds per group
-        m = min(c.trainer_gen_groups, unclaimed // nt)
-        while m >= 1:
-            away = c.trainer_gen_cost_s + max(m * d / c.trainer_gen_rate, self.group_latency_s)
-            if away + rest <= (unclaimed - nt * m + c.trainer_gen_inflight_credit * inflight) * pool:
-                break
-            m -= 1
-        if m < 1 or nt * m * pool <= c.trainer_gen_margin * c.trainer_gen_cost_s:
-            return
-        for rank in ranks:
-            self._hand_out(rank, nb, m, out)
-            self.generating[rank] = j
-            self.gen_budget[rank] = away
-            self.trainer_gens += 1
-
-    def _trainer_back(self, rank: int, out: list[SchedulerAction]) -> None:
-        r = self.ranks[rank]
-        if rank not in self.generating:
-            if r.lost:
-                return
-            raise ScheduleError(f"trainer {rank} came back from a generation it was not sent to")
-        if r.inflight:
-            raise ScheduleError(f"trainer {rank} came back with {r.inflight} groups still generating")
-        del self.generating[rank]
-        self.gen_budget.pop(rank, None)
-        if r.leaving and not (self.t_started and rank in self.t_ranks):
-            self._start_switch(rank, out)
-        self._try_train(out)
-        self._maybe_step(out)
-
     def _maybe_step(self, out: list[SchedulerAction]) -> None:
-        """The optimizer step once every group went through forward/backward, the helpers' included."""
+        """The optimizer step once every group went through forward/backward (and no extension's work on the batch is
+        outstanding: ``_step_waits``)."""
         k = self.produced
-        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps or self.generating:
+        if self.t_queued >= self.cfg.train_queue or self.t_stepping or k >= self.cfg.steps:
             return
         b = self.batches[k]
-        if b.complete and b.trained == b.train_total and not b.ready and not any(hb == k for hb, _ in self.helping.values()):
+        if b.complete and b.trained == b.train_total and not b.ready and not self._step_waits(k):
             self.t_queued += 1
             self.t_stepping = True
             out.append(Step(k, self.t_ranks))
@@ -902,7 +702,7 @@ class PipelineScheduler:
                 self.waiting.discard(rank)
                 r.capacity = 0
             for rank in movers:
-                if self.ranks[rank].inflight == 0 and rank not in self.helping:
+                if self.ranks[rank].inflight == 0 and not self._occupied(rank):
                     self._start_switch(rank, out)
         else:  # trainers at the border become rollout ranks after the step they are in
             movers = [i for i in self.trainers() if not self.ranks[i].leaving][delta:]
@@ -910,7 +710,7 @@ class PipelineScheduler:
                 r = self.ranks[rank]
                 r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
                 self.switching.add(rank)
-                if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+                if not (self.t_started and rank in self.t_ranks):
                     self._start_switch(rank, out)
 
     def _switch_running(self) -> bool:
@@ -993,13 +793,7 @@ class PipelineScheduler:
                 b.cursor, b.returned = b.groups, []
                 self.vals_abandoned.add(v)
         r.inflight, r.capacity, r.inflight_version = 0, 0, None
-        helped = self.helping.pop(rank, None)
-        if helped is not None:  # its gradient is lost: the trainers compute those groups again
-            hb = self.batches[helped[0]]
-            hb.add_ready(helped[1])
-            hb.trained -= len(helped[1])
-            self._try_train(out)
-            self._maybe_step(out)
+        self._rank_lost(rank, out)
         if returned:
             self._assign_waiting(out)
         if rank in self.grow_ready:
@@ -1040,8 +834,37 @@ class PipelineScheduler:
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
         self.switching.add(rank)
-        if not (self.t_started and rank in self.t_ranks) and rank not in self.generating:
+        if not (self.t_started and rank in self.t_ranks):
             self._start_switch(rank, out)
+
+    # --- extension points ------------------------------------------------------------------------------------------
+    # A mechanism the runtime does not drive lives in a subclass, never here (dynaresize.sim.mechanisms: the gradient
+    # helpers). These are the only places a subclass hooks in; each base version does nothing, so without a subclass
+    # the core is exactly the state machine above. A subclass may read the core's state and call its steps
+    # (``_assign``, ``_try_train``, ``_maybe_step``, ``_start_switch``); it must keep the contract in the module
+    # docstring (its tests drive it through the same random-order world as the core's).
+    def _occupied(self, rank: int) -> bool:
+        """Whether rollout rank ``rank`` is busy with work other than generation (it takes no groups, and a resize
+        that moves it waits for that work to end; the subclass starts the switch then)."""
+        return False
+
+    def _idle(self, rank: int, out: list[SchedulerAction]) -> None:
+        """Rollout rank ``rank`` has room, holds no groups and has nothing of a version it holds to generate: it
+        waits (in ``waiting``) for a version or for work handed back."""
+
+    def _chunk_limit(self, b: _Batch) -> int | None:
+        """The most ready groups of ``b`` the next training chunk takes (None: every ready one)."""
+        return None
+
+    def _chunk_started(self, out: list[SchedulerAction]) -> None:
+        """A training chunk was just handed to the trainers (its ``Train`` is the last action in ``out``)."""
+
+    def _step_waits(self, batch: int) -> bool:
+        """Whether ``batch``'s optimizer step waits for work outside the trainers' chunks (every group trained)."""
+        return False
+
+    def _rank_lost(self, rank: int, out: list[SchedulerAction]) -> None:
+        """Rollout rank ``rank`` was lost; its groups in flight are already handed back."""
 
 
 def replay(cfg: SchedulerConfig, events: Sequence[SchedulerEvent], policy: ResizePolicy | None = None) -> list[list[SchedulerAction]]:

@@ -30,18 +30,16 @@ def version_of(batch: int, staleness: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Mechanisms:
-    """Which barrier-free mechanisms are on (all off: the static one-step-off pipeline with its step barrier)."""
+    """Which barrier-free mechanisms are on (all off: the static one-step-off pipeline with its step barrier). The
+    simulator's own mechanisms extend it (:class:`dynaresize.sim.mechanisms.SimMechanisms`)."""
 
     continuous_rollout: bool = False  # a rollout rank takes the next batch as soon as it holds its version
     streaming_training: bool = False  # trainers start on complete groups before the batch is complete
     resize: bool = True  # consult the resize policy (False: hold the initial split whatever the policy says)
-    gradient_helpers: bool = False  # idle rollout ranks holding the training version compute gradients of the batch
-    trainer_rollout: bool = False  # idle trainers generate groups of the batch their version makes (trainer-gen)
 
     @property
     def label(self) -> str:
-        parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training),
-                                 ("helpers", self.gradient_helpers), ("trainer-gen", self.trainer_rollout)) if on]
+        parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training)) if on]
         return "+".join(parts) or "barrier"
 
 
@@ -74,18 +72,6 @@ class SchedulerConfig:
     # the next chunk, or the batch's step, behind the one running, so the trainers never wait a control-plane round
     # trip between two (what they compute, and in which order, is the same; a chunk sent early has fewer groups)
     train_queue: int = 1
-    train_chunks: int = 8  # with gradient helpers: the trainers take a batch in chunks of 1/train_chunks of its groups
-    helper_rate: float = 0.9  # a gradient helper's forward/backward rate relative to one trainer GPU (ASSUMPTION)
-    helper_cost_s: float = 1.0  # a helper's own overhead per chunk: leave decoding, send its gradient, come back
-    helper_margin: float = 1.5  # a helper joins only when its predicted saving exceeds its cost times this
-    train_scaling_per_doubling: float = 0.95  # data-parallel efficiency kept per doubling of trainers
-    # trainer-gen: a trainer's switch into generation and back (wake its inference engine with the weights it trains,
-    # sleep it again): ASSUMPTION 2 s, the DESIGN's wake level 1 (0.1-6 s) at its low end twice, no weight transfer
-    trainer_gen_cost_s: float = 2.0
-    trainer_gen_rate: float = 0.7  # a generating trainer's decode rate relative to a rollout GPU (less KV: ASSUMPTION)
-    trainer_gen_groups: int = 4  # the most groups a trainer takes per excursion (its KV room; the driver sizes it)
-    trainer_gen_margin: float = 1.5  # a trainer generates only when the saving exceeds its switch cost times this
-    trainer_gen_inflight_credit: float = 0.5  # a group in flight on the pool counts as this much work left (ASSUMPTION: half decoded)
     # The runtime's role switch is ONE collective over the old and new trainers (it reshards the optimizer state
     # across them): the movers of a resize switch together, at a training-batch boundary, and the trainers wait for
     # the switch to end before the next batch's first chunk (the simulator's per-rank switches: False).
@@ -112,8 +98,6 @@ class SchedulerConfig:
             raise ValueError("every batch needs at least one group")
         if self.max_versions_per_rank < 1:
             raise ValueError("a rollout rank needs at least one weight buffer")
-        if self.trainer_gen_cost_s < 0 or self.trainer_gen_rate <= 0 or self.trainer_gen_groups < 1:
-            raise ValueError("trainer-gen needs a cost >= 0, a rate > 0 and room for at least one group")
         if not 0 <= self.resume_step <= len(self.groups):
             raise ValueError(f"resume step {self.resume_step} outside the run's {len(self.groups)} steps")
         for v, n in self.validations:
@@ -139,10 +123,9 @@ class RankReady:
 class GroupsDone:
     """Rank ``rank`` finished generating ``groups`` of ``batch`` (every response of each group ended).
 
-    ``tokens``: each group's trained tokens, in the order of ``groups`` (empty: unknown). A driver that knows them
-    lets the gradient helpers' pricing weigh each group by its own training work instead of the batch's mean: the
-    groups that complete last are the longest, and priced at the mean a helper taking them finished long after the
-    trainers (``_help_groups``)."""
+    ``tokens``: each group's trained tokens, in the order of ``groups`` (empty: unknown). The core keeps them per
+    group and the ready groups' total (``_Batch.ready_tokens``); it decides nothing by them, an extension prices
+    with them (the simulator's gradient helpers, :mod:`dynaresize.sim.mechanisms`)."""
 
     rank: int
     batch: int
@@ -188,18 +171,13 @@ class StepMeasured:
     """The driver's measurement of a finished step, for the resize policy (sent after ``OptimizerStepDone``).
 
     ``train_gpu_s_per_group``: the step's training compute per group on one GPU (trainers' compute time x trainers x
-    their efficiency / groups); the gradient helpers' cost check prices the next batch with it (0: unknown).
-    ``train_gpu_s_per_token``: the same per trained token; where ``GroupsDone`` reports tokens, the helpers' check
-    prices each group with it instead (0: unknown).
-    ``decode_s_per_group``: the step's rollout GPU-seconds per group (busy rollout time / groups) and
-    ``group_latency_s``: the longest time from a group's assignment to its end; trainer-gen prices with both (0:
-    unknown, no trainer generates)."""
+    their efficiency / groups; 0: unknown) and ``train_gpu_s_per_token`` the same per trained token (0: unknown).
+    The core itself decides nothing by them; an extension prices with them (the simulator's gradient helpers,
+    :mod:`dynaresize.sim.mechanisms`)."""
 
     observation: Observation
     steps_left: int = 0
     train_gpu_s_per_group: float = 0.0
-    decode_s_per_group: float = 0.0
-    group_latency_s: float = 0.0
     train_gpu_s_per_token: float = 0.0
 
 
@@ -212,33 +190,14 @@ class ValidationDone:
     groups: tuple[int, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class HelpDone:
-    """Gradient helper ``rank`` finished forward/backward over its groups of ``batch`` and sent the gradient."""
-
-    rank: int
-    batch: int
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerBack:
-    """Trainer ``rank`` generated every group it was assigned and its inference engine is asleep again: it trains."""
-
-    rank: int
-
-
 SchedulerEvent = (RankReady | GroupsDone | TrainChunkDone | OptimizerStepDone | WeightsArrived | SwitchDone | RankLost | StepMeasured
-         | HelpDone | TrainerBack | ValidationDone)
+         | ValidationDone)
 
 
 # --- actions (core -> driver) --------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Assign:
-    """Give rollout rank ``rank`` these groups of ``batch``, to generate with ``version`` (the one it must use).
-
-    With trainer-gen, ``rank`` may be a trainer (``PipelineScheduler.role(rank)`` is ``Role.TRAIN``): it wakes its
-    inference engine with the weights it trains (``version``), generates the groups, sleeps the engine and reports
-    ``TrainerBack``; it stays a trainer throughout."""
+    """Give rollout rank ``rank`` these groups of ``batch``, to generate with ``version`` (the one it must use)."""
 
     rank: int
     batch: int
@@ -274,17 +233,6 @@ class Train:
     groups: tuple[int, ...]
     ranks: tuple[int, ...]
     first: bool  # the first chunk of this batch (the trainer set is fixed from here to the optimizer step)
-
-
-@dataclass(frozen=True, slots=True)
-class Help:
-    """Idle rollout rank ``rank`` computes the gradient of ``groups`` of ``batch`` with the version it holds, which
-    is the version ``T_batch`` trains from (it generated the next batch with it), and sends it to the trainers; the
-    optimizer step waits for it. The loss stays normalised over the whole batch (the gradients add up)."""
-
-    rank: int
-    batch: int
-    groups: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +278,7 @@ class Restart:
     reason: str
 
 
-SchedulerAction = Assign | Validate | Extend | Train | Help | Step | SendWeights | Switch | Decided | Restart
+SchedulerAction = Assign | Validate | Extend | Train | Step | SendWeights | Switch | Decided | Restart
 
 
 def _fast_init(cls: type) -> None:
@@ -361,7 +309,7 @@ def _fast_init(cls: type) -> None:
 
 
 for _cls in (RankReady, GroupsDone, TrainChunkDone, OptimizerStepDone, WeightsArrived, SwitchDone, RankLost, StepMeasured,
-             ValidationDone, HelpDone, TrainerBack, Assign, Validate, Extend, Train, Help, Step, SendWeights, Switch,
+             ValidationDone, Assign, Validate, Extend, Train, Step, SendWeights, Switch,
              Decided, Restart):
     _fast_init(_cls)
 

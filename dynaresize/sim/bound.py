@@ -246,13 +246,13 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
     between the points of the latency chain.
 
     ``sync_s``: the least weight-sync time of the schedules compared (a rollout rank decodes a new version only once
-    it arrived; a generating trainer instead wakes its engine, ``trainer_gen_cost_s / 2``). The control-plane latency
+    it arrived). The control-plane latency
     ``sim.command_latency_s`` (c) delays every command: Train, Step, SendWeights, Assign, Help.
     """
     if n_gpus < 1 or staleness < 0:
         raise ValueError(f"tight_bound needs n_gpus >= 1 and staleness >= 0 (got {n_gpus}, {staleness})")
     K, N, s = table.steps, n_gpus, staleness
-    r, t, p = sim.rollout, sim.train, sim.pipeline
+    r, t = sim.rollout, sim.train
     c = sim.command_latency_s
     nv = version_seqs(table, s)
     roll = np.empty(K)
@@ -304,9 +304,8 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
             scale = 1.0 + t.attention_per_context_token * train_context(b)
             # its own forward/backward at the fastest any option trains (one sample's share of the best option)
             post[k] += float((walls - 2 * c - t.step_overhead_s).min()) * tokens * scale / t.tokens_per_gpu_s / max(work_t, 1e-300)
-    # from a version's end to a batch it makes decoding: the Assign command, and the weights (SendWeights + sync) on a
-    # rollout rank or the engine's wake on a generating trainer (its Assign needs no weights sent)
-    d = c + min(c + sync_s, p.trainer_gen_cost_s / 2)
+    # from a version's end to a batch it makes decoding: the Assign command, and the weights (SendWeights + sync)
+    d = c + (c + sync_s)
     PR = np.concatenate([[0.0], np.cumsum(roll_aw)])
     PT = np.concatenate([[0.0], np.cumsum(train)])
     ends = np.empty(K)

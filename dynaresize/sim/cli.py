@@ -133,7 +133,7 @@ def _forced(cfg) -> dict[int, int]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dynaresize.schedule import Mechanisms
+    from dynaresize.sim.mechanisms import SimMechanisms
     from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, run_static, setup
 
     cfg = load_config(args.config, args.overrides)
@@ -161,8 +161,8 @@ def main(args: argparse.Namespace) -> int:
     if pm.model == "samples":
         if forced:
             raise ConfigError("policy.forced_splits: scripted resizes are a step-level feature (sim.pipeline.model=step)")
-        res = run_samples(s, s.initial, Mechanisms(pm.continuous_rollout, pm.streaming_training, cfg.policy.enabled,
-                                                   pm.gradient_helpers, pm.trainer_rollout), log)
+        res = run_samples(s, s.initial, SimMechanisms(pm.continuous_rollout, pm.streaming_training, cfg.policy.enabled,
+                                                      pm.gradient_helpers), log)
     else:
         res = run_dynamic(s, log, forced=forced) if cfg.policy.enabled else run_static(s, s.initial, log, forced=forced)
     wall = time.perf_counter() - t0

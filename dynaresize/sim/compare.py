@@ -13,10 +13,9 @@ Rows of ``compare`` (all measured side by side in one call):
 - sample-level (``samples=True``; per-GPU continuous batching driven by the scheduler core):
   ``best static (samples)``, the baseline split again at sample level (how far the two models agree);
   ``best static +cont+stream``, the baseline split with continuous rollout and streaming training, no resizing;
-  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``, ``dyn +cont+stream+helpers``,
-  ``dyn +helpers+trainer-gen``: resizing with each mechanism added in turn (helpers: idle rollout ranks compute
-  gradients of the batch in training; trainer-gen: idle trainers generate groups of the next batch); the last one is
-  "all mechanisms";
+  ``dyn barrier (samples)``, ``dyn +continuous``, ``dyn +cont+stream``, ``dyn +cont+stream+helpers``: resizing
+  with each mechanism added in turn (helpers: idle rollout ranks compute gradients of the batch in training); the
+  last one is "all mechanisms";
 - ``oracle (barrier)``, ``tight bound`` and ``bound`` (the work-conserving one; ``%bound`` is against it).
 """
 
@@ -31,6 +30,7 @@ from dynaresize.policy.config import OptimizationsConfig
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.bound import bound_total, tight_bound
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult, SampleSettings
 from dynaresize.sim.stages import StageTable
 
@@ -84,8 +84,7 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     settings = SampleSettings(s.cfg.pipeline.staleness_bound, log, s.cfg.switching.costs.deferred_overlap_fraction,
                               p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,
-                              p.trainer_gen_cost_s, p.trainer_gen_kv_fraction, p.trainer_gen_rate, tail_share,
-                              train_queue=p.train_queue)
+                              tail_share=tail_share, train_queue=p.train_queue)
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, settings).run()
 
 
@@ -158,9 +157,9 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn barrier (samples)", "barrier", Mechanisms(False, False, True)),
     ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
     ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
-    ("dyn +cont+stream+helpers", "gradient_helpers", Mechanisms(True, True, True, True)),
-    ("dyn +helpers+trainer-gen", "trainer_rollout", Mechanisms(True, True, True, True, True)),
+    ("dyn +cont+stream+helpers", "gradient_helpers", SimMechanisms(True, True, True, True)),
 )
+ALL_MECHANISMS = SAMPLE_ROWS[-1][1]  # the summary key of the run with every mechanism
 
 
 def with_predictor(s: Setup, predictor: str) -> Setup:
@@ -191,7 +190,7 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
         for row, key, mech in SAMPLE_ROWS:
             mech_runs[key] = run_samples(s, s.initial, mech, name=row)
         extra.extend(mech_runs.values())
-        by_pred = {s.cfg.policy.predictor: mech_runs["trainer_rollout"]}
+        by_pred = {s.cfg.policy.predictor: mech_runs[ALL_MECHANISMS]}
         for p in predictors:
             if p not in by_pred:
                 by_pred[p] = run_samples(with_predictor(s, p), s.initial, SAMPLE_ROWS[-1][2], name=f"dyn all, predictor {p}")
@@ -225,7 +224,7 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
         tight_bound_s=tight.total_s, tight_bound_binding=tight.binding, fraction_of_tight_bound=tight.total_s / dyn.total_s,
     )
     if samples:
-        allm = mech_runs["trainer_rollout"]
+        allm = mech_runs[ALL_MECHANISMS]
         sb, sc = extra[0], extra[1]
         summary.update(
             samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower
@@ -237,7 +236,7 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
             all_mechanisms_fraction_of_tight_bound=tight.total_s / allm.total_s,
             all_mechanisms_switches=allm.switches,
             mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
-                                  switches=r.switches, wall_s=r.wall_s, helps=r.helps, trainer_gens=r.trainer_gens)
+                                  switches=r.switches, wall_s=r.wall_s, helps=r.helps)
                         for key, r in mech_runs.items()},
         )
         summary["all_mechanisms_by_predictor"] = {

@@ -20,6 +20,11 @@ log = logging.getLogger("dynaresize.config")
 # the step-level model's old schedule names: pipelined is the runtime's barrier schedule (the name the runtime uses),
 # lockstep the retired runtime loop (the runtime now reads its own pipeline.schedule=lockstep as barrier)
 _OLD_SCHEDULES = {"pipelined": "barrier", "lockstep": "barrier_lockstep"}
+# trainer-gen (idle trainers generating groups of the next batch) was removed from the scheduler core and the
+# simulator (issue 25): it was never used in any resizing run (docs/simulator.md, "Removed: trainer-gen")
+_REMOVED_PIPELINE = ("trainer_rollout", "trainer_gen_cost_s", "trainer_gen_kv_fraction", "trainer_gen_rate")
+_TRAINER_GEN_GONE = ("trainer-gen was removed: with resizing it never sent a trainer generating in any simulator "
+                     "scenario, so removing it cost 0.0% of throughput; see docs/simulator.md, 'Removed: trainer-gen'")
 _NEW_SCHEDULES = {"barrier": "the runtime's name for the same static one-step-off schedule",
                   "barrier_lockstep": "the retired runtime loop it models, both pools started together each step"}
 
@@ -199,22 +204,18 @@ class PipelineModelConfig(Section):
         1.2, ge=0, description="model=samples: a helper's overhead per help: engine sleep and wake (DESIGN: level 1 0.1-6 s) plus one "
         "gradient send (as a weight sync) (ASSUMPTION)"
     )
-    trainer_rollout: bool = Field(
-        False, description="model=samples: trainer-gen: idle trainers generate groups of the batch their version makes, "
-        "when priced to be back before they are needed (simulated only)"
-    )
-    trainer_gen_cost_s: float = Field(
-        2.0, ge=0, description="model=samples: a trainer's switch into generation and back: wake its inference engine "
-        "with its own weights, sleep it again (DESIGN: wake level 1 0.1-6 s, twice; ASSUMPTION)"
-    )
-    trainer_gen_kv_fraction: float = Field(
-        0.5, gt=0, le=1, description="model=samples: share of a rollout GPU's KV cap a generating trainer has (training "
-        "keeps weights, gradients and optimizer shard resident; ASSUMPTION)"
-    )
-    trainer_gen_rate: float = Field(
-        0.7, gt=0, le=1, description="model=samples: the scheduler's predicted decode rate of a generating trainer "
-        "relative to a rollout GPU (its pricing; ASSUMPTION)"
-    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_settings(cls, v: Any) -> Any:
+        """Settings of a removed mechanism load with one warning and are dropped (an old config keeps working)."""
+        if not isinstance(v, dict):
+            return v
+        gone = [k for k in _REMOVED_PIPELINE if k in v]
+        if gone:
+            v = {k: x for k, x in v.items() if k not in _REMOVED_PIPELINE}
+            log.warning("sim.pipeline: %s removed (%s); the setting is ignored, delete it", ", ".join(gone), _TRAINER_GEN_GONE)
+        return v
 
 
 class SimConfig(Section):

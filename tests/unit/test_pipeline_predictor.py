@@ -10,12 +10,12 @@ from dynaresize.config.loader import load_config
 from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.pipeline_predictor import PipelinePredictor
-from dynaresize.schedule import Mechanisms
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import run_samples, setup
 from dynaresize.sim.samples import SamplePipeline, SampleSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-MECH = Mechanisms(True, True, False, True)  # continuous rollout, streaming training, gradient helpers; no resizing
+MECH = SimMechanisms(True, True, False, True)  # continuous rollout, streaming training, gradient helpers; no resizing
 
 
 def _world(gpus: int, mean: int, steps: int):

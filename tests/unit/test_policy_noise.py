@@ -19,7 +19,7 @@ from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topolo
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.types import LeftSplit
 from dynaresize.policy.predictor import StageModel, expected_max
-from dynaresize.schedule import Mechanisms
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import best_static_samples, run_dynamic, run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
@@ -166,7 +166,7 @@ def test_stationary_workload_started_on_the_best_split_stays_near_it(gpus, mean,
 
 
 # --- the same at sample level, barrier-free (continuous rollout + streaming training + helpers) -----------------------
-BARRIER_FREE = Mechanisms(True, True, True, True)
+BARRIER_FREE = SimMechanisms(True, True, True, True)
 
 
 @pytest.mark.parametrize("gpus, mean, seed", [(8, 3000, 0), (16, 1000, 1), (16, 6000, 0), (32, 6000, 1), (32, 3000, 1),

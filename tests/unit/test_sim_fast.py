@@ -1,13 +1,13 @@
 """The golden check of the sample-level engine (issue 28, item 3): worlds whose runs were recorded in
 tests/fixtures/sim_golden.json with the engine and core as they were before the fast engine (commit a6367d7) run
 through today's :mod:`dynaresize.sim.samples`, and every recorded value must be identical, bit for bit: the run's end
-(the repr of the float), every step's trainer split, the switches and their costs, the busy GPU-seconds, the helps and
-trainer-gen excursions, and sha256 digests of the sample-to-version map and of the whole event log (every stage
-interval, decision and switch op, in order). No tolerance: the fast engine computes the same floating-point operations
+(the repr of the float), every step's trainer split, the switches and their costs, the busy GPU-seconds, the helps,
+and sha256 digests of the sample-to-version map and of the whole event log (every stage interval, decision and switch
+op, in order). No tolerance: the fast engine computes the same floating-point operations
 in the same order, it only skips Python work whose result is known.
 
 The worlds (tests/support/sim_golden.py): 150 seeded random small worlds, two runs each, and the five scenarios with
-five mechanism sets and splits. Regenerate the fixture (``python -m tests.support.sim_golden --write``) only for an
+four mechanism sets. Regenerate the fixture (``python -m tests.support.sim_golden --write``) only for an
 intended change of the simulator's results, and say so in the commit; a failure here otherwise means the engine's
 results changed (or a world did: a config under configs/sim, or the generator, which the ``world`` digest catches)."""
 

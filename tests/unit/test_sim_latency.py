@@ -13,6 +13,7 @@ from dynaresize.analysis.fit import fit_command_latency, fit_costs
 from dynaresize.analysis.reader import load_run
 from dynaresize.config.loader import load_config
 from dynaresize.schedule import Mechanisms
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
@@ -60,7 +61,7 @@ def test_latency_never_speeds_a_run_up_and_zero_is_the_old_model():
     runs = {}
     for c in (0.0, 0.05, 0.5):
         s = setup(load_config(ROOT / "configs/sim/paper_8gpu.yaml", base + [f"sim.command_latency_s={c}"]))
-        runs[c] = [run_samples(s, s.initial, Mechanisms(True, True, True, True, True)).total_s, run_static(s, s.initial).total_s]
+        runs[c] = [run_samples(s, s.initial, SimMechanisms(True, True, True, True)).total_s, run_static(s, s.initial).total_s]
     assert runs[0.0] < runs[0.05] < runs[0.5]
 
 
@@ -100,7 +101,7 @@ def test_the_fit_recovers_the_simulators_own_latency(tmp_path, c):
     """A sample-level run with every mechanism, logged: every span starts one command after a span's end."""
     cfg = load_config(ROOT / "configs/sim/paper_8gpu.yaml", ["sim.steps=10", f"sim.command_latency_s={c}"])
     s = setup(cfg)
-    r = run_samples(s, s.initial, Mechanisms(True, True, True, True, True), log=True)
+    r = run_samples(s, s.initial, SimMechanisms(True, True, True, True), log=True)
     lines = [_line(0.0, type="run_start", run_id="sim", source="sim", world_size=8, wall_time=0.0)]
     (tmp_path / "events.jsonl").write_text("\n".join(lines + [e.to_json() for e in r.events]) + "\n")
     assert fit_command_latency(load_run(tmp_path))["command_latency_s"] == pytest.approx(c, rel=1e-6)

@@ -11,6 +11,7 @@ from dynaresize.config.loader import load_config
 from dynaresize.events import EventLog, EventType, make_event
 from dynaresize.policy import Topology
 from dynaresize.schedule import Mechanisms, version_of
+from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import run_samples, run_static, setup
 
 pytestmark = pytest.mark.unit
@@ -91,44 +92,22 @@ def test_analyze_counts_rollout_gpus_left_idle_in_the_tail(tmp_path):
     assert sb.roles["rollout"]["busy_gpu_s"] < 0.97 * sa.roles["rollout"]["busy_gpu_s"]
 
 
-TGEN = Mechanisms(True, True, False, False, True)  # continuous + streaming + trainer-gen, no resizing
+def test_a_config_with_the_removed_trainer_gen_loads_with_one_warning(caplog):
+    """trainer-gen was removed (docs/simulator.md, "Removed: trainer-gen"): an old config that sets it still loads,
+    with one line saying the setting was removed and why, and runs as without it."""
+    import logging
 
-
-def test_trainer_gen_fills_a_rollout_bound_tail_and_keeps_the_barrier_runs_sample_to_version_map():
-    s = _setup("paper_8gpu", "sim.steps=20")
-    topo = Topology(7, 1)  # rollout-bound: the trainers idle while one rollout GPU decodes the batch
-    barrier = run_samples(s, topo, BARRIER, record_versions=True)
-    without = run_samples(s, topo, Mechanisms(True, True, False))
-    gen = run_samples(s, topo, TGEN, log=True, record_versions=True)
-    assert gen.trainer_gens > 0 and gen.trainer_gen_groups > 0
-    assert gen.total_s < 0.95 * without.total_s
-    assert gen.versions == barrier.versions and gen.samples == barrier.samples
-    assert all(v == version_of(b, 1) for (b, _), v in gen.versions.items())
-    assert gen.trainer_gen_over_s == 0.0  # no trainer stayed away longer than its priced time
-    rows = [e for e in gen.events if e.type == EventType.STAGE and e.data.get("trainer_generating")]
-    assert len(rows) == gen.trainer_gens  # one interval per excursion, on a trainer's rank
-    assert {int(e.data["ranks"]) for e in rows} <= set(range(7))
-    assert all(e.data["stage"] == "rollout" and e.data["end"] > e.data["start"] for e in rows)
-
-
-def test_trainer_gen_with_resizing_keeps_the_sample_to_version_map():
-    s = _setup("paper_8gpu", "sim.steps=24", "policy.min_dwell_steps=1", "policy.cooldown_steps=0",
-               "policy.imbalance_threshold=0.02", "policy.min_relative_gain=0.0")
-    static = run_samples(s, s.initial, BARRIER, record_versions=True)
-    dyn = run_samples(s, s.initial, Mechanisms(True, True, True, True, True), record_versions=True)
-    assert static.versions == dyn.versions and dyn.samples == static.samples
-
-
-@pytest.mark.parametrize("over,nt", [((), 3), (("sim.pipeline.trainer_gen_cost_s=400",), 7)])
-def test_trainer_gen_is_not_used_where_it_does_not_pay(over, nt):
-    """Training-bound (the trainers are never idle long enough), or a switch dearer than what it saves: no trainer
-    generates, and the run is the one without the mechanism."""
-    s = _setup("paper_8gpu", "sim.steps=12", *over)
-    topo = Topology(nt, 8 - nt)
-    without = run_samples(s, topo, Mechanisms(True, True, False))
-    gen = run_samples(s, topo, TGEN)
-    assert gen.trainer_gens == 0
-    assert gen.total_s == without.total_s
+    old = ["sim.pipeline.trainer_rollout=true", "sim.pipeline.trainer_gen_cost_s=3", "sim.pipeline.trainer_gen_rate=0.5"]
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        cfg = load_config("configs/sim/paper_8gpu.yaml", ["sim.steps=4", *old])
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "trainer_rollout, trainer_gen_cost_s, trainer_gen_rate removed" in lines[0] and "trainer-gen was removed" in lines[0]
+    assert not hasattr(cfg.sim.pipeline, "trainer_rollout")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dynaresize.config"):
+        load_config("configs/sim/paper_8gpu.yaml", ["sim.steps=4"])
+    assert not caplog.records
 
 
 def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_training_bound_split():
@@ -140,7 +119,7 @@ def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_tr
     topo = Topology(42, 22)
     barrier = run_samples(s, topo, Mechanisms(False, False, False), record_versions=True)
     without = run_samples(s, topo, Mechanisms(True, True, False), record_versions=True)
-    helped = run_samples(s, topo, Mechanisms(True, True, False, True), record_versions=True)
+    helped = run_samples(s, topo, SimMechanisms(True, True, False, True), record_versions=True)
     assert helped.helps > 0
     assert helped.versions == barrier.versions == without.versions and helped.samples == barrier.samples
     assert helped.total_s < without.total_s

@@ -1,0 +1,235 @@
+"""Mechanisms only the simulator runs, added to the scheduler core through its extension points.
+
+A mechanism lives in the shared core (:mod:`dynaresize.schedule`) only if the runtime drives it (issue 25). The
+gradient helpers pay in the simulator (docs/simulator.md, "Gradient helpers: simulator only") but the runtime has none,
+so they live here: :class:`HelpingScheduler` is the core's :class:`~dynaresize.schedule.PipelineScheduler` with the
+helpers' state and logic, plugged into the core's documented extension points (``_occupied``, ``_idle``,
+``_chunk_limit``, ``_chunk_started``, ``_step_waits``, ``_rank_lost``). The sample-level simulator
+(:mod:`dynaresize.sim.samples`) builds it when ``sim.pipeline.gradient_helpers`` is on; nothing under
+``dynaresize/job`` imports this module.
+
+Gradient helpers (within-step role flow): in a training-bound step the rollout ranks finish batch ``k + s`` with
+version ``k`` and wait for ``k + 1``; they hold exactly the weights ``T_k`` computes gradients with. The trainers then
+take batch ``k`` in micro-chunks (``HelperConfig.train_chunks``); an idle rollout rank with no generation work of a
+version it holds takes some of the groups not yet trained (``Help``), computes their gradient and sends it
+(``HelpDone``); the optimizer step waits for it (the gradients add up: the same sum, the loss normalised over the
+whole batch). A lost helper's groups go back to the trainers. Assumed for a real system (not built there): the helper
+has the samples' old and reference logprobs from the rollout and the trainers (it holds no reference model).
+
+Worked example (1 trainer, 2 rollout ranks, batches of 4 groups, continuous rollout, a helper as fast as a trainer
+with a 0.1 s cost; tests/unit/test_sim_mechanisms.py walks it)::
+
+    core = HelpingScheduler(SchedulerConfig(3, 1, (4, 4, 4), mechanisms=SimMechanisms(True, gradient_helpers=True)),
+                            HelperConfig(rate=1.0, cost_s=0.1, train_chunks=4))
+    ...                                   # batch 0 complete, T_0 trains group 0 (1 s a group); rank 2 generated
+    core.handle(RankReady(2, 4))          # batch 1 with version 0 and waits for version 1
+    -> [Help(2, 0, (3,))]                 # 3 groups left: the trainer alone 3 s, with the helper max(2, 1 + 0.1) s
+    core.handle(HelpDone(2, 0))           # its gradient is in; the step waits for the trainer's chunks only
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dynaresize.policy import ResizePolicy
+from dynaresize.policy.predictor import efficiency
+from dynaresize.schedule import Mechanisms, PipelineScheduler, Role, ScheduleError, SchedulerConfig, StepMeasured
+
+
+@dataclass(frozen=True, slots=True)
+class SimMechanisms(Mechanisms):
+    """The core's mechanisms plus the ones only the simulator runs."""
+
+    gradient_helpers: bool = False  # idle rollout ranks holding the training version compute gradients of the batch
+
+    @property
+    def label(self) -> str:
+        parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training),
+                                 ("helpers", self.gradient_helpers)) if on]
+        return "+".join(parts) or "barrier"
+
+
+def helpers_on(mech: Mechanisms) -> bool:
+    """Whether ``mech`` turns the gradient helpers on (a plain core ``Mechanisms`` never does)."""
+    return isinstance(mech, SimMechanisms) and mech.gradient_helpers
+
+
+@dataclass(frozen=True, slots=True)
+class HelperConfig:
+    """The gradient helpers' pricing (every figure an ASSUMPTION; the simulator's from ``sim.pipeline``)."""
+
+    rate: float = 0.9  # a helper's forward/backward rate relative to one trainer GPU
+    cost_s: float = 1.0  # a helper's own overhead per help: leave decoding, send its gradient, come back
+    margin: float = 1.5  # a helper joins only when its predicted saving exceeds its cost times this
+    train_chunks: int = 8  # the trainers take a batch in chunks of 1/train_chunks of its groups
+    train_scaling_per_doubling: float = 0.95  # data-parallel efficiency kept per doubling of trainers
+
+
+# --- the helpers' action and event (the simulator's alone: the core's vocabulary has neither) ----------------------
+@dataclass(frozen=True, slots=True)
+class Help:
+    """Idle rollout rank ``rank`` computes the gradient of ``groups`` of ``batch`` with the version it holds, which
+    is the version ``T_batch`` trains from (it generated the next batch with it), and sends it to the trainers; the
+    optimizer step waits for it. The loss stays normalised over the whole batch (the gradients add up)."""
+
+    rank: int
+    batch: int
+    groups: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class HelpDone:
+    """Gradient helper ``rank`` finished forward/backward over its groups of ``batch`` and sent the gradient."""
+
+    rank: int
+    batch: int
+
+
+class HelpingScheduler(PipelineScheduler):
+    """The core with gradient helpers (``cfg.mechanisms`` a :class:`SimMechanisms` with ``gradient_helpers``).
+
+    Besides the core's events it takes :class:`HelpDone` and reads ``StepMeasured``'s training compute per group and
+    per token (the helpers' pricing); besides the core's actions it returns :class:`Help`."""
+
+    def __init__(self, cfg: SchedulerConfig, helpers: HelperConfig = HelperConfig(), policy: ResizePolicy | None = None):
+        super().__init__(cfg, policy)
+        self.hcfg = helpers
+        self.helping: dict[int, tuple[int, tuple[int, ...]]] = {}  # helper rank -> (batch, groups)
+        self.gpu_s_per_group = 0.0  # the newest measured training compute per group on one GPU
+        self.gpu_s_per_token = 0.0  # the same per trained token (0: not measured)
+
+    def handle(self, ev):
+        if type(ev) is HelpDone:
+            out: list = []
+            if not self.restarting:
+                self._help_done(ev.rank, ev.batch, out)
+            return out
+        if type(ev) is StepMeasured and not self.restarting:
+            if ev.train_gpu_s_per_group > 0:
+                self.gpu_s_per_group = ev.train_gpu_s_per_group
+            if ev.train_gpu_s_per_token > 0:
+                self.gpu_s_per_token = ev.train_gpu_s_per_token
+        return super().handle(ev)
+
+    # --- the core's extension points ------------------------------------------------------------------------------
+    def _occupied(self, rank: int) -> bool:
+        return rank in self.helping
+
+    def _idle(self, rank: int, out: list) -> None:
+        self._offer_help(rank, out)
+
+    def _chunk_limit(self, b) -> int:
+        """Micro-chunks, so that helpers who fall idle meanwhile can take the rest."""
+        return max(1, -(-b.train_total // self.hcfg.train_chunks))
+
+    def _chunk_started(self, out: list) -> None:
+        """At each training chunk: the idle ranks may help with what is left (a rank falling idle later is offered
+        help in ``_idle``)."""
+        if self.gpu_s_per_group > 0 and self.batches[min(self.produced, self.n_steps - 1)].ready:
+            # the versions of the batches with groups to hand out: no help changes them, so once for every rank
+            last = min(self.n_steps - 1, self.produced + self.s)
+            gen = {self.batches[j].version for j in range(self.first_open, last + 1) if self.batches[j].unclaimed}
+            for rank in sorted(self.waiting):
+                if not self._offer_help(rank, out, gen):
+                    return  # not worth a helper now, for any rank (each help only shrinks what is left)
+
+    def _step_waits(self, batch: int) -> bool:
+        return any(hb == batch for hb, _ in self.helping.values())
+
+    def _rank_lost(self, rank: int, out: list) -> None:
+        helped = self.helping.pop(rank, None)
+        if helped is not None:  # its gradient is lost: the trainers compute those groups again
+            hb = self.batches[helped[0]]
+            hb.add_ready(helped[1])
+            hb.trained -= len(helped[1])
+            self._try_train(out)
+            self._maybe_step(out)
+
+    # --- the helpers ------------------------------------------------------------------------------------------------
+    def _group_cost(self, b, g: int) -> float:
+        """Training compute of group ``g`` of ``b`` on one GPU: by its reported tokens where known, else the mean."""
+        t = b.tokens.get(g) if self.gpu_s_per_token > 0 else None
+        return self.gpu_s_per_group if t is None else t * self.gpu_s_per_token
+
+    def _help_groups(self) -> tuple[int, ...]:
+        """Ready groups of the batch in training that one more helper should take now (none: a helper would not pay).
+
+        The share balances the trainers' rest against the helper's groups plus its cost: with ``C`` the ready groups'
+        training compute on one GPU, ``r`` the trainers' rate (GPUs x efficiency) and ``h`` the helper's, the helper
+        takes up to ``(C / r - cost_s) / (1 / r + 1 / h)`` of it, and the batch's training must end sooner by more
+        than ``(margin - 1) x cost_s``. Each group is priced by its reported tokens where the driver reports them
+        (``GroupsDone.tokens``), else at the measured mean per group: the groups that complete last are the longest,
+        and priced at the mean a helper taking them finished long after the trainers. The helper takes from the newest
+        ready groups (the trainers take the oldest), skipping one that would overshoot its share."""
+        c = self.hcfg
+        nt = len(self.t_ranks)
+        if not self.t_started or nt == 0 or self.gpu_s_per_group <= 0 or self.produced >= self.n_steps:
+            return ()
+        b = self.batches[self.produced]
+        if not b.ready:
+            return ()
+        trate = nt * efficiency(nt, c.train_scaling_per_doubling)
+        if self.gpu_s_per_token > 0:
+            total = b.ready_tokens * self.gpu_s_per_token + b.ready_untokened * self.gpu_s_per_group
+        else:
+            total = len(b.ready) * self.gpu_s_per_group
+        share = (total / trate - c.cost_s) / (1.0 / trate + 1.0 / c.rate)
+        need = (c.margin - 1.0) * c.cost_s
+        if share <= 0 or total / trate - max((total - share) / trate, share / c.rate + c.cost_s) <= need:
+            return ()  # not even a helper filling its whole share would pay
+        mean = total / len(b.ready)
+        scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
+        chosen: list[int] = []
+        acc = 0.0
+        for g in reversed(b.ready[-scan:]):
+            cost = self._group_cost(b, g)
+            if acc + cost <= share:
+                chosen.append(g)
+                acc += cost
+        if not chosen:
+            return ()
+        saving = total / trate - max((total - acc) / trate, acc / c.rate + c.cost_s)
+        return tuple(reversed(chosen)) if saving > need else ()
+
+    def _offer_help(self, rank: int, out: list, gen: set[int] | None = None) -> bool:
+        """An idle rollout rank that holds version ``k`` (it generated batch ``k + s`` with it and waits for the next
+        version) computes the gradient of some of batch ``k``'s groups not yet trained, when the batch's training then
+        ends sooner by more than ``(margin - 1) x cost_s`` (``_help_groups``). False when a helper would not pay now,
+        whichever rank it were. ``gen``: the versions of the batches from ``first_open`` to the newest open one that
+        have unclaimed groups, where the caller knows them."""
+        k = self.produced
+        if k >= self.n_steps or self.gpu_s_per_group <= 0 or not self.t_started:
+            return False
+        r, b = self.ranks[rank], self.batches[k]
+        if not (b.ready and r.inflight == 0 and k in r.versions and r.role is Role.ROLLOUT and not r.lost
+                and not r.leaving and rank not in self.helping):  # (self.accepting(rank): the same tests)
+            return True
+        if gen is None:
+            last = min(self.n_steps - 1, self.produced + self.s)
+            generate = any(self.batches[j].unclaimed and self.batches[j].version in r.versions
+                           for j in range(self.first_open, last + 1))
+        else:
+            generate = not gen.isdisjoint(r.versions)
+        if generate:
+            return True  # generation comes first: it waits for its even share of a batch, not for a version
+        groups = self._help_groups()
+        if not groups:
+            return False
+        b.take_ready(groups)
+        b.trained += len(groups)
+        self.helping[rank] = (k, groups)
+        self.waiting.discard(rank)
+        r.capacity = 0
+        out.append(Help(rank, k, groups))
+        return True
+
+    def _help_done(self, rank: int, batch: int, out: list) -> None:
+        got = self.helping.pop(rank, None)
+        if got is None or got[0] != batch:
+            if self.ranks[rank].lost:
+                return
+            raise ScheduleError(f"rank {rank} finished helping batch {batch} it was not helping")
+        self._maybe_step(out)
+        r = self.ranks[rank]
+        if r.leaving and r.inflight == 0:
+            self._start_switch(rank, out)
