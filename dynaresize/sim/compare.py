@@ -84,7 +84,8 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     settings = SampleSettings(s.cfg.pipeline.staleness_bound, log, s.cfg.switching.costs.deferred_overlap_fraction,
                               p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,
-                              tail_share=tail_share, train_queue=p.train_queue)
+                              tail_share=tail_share, train_queue=p.train_queue,
+                              claim_ahead=p.claim_ahead)
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, settings).run()
 
 

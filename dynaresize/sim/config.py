@@ -192,6 +192,11 @@ class PipelineModelConfig(Section):
     )
     claim_groups: int = Field(4, ge=1, description="model=samples: groups a rollout GPU claims at a time when its KV slots free up (ASSUMPTION)")
     stream_chunks: int = Field(8, ge=1, description="model=samples: streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready")
+    claim_ahead: bool = Field(
+        False, description="model=samples: a rollout GPU claims its next groups one command_latency_s before its slots "
+        "free, so its refills never wait the control plane (the runtime's rank holds a second command queued); off: it "
+        "claims when they free"
+    )
     train_queue: int = Field(
         1, ge=1, le=2, description="model=samples: training commands (chunks, then the optimizer step) the trainers hold at "
         "once, run in the order sent (the runtime's pipeline.train_queue; 2 hides the control-plane latency between two)"

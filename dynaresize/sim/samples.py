@@ -231,6 +231,9 @@ class SampleSettings:
     helper_cost_s: float = 1.2
     tail_share: float = TAIL_SHARE_BARRIER_FREE  # barrier-free observations: the share of the longest response reported as tail
     train_queue: int = 1  # training commands the trainers hold at once, run in order (SchedulerConfig.train_queue)
+    # a rollout GPU claims one control-plane latency before its slots free (the runtime's rank holds a second command
+    # queued, so its refills never wait a round trip); off: it claims when they free, and waits the latency
+    claim_ahead: bool = False
 
 
 class SamplePipeline:
@@ -291,6 +294,7 @@ class SamplePipeline:
         self.busy_start: dict[int, float] = {}  # rollout rank -> when it last went from no sequence to some
         self.topo = initial  # the split the last decision aimed at
         self.latency = sim.command_latency_s  # control-plane latency per command (0: every action at once)
+        self.ahead = self.latency if st.claim_ahead else 0.0  # how long before its slots free a GPU claims
         self.in_flight: dict[int, int] = {}  # rank -> sequences assigned to it whose Assign has not arrived yet
         self.claim_max = self.group_size * claim_groups  # sequences a rank claims at most at a time
         self._deferred = -1  # the rank whose event is being handled (its next event is scheduled at the event's end)
@@ -348,7 +352,10 @@ class SamplePipeline:
             return dr.drain_time() if len(dr.seqs) > dr.head else math.inf  # (dr.active > 0)
         if self.in_flight and self.in_flight.get(rank):
             return math.inf  # an assignment is on its way: its arrival schedules the next claim
-        return dr.claim_time(self._claim_seqs(dr))
+        c = dr.claim_time(self._claim_seqs(dr))
+        if self.ahead and c < math.inf:  # claim_ahead: asked one command latency before (now, if they free sooner)
+            c = max(dr.t_valid, c - self.ahead)
+        return c
 
     def _claim_seqs(self, dr: DecodeRank) -> int:
         return max(1, min(dr.slots, self.claim_max))
@@ -419,6 +426,7 @@ class SamplePipeline:
             return
         lim = t + _EPS
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
+        ahead = self.ahead
         busy_start, helping, waiting = self.busy_start, self.helping, core.waiting
         helpers = self.helpers
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
@@ -468,6 +476,8 @@ class SamplePipeline:
                 if s0 is not None:
                     self.res.busy_rollout_gpu_s += t - s0
             if crank.role is Role.ROLLOUT and not (in_flight and in_flight.get(rank)):
+                if ahead and dr.planned:  # claim_ahead: the slots free when the assignment arrives
+                    active = len(dr.seqs) - bisect_right(dr.t_marks, t + ahead + _EPS, dr.head)
                 free = dr.slots - active  # self._capacity(dr), with nothing on its way
                 cap = free // G
                 if active == 0 and cap < 1:
@@ -495,6 +505,8 @@ class SamplePipeline:
                 else:
                     k = min(claim - free, active) - 1
                     c = dr.t_marks[dr.head + k] if k >= 0 else dr.t_valid
+                    if ahead:  # claim_ahead: asked one command latency before (now, if they free sooner)
+                        c = max(dr.t_valid, c - ahead)
             if c < nxt:
                 nxt = c
             dr.token += 1  # only the newest scheduled event of a rank counts
