@@ -121,12 +121,12 @@ class RankProcess:
 
     # registration and heartbeats -------------------------------------------------------------------------------
     def register_all(self) -> None:
-        from dynaresize.control.wire import Registration
+        from dynaresize.control.wire import RankState, Registration
 
         host, pid = socket.gethostname(), os.getpid()
         for r in self.ranks:
             reg = self.registry.register(Registration(job_id=JOB, rank=r, host=host, device="cpu",
-                                                      staging_dir="/tmp/dr-load", pid=pid))
+                                                      staging_dir="/tmp/dr-load", pid=pid, state=RankState.IDLE))
             with self.lock:
                 self.inc[r] = reg.incarnation
                 self.beating.add(r)
@@ -137,7 +137,7 @@ class RankProcess:
 
         from dynaresize.control.registry import Beat, Registry
         from dynaresize.control.server import connect
-        from dynaresize.control.wire import Registration
+        from dynaresize.control.wire import RankState, Registration
 
         reg = Registry(connect(self.endpoint_file, role=f"sim{self.index}-hb", cfg=self.cfg), JOB, self.cfg)
         last = time.monotonic()
@@ -160,7 +160,7 @@ class RankProcess:
                 if beat is Beat.LOST:  # as Heartbeater.beat_once: the registration expired -> register again
                     self.stats["beats_lost"] += 1
                     new = reg.register(Registration(job_id=JOB, rank=r, host=socket.gethostname(), device="cpu",
-                                                    staging_dir="/tmp/dr-load", pid=os.getpid()))
+                                                    staging_dir="/tmp/dr-load", pid=os.getpid(), state=RankState.IDLE))
                     with self.lock:
                         self.inc[r] = new.incarnation
                 elif beat is Beat.SUPERSEDED:

@@ -51,7 +51,7 @@ def worker(endpoint_file: str, cfg_json: str, ranks: list[int], go, ready) -> No
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import connect
     from dynaresize.contract.protocol import CommandKind
-    from dynaresize.control.wire import Registration
+    from dynaresize.control.wire import RankState, Registration
 
     cfg = RedisConfig.model_validate_json(cfg_json)
     host = socket.gethostname()
@@ -65,7 +65,8 @@ def worker(endpoint_file: str, cfg_json: str, ranks: list[int], go, ready) -> No
 
     def register(r: int) -> None:
         regs[r] = Registry(clients[r], JOB, cfg).register(
-            Registration(job_id=JOB, rank=r, host=host, device="cpu", staging_dir="/tmp", pid=os.getpid()))
+            Registration(job_id=JOB, rank=r, host=host, device="cpu", staging_dir="/tmp", pid=os.getpid(),
+                         state=RankState.IDLE))
 
     threads = [threading.Thread(target=register, args=(r,)) for r in ranks]
     for t in threads:

@@ -178,8 +178,9 @@ class Registry:
         self.keys = Keys(job_id)
         self.job_id = job_id
         self.cfg = cfg
-        # registration GC (liveness is the zset's job); it outlives a starting rank's grace (its state is read there)
-        self.ttl_ms = max(1, int(max(cfg.dead_after_s * 3, cfg.start_grace_s + cfg.dead_after_s) * 1000))
+        self.ttl_ms = max(1, int(cfg.dead_after_s * 3 * 1000))  # registration GC; liveness is the zset's job
+        # a rank still starting: its registration outlives its grace (its state is read there)
+        self.start_ttl_ms = max(self.ttl_ms, int((cfg.start_grace_s + cfg.dead_after_s) * 1000))
         self._register = client.register_script(_REGISTER)
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._deregister = client.register_script(_DEREGISTER)
@@ -202,7 +203,7 @@ class Registry:
         raw = encode(reg.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
         out = self._register(keys=[k.incarnation(reg.rank), k.rank(reg.rank), k.live, k.fenced, k.launch],
-                             args=[reg.rank, raw, self.ttl_ms, reg.launch, reg.process, self.cfg.dead_after_s])
+                             args=[reg.rank, raw, self._ttl(reg.state), reg.launch, reg.process, self.cfg.dead_after_s])
         code = int(out[0])
         if code > 0:
             return reg.model_copy(update={"incarnation": code})
@@ -237,11 +238,17 @@ class Registry:
     def launch(self) -> int:
         return int(self.r.get(self.keys.launch) or 0)
 
-    def heartbeat(self, rank: int, incarnation: int, update: Registration | None = None) -> Beat:
-        """Refresh the rank's liveness (and its registration, when ``update`` is given)."""
+    def heartbeat(self, rank: int, incarnation: int, update: Registration | None = None,
+                  state: RankState | None = None) -> Beat:
+        """Refresh the rank's liveness (and its registration, when ``update`` is given; ``state``: the rank's, which
+        sets how long its registration outlives a silence)."""
         raw = b"" if update is None else encode(update.model_copy(update={"incarnation": 0}), self.cfg.max_message_bytes)
         k = self.keys
-        return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, incarnation, self.ttl_ms, raw])))
+        ttl = self._ttl(update.state if update is not None else state)
+        return Beat(int(self._heartbeat(keys=[k.rank(rank), k.live, k.fenced], args=[rank, incarnation, ttl, raw])))
+
+    def _ttl(self, state: RankState | None) -> int:
+        return self.start_ttl_ms if state is RankState.STARTING else self.ttl_ms
 
     def heartbeat_many(self, beats: Mapping[int, int]) -> dict[int, Beat]:
         """Heartbeat several ranks (rank -> incarnation) in one round trip: the same script as :meth:`heartbeat`
@@ -439,7 +446,7 @@ class Heartbeater:
         with self._lock:
             reg, pending, self._pending = self.registration, self._pending, None
         try:
-            beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending)
+            beat = self.registry.heartbeat(reg.rank, reg.incarnation, pending, reg.state)
         except redis.RedisError:
             if pending is not None:
                 with self._lock:  # not written: keep it for the next beat (unless a newer update replaced it)

@@ -435,10 +435,9 @@ class ContinuousSchedule:
             n_t = max(1, st.n_train)
             obs = Observation(step=k, topology=Topology(n_t, max(1, len(job.rollouts()))), rollout_s=job.last.rollout_s,
                               train_s=job.last.train_s, tokens_generated=t.tokens_generated, tokens_trained=t.tokens,
-                              mixed=t.mixed,
-                              # the barrier's blocking sync lies on the rollout's path (as the simulator observes it);
-                              # barrier-free, a version arrives in the background of the decode
-                              weight_sync_s=job.last.sync_s if self.barrier else 0.0)
+                              mixed=t.mixed)
+            # (no weight_sync_s: sync_s is the coordinator's wall clock, which a takeover's replay cannot reproduce; the
+            # simulator's barrier observations carry it, the runtime's do not: docs/schedule.md)
             per_group = job.last.train_s * n_t / max(1, self.cfg.rollout.prompts_per_step)
             self.feed(StepMeasured(obs, self.cfg.run.steps - k - 1, per_group))
             if self.core.policy_state is not None:
