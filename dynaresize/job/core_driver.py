@@ -37,7 +37,7 @@ commands still in flight are sent again under their ids and the loop goes on. Wh
 where it is in them, the stored acks, the commands held back) is a :class:`dynaresize.job.takeover.Takeover`; the
 loop asks it whether this is a replay, for the next observed acks, to compare each line and to go live.
 
-Not here (yet): gradient helpers (within-step role flow) in the runtime.
+Not here: gradient helpers (within-step role flow), a simulator-only mechanism (:mod:`dynaresize.sim.mechanisms`).
 """
 
 from __future__ import annotations
