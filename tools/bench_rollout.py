@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 JOB = "bench-rollout"
-SLOTS = 2  # dynaresize.job.core_driver.SLOTS: generate commands queued per rollout rank
+SLOTS = 2  # generate commands queued per rollout rank (the runtime holds one command and a group: core_driver.QUEUED_GROUPS)
 EOS = list(range(300, 338))  # 38 of 384 tokens end a response
 TINY = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}

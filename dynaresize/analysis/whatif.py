@@ -166,8 +166,8 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     samples in a run of the retired lockstep loop, ``lockstep``), so a simulated GPU holds at most that many
     sequences and claims that many groups once it has drained.
     A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups; the trainers hold
-    ``pipeline.train_queue`` training commands at once (1 in the retired lockstep loop), and a rollout rank holds a
-    second generate command queued, so its refills never wait the control plane: the simulator's ``claim_ahead``."""
+    ``pipeline.train_queue`` training commands at once (1 in the retired lockstep loop), and a rollout rank holds one
+    group queued beyond its command's, so its refills never wait the control plane: the simulator's ``claim_ahead``."""
     p, r = cfg.pipeline, cfg.rollout
     per_cmd = r.pull_batch if lockstep else p.groups_per_command * r.group_size
     if not lockstep and r.max_running != 0:
@@ -177,7 +177,7 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     return {"sim.rollout.max_seqs_per_gpu": slots, "sim.pipeline.claim_groups": claim,
             "sim.pipeline.stream_chunks": max(1, r.prompts_per_step // p.stream_min_groups),
             "sim.pipeline.train_queue": 1 if lockstep else p.train_queue,
-            "sim.pipeline.claim_ahead": not lockstep,  # a rank holds two commands (job.core_driver.SLOTS)
+            "sim.pipeline.claim_ahead": not lockstep,  # a rank holds a group queued (job.core_driver.QUEUED_GROUPS)
             "sim.workload.prompts_per_step": r.prompts_per_step, "sim.workload.responses_per_prompt": r.group_size}
 
 

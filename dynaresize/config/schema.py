@@ -101,7 +101,7 @@ class PipelineConfig(Section):
     )
     groups_per_command: int = Field(
         4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
-        "rank has two commands queued, so it never waits for the coordinator between them)",
+        "rank holds one more group queued, so it never waits for the coordinator between them)",
     )
     weights_transport: Literal["comm", "file"] = Field(
         "comm", description="barrier_free schedule: how a new policy version reaches the rollout ranks while they decode "
