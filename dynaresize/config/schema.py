@@ -100,8 +100,10 @@ class PipelineConfig(Section):
         "loss normalisation; a chunk sent early holds the groups ready then). 1: one at a time",
     )
     groups_per_command: int = Field(
-        4, ge=1, description="continuous schedule: GRPO groups in one generate command, decoded together (each rollout "
-        "rank holds one more group queued, so it never waits for the coordinator between them)",
+        4, ge=1, description="GRPO groups in one generate command, decoded together and reported together when the "
+        "last ends (1: each group as it completes, so it can stream to training at once). A rollout rank holds its KV "
+        "slots' worth of groups (at least one command's) and one group more queued, so it never waits for the "
+        "coordinator between two",
     )
     weights_transport: Literal["comm", "file"] = Field(
         "comm", description="barrier_free schedule: how a new policy version reaches the rollout ranks while they decode "

@@ -73,10 +73,10 @@ from dynaresize.schedule.codec import decode, encode
 
 log = logging.getLogger("dynaresize.job")
 
-# Groups a rollout rank holds beyond one command's (``pipeline.groups_per_command``): one queued group, so its
-# refill never waits a control-plane round trip, and no more, so a batch's last groups go to the rank that frees first
-# instead of queueing behind a busy one's (a whole second command queued: 0.7-0.9% less throughput on the emulated
-# 8-GPU job, none queued: 2.7% less; docs/schedule.md "Queued ahead").
+# Groups a rollout rank holds beyond its KV slots' worth: one, so its refill never waits a control-plane round trip,
+# and no more, so a batch's last groups go to the rank that frees first instead of queueing behind a busy one's (a
+# whole second command queued: 0.7-0.9% less throughput on the emulated 8-GPU job, none queued: 2.7% less;
+# docs/schedule.md "What a rollout rank holds").
 QUEUED_GROUPS = 1
 
 
@@ -207,7 +207,7 @@ class ContinuousSchedule:
         if k > 0:  # a restored rank may hold another version than the checkpoint's
             self.deliver(self.behind(k), k)
         for r in job.rollouts():
-            self.ready(r)
+            self.ready(r, queued=0)
 
     def check_generated_before(self, k: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
         """A resume at step k trains batches k .. k+s-1 first: they were generated before the checkpoint. With dynamic
@@ -611,10 +611,16 @@ class ContinuousSchedule:
         k = self.drain
         return (isinstance(a, Assign) and a.batch >= k + self.core_cfg.staleness) or (isinstance(a, (Train, Step)) and a.batch >= k)
 
-    def ready(self, rank: int) -> None:
+    def ready(self, rank: int, queued: int = QUEUED_GROUPS) -> None:
+        """The rank has room for groups: its KV slots' worth (``rollout.kv_slots`` / ``group_size``, at least one
+        command's ``pipeline.groups_per_command``) and ``queued`` more. At the start its first hand-out fills the slots
+        only: every rank is free then, and a group queued behind one rank's first groups would wait there while another
+        rank frees first."""
         if self.core.role(rank) is not Role.ROLLOUT or rank in self.job.state.lost:
             return
-        free = self.cfg.pipeline.groups_per_command + QUEUED_GROUPS - self.core.groups_in_flight(rank)  # the core's count
+        r = self.cfg.rollout
+        held = max(self.cfg.pipeline.groups_per_command, r.kv_slots // r.group_size) + queued
+        free = held - self.core.groups_in_flight(rank)  # the core's count
         if free > 0:
             self.feed(RankReady(rank, free))
 

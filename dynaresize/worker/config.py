@@ -64,7 +64,7 @@ class RolloutConfig(Section):
         None, ge=0, description="KV slots of a rollout rank (continuous batching; vLLM: its max_num_seqs): sequences decoded together, the "
         "samples of its next generate command entering as slots free, for the version it holds (emulated: capped by "
         "sim.rollout.max_seqs_per_gpu). null: rollout.pull_batch slots (the rows the one-batch path decodes together; "
-        "with the continuous schedule's two queued commands, the second one waits for slots). 0: no continuous "
+        "a command's samples beyond the free slots wait for them). 0: no continuous "
         "batching, one pull_batch slice decoded at a time"
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
