@@ -34,6 +34,7 @@ sequence, the per-iteration cost uses its batch's mean context; no preemption of
 
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -366,6 +367,18 @@ class SamplePipeline:
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def run(self) -> SampleRunResult:
+        """The whole run, with Python's cyclic garbage collector paused (restored after): the run allocates millions
+        of short-lived tuples and lists and builds no reference cycle of its own, and the collector's passes over the
+        ranks' plans cost 15-25% of the run's CPU time (docs/simulator.md, "Speed")."""
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if enabled:
+                gc.enable()
+
+    def _run(self) -> SampleRunResult:
         t0w = time.perf_counter()
         topo = self.initial
         self.emit(0.0, EventType.TOPOLOGY, step=0, train_ranks=format_ranks(range(topo.n_train)),
