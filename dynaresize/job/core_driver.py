@@ -518,13 +518,18 @@ class ContinuousSchedule:
     def failed(self, sent: Sent, ack) -> None:
         """A rank's command failed. A collective one (a switch, a sync, a chunk, a step) fails on the survivors when a
         peer dies in the middle of it (gloo: "Connection reset by peer"): the peer's loss (``RanksLost``: the restart
-        path), not the survivor's error. So the peers still owing an ack are watched up to the heartbeat deadline;
-        when they answer or live on, the failure is the rank's own (one message)."""
+        path), not the survivor's error. So the peers still owing an ack are watched past the heartbeat deadline (a
+        dead peer's silence counts from its last beat, up to one period before it died, and the survivor's error comes
+        at once: one period more, and a last look after the wait); when they answer or live on, the failure is the
+        rank's own (one message)."""
+        rc = self.cfg.redis
         peers = [r for r in sent.flight.ranks if r != ack.rank and r not in sent.acks]
-        deadline = time.monotonic() + self.cfg.redis.heartbeat_s * self.cfg.redis.dead_after_heartbeats
+        deadline = time.monotonic() + rc.dead_after_s + rc.heartbeat_s
         while peers and time.monotonic() < deadline:
             self.p.tx.check_alive(peers, sent.kind)
             peers = list(self.p.svc.bus.await_acks(sent.flight.cmd.command_id, peers, timeout=0.5).missing)
+        if peers:
+            self.p.tx.check_alive(peers, sent.kind)
         self.p.tx.require(AckResult({ack.rank: ack}, []), sent.kind, [ack.rank])
 
     def check_ranks(self) -> None:

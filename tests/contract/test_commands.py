@@ -171,11 +171,14 @@ def test_two_jobs_share_one_server_without_seeing_each_other(client, cfg, job_id
     other = job_id + "-b"
     bus_a, bus_b = CommandBus(client(), job_id, cfg), CommandBus(client(), other, cfg)
     assert bus_a.epoch == bus_b.epoch == 1, "epochs are per job"
-    Registry(client(), job_id, cfg).register(registration(job_id, 0))
-    Registry(client(), other, cfg).register(registration(other, 0))
-    Registry(client(), other, cfg).register(registration(other, 1))
-    assert sorted(Registry(client(), job_id, cfg).live()) == [0]
-    assert sorted(Registry(client(), other, cfg).live()) == [0, 1]
+    # nothing heartbeats here: registrations that stay live for the test's length (FAST's 0.2 s ran out on a loaded
+    # machine between the registering and the look, and the job's own rank was "not live")
+    slow = cfg.model_copy(update={"heartbeat_s": 1.0, "dead_after_heartbeats": 60})
+    Registry(client(), job_id, slow).register(registration(job_id, 0))
+    Registry(client(), other, slow).register(registration(other, 0))
+    Registry(client(), other, slow).register(registration(other, 1))
+    assert sorted(Registry(client(), job_id, slow).live()) == [0]
+    assert sorted(Registry(client(), other, slow).live()) == [0, 1]
     ha, hb = Recorder(), Recorder()
     ca = bus_a.send(CommandKind.PING, [0], {"job": "a"})
     cb = bus_b.send(CommandKind.PING, [0], {"job": "b"})

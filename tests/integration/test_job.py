@@ -80,8 +80,10 @@ def wait_for_batches(parent: Path, p, n: int = 2, timeout_s: float = 400, poll_s
 def test_resizing_keeps_rl_semantics(tmp_path, model_cache):
     """Resizing on the barrier schedule, its switch ops and the deferred optimizer stage-in (the barrier-free
     schedule's resizing against the same static run: tests/integration/test_continuous_schedule.py)."""
-    steps = 5
-    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 3: 3}", f"run.seed={SEED}",
+    # a forced split lands at the next batch boundary its switch can take (one batch later when the trainers already
+    # hold that batch's chunk), and the policy is not asked while a switch is in flight: two steps apart
+    steps = 6
+    run(tmp_path / "dyn", model_cache, f"run.steps={steps}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}",
         "switching.optimizations.deferred_optimizer=true", "pipeline.schedule=barrier")  # the workers defer, the policy plans so
     run(tmp_path / "static", model_cache, f"run.steps={steps}", "policy.enabled=false", f"run.seed={SEED}",
         "pipeline.schedule=barrier")
