@@ -167,7 +167,7 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     sequences and claims that many groups once it has drained.
     A streamed training chunk starts with ``pipeline.stream_min_groups`` complete groups; the trainers hold
     ``pipeline.train_queue`` training commands at once (1 in the retired lockstep loop), and a rollout rank holds one
-    group queued beyond its command's, so its refills never wait the control plane: the simulator's ``claim_ahead``."""
+    group queued beyond its KV slots' worth, so its refills never wait the control plane: the simulator's ``claim_ahead``."""
     p, r = cfg.pipeline, cfg.rollout
     per_cmd = r.pull_batch if lockstep else p.groups_per_command * r.group_size
     if not lockstep and r.max_running != 0:

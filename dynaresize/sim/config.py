@@ -194,7 +194,7 @@ class PipelineModelConfig(Section):
     stream_chunks: int = Field(8, ge=1, description="model=samples: streaming training starts a chunk once 1/stream_chunks of a batch's groups are ready")
     claim_ahead: bool = Field(
         False, description="model=samples: a rollout GPU claims its next groups one command_latency_s before its slots "
-        "free, so its refills never wait the control plane (the runtime's rank holds one group queued beyond its command's); off: it "
+        "free, so its refills never wait the control plane (the runtime's rank holds one group queued beyond its KV slots' worth); off: it "
         "claims when they free"
     )
     train_queue: int = Field(

@@ -233,7 +233,7 @@ class SampleSettings:
     tail_share: float = TAIL_SHARE_BARRIER_FREE  # barrier-free observations: the share of the longest response reported as tail
     train_queue: int = 1  # training commands the trainers hold at once, run in order (SchedulerConfig.train_queue)
     # a rollout GPU claims one control-plane latency before its slots free (the runtime's rank holds a group queued
-    # beyond its command's, so its refills never wait a round trip); off: it claims when they free, and waits the latency
+    # beyond its KV slots' worth, so its refills never wait a round trip); off: it claims when they free, and waits the latency
     claim_ahead: bool = False
 
 
