@@ -113,6 +113,10 @@ class GenerateResult(_Msg):
     busy_s: float
     version: int
     prompts: list[int] | None = None  # the prompts asked for (generate with prompts), echoed
+    install_s: float = 0.0  # installing its version before it began (waiting for the weights' read, loading them)
+    # a streamed generate: the rank's decode iterations since its previous generate ack, timed (DecodeSums' keys,
+    # dynaresize.contract.decode): the coordinator fits the engine's iteration cost from a batch's
+    decode: dict[str, float] | None = None
 
 
 WeightsTransport = Literal["comm", "file"]

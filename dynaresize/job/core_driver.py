@@ -45,9 +45,11 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
+from dynaresize.contract.decode import DecodeSums
 from dynaresize.control.commands import AckResult
 from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
@@ -61,8 +63,9 @@ from dynaresize.job.state import policy_from_dict, policy_to_dict
 from dynaresize.job.takeover import Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, redo_id
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
+from dynaresize.job.workload import batch_workload
 from dynaresize.policy import Topology
-from dynaresize.policy.types import Decision, Observation, ResizeAction
+from dynaresize.policy.types import Decision, Observation, PipelineWorkload, ResizeAction
 from dynaresize.rl.mismatch import reduce_stats
 from dynaresize.schedule import (
     Assign, Decided, GroupsDone, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart,
@@ -78,6 +81,9 @@ log = logging.getLogger("dynaresize.job")
 # whole second command queued: 0.7-0.9% less throughput on the emulated 8-GPU job, none queued: 2.7% less;
 # docs/schedule.md "What a rollout rank holds").
 QUEUED_GROUPS = 1
+# The rollout ranks' decode model (the pipeline predictor's) is fitted on the timed iterations of this many recent
+# batches: a batch of short responses alone may hold fewer than a fit needs (the quickstart's: 5-20 iterations)
+DECODE_WINDOW = 4
 
 
 @dataclass
@@ -118,6 +124,7 @@ class Tally:
     chunk_stats: dict[int, list] = field(default_factory=dict)  # trainer -> its chunks' mismatch/TIS sums
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
     mixed: bool = False  # a switch ran while this batch was generated or trained
+    decode: DecodeSums = field(default_factory=DecodeSums)  # the rollout ranks' timed iterations (its generate acks)
 
 
 class ContinuousSchedule:
@@ -140,6 +147,7 @@ class ContinuousSchedule:
             self.core.policy_state = policy_from_dict(takeover.header["policy_state"])
         self.sent: dict[str, Sent] = {}
         self.tally: dict[int, Tally] = {}
+        self.decode_recent: deque[DecodeSums] = deque(maxlen=DECODE_WINDOW)  # the last batches' decode sums
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
@@ -358,6 +366,7 @@ class ContinuousSchedule:
                 t = self.tally.setdefault(sent.batch, Tally())
                 t.gen_busy_s += float(res[r].get("busy_s", 0.0))
                 t.tokens_generated += int(res[r].get("tokens", 0))
+                self.add_decode(t, r, res[r].get("decode"))
                 self.waited_for(sent.version, float(res[r].get("install_s", 0.0)))
                 self.feed(GroupsDone(r, sent.batch, sent.groups, kept=self.judge(sent.batch, sent.groups)))
                 if self.core.unfilled(sent.batch):
@@ -413,7 +422,8 @@ class ContinuousSchedule:
         job, st, p = self.job, self.job.state, self.p
         t = self.tally.pop(k, Tally())
         den = self.denominator(t)
-        built = self.whole_batch(k, t.results)
+        generated = self.p.svc.queue.results(k) if self.p.svc.assembler.filtering else t.results
+        built = self.whole_batch(k, generated)
         job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
             float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=t.sync_s / max(1, len(job.rollouts())),
             tokens_generated=t.tokens_generated, tokens_trained=t.tokens)
@@ -439,13 +449,46 @@ class ContinuousSchedule:
             n_t = max(1, st.n_train)
             obs = Observation(step=k, topology=Topology(n_t, max(1, len(job.rollouts()))), rollout_s=job.last.rollout_s,
                               train_s=job.last.train_s, tokens_generated=t.tokens_generated, tokens_trained=t.tokens,
-                              mixed=t.mixed)
+                              mixed=t.mixed, workload=self.workload(k, t, generated, res))
             # (no weight_sync_s: sync_s is the coordinator's wall clock, which a takeover's replay cannot reproduce; the
             # simulator's barrier observations carry it, the runtime's do not: docs/schedule.md)
             per_group = job.last.train_s * n_t / max(1, self.cfg.rollout.prompts_per_step)
             self.feed(StepMeasured(obs, self.cfg.run.steps - k - 1, per_group))
             if self.core.policy_state is not None:
                 st.policy = policy_to_dict(self.core.policy_state)
+
+    def add_decode(self, t: Tally, rank: int, sums) -> None:
+        """A generate ack's decode sums (``GenerateResult.decode``) added to its batch's; a malformed one is left out
+        of the fit, with a control event saying which rank sent what (the samples it acked are kept)."""
+        if sums is None:
+            return
+        try:
+            t.decode.merge(DecodeSums.from_wire(sums))
+        except ValueError as e:
+            if not self.replaying:
+                self.job.events.emit("control", what="decode_sums_ignored", reason=f"rank {rank}: {e}")
+
+    def workload(self, k: int, t: Tally, generated: list, res: dict[int, dict]) -> PipelineWorkload | None:
+        """Batch k as the policy's pipeline predictor replays it (:mod:`dynaresize.job.workload`), in the barrier-free
+        schedule with streaming training (as the simulator fills it) and with ``policy.predictor: pipeline`` (the
+        observation goes into ``schedule.jsonl`` with its lengths). Its decode model is fitted on the timed iterations
+        of the last ``DECODE_WINDOW`` batches of this segment (one batch of short responses may hold too few; a
+        takeover's replay observes the same acks, so it fits the same), logged as a metric either way."""
+        mech = self.core_cfg.mechanisms
+        if not (mech.continuous_rollout and mech.streaming_training):
+            return None
+        self.decode_recent.append(t.decode)
+        sums = DecodeSums()
+        for d in self.decode_recent:
+            sums.merge(d)
+        n_t = max(1, len(self.job.trainers()))
+        wl, fit = batch_workload(self.cfg, self.core_cfg, generated, {r.prompt for r in t.results}, sums, t.train_s,
+                                 n_t, max(float(x.get("busy_s", 0.0)) for x in res.values()), self.job.last.sync_s)
+        if fit is not None and not self.replaying:
+            self.job.events.emit("metric", name="rollout.iteration_s", value=round(fit.iteration_s, 9), step=k,
+                                 seq_iteration_s=round(fit.seq_iteration_s, 9),
+                                 prefill_s_per_seq=round(fit.prefill_s_per_seq, 9), iterations=fit.iterations)
+        return wl if self.cfg.policy.predictor == "pipeline" else None  # (only its user carries it into schedule.jsonl)
 
     def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
         """Complete groups of batch ``j``: their reward failures reported (every generated sample, trained or not),
@@ -493,11 +536,10 @@ class ContinuousSchedule:
 
     def whole_batch(self, k: int, results: list) -> BuiltBatch:
         """Batch k as the whole-batch assembly builds it (the report's rewards, scores and statistics), from the samples
-        its chunks read (every group went through one chunk)."""
+        its chunks read (every group went through one chunk; with dynamic sampling every sample generated: the
+        selection's statistics see every prompt of its rounds)."""
         rollout, svc = self.p.rollout, self.p.svc
         items, texts = rollout.work(k)
-        if svc.assembler.filtering:  # the selection's statistics see every prompt of its rounds (all generated)
-            results = svc.queue.results(k)
         batch, stats = svc.assembler.build(k, items, texts, results)
         if stats.groups_filler:
             self.job.events.emit("control", what="dynamic_sampling_unfilled", reason=f"batch {k}: {stats.groups_kept} "

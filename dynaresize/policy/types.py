@@ -34,8 +34,9 @@ class Topology:
 class PipelineWorkload:
     """One finished batch as the barrier-free pipeline predictor replays it
     (:mod:`dynaresize.policy.pipeline_predictor`): the batch's own response lengths and training cost, and the
-    rollout GPUs' decode model. Observed, not configured: the simulator fills it from the batch it simulated; a
-    runtime would fill it from the batch's logged lengths and its engine's measured iteration costs."""
+    rollout GPUs' decode model. Observed, not configured: the simulator fills it from the batch it simulated, the
+    runtime from the batch's samples and its rollout engine's measured iteration costs
+    (:mod:`dynaresize.job.workload`, with ``policy.predictor: pipeline``)."""
 
     lengths: tuple[float, ...]  # response tokens per sequence, group by group (group_size consecutive per group)
     group_size: int

@@ -14,13 +14,13 @@ import enum
 import typing
 from typing import Any
 
-from dynaresize.policy.types import Decision, Observation, PlannedOp, ResizeAction, Topology
+from dynaresize.policy.types import Decision, Observation, PipelineWorkload, PlannedOp, ResizeAction, Topology
 from dynaresize.schedule import types as T
 
 _KNOWN: dict[str, type] = {c.__name__: c for c in (
     T.RankReady, T.GroupsDone, T.TrainChunkDone, T.OptimizerStepDone, T.WeightsArrived, T.SwitchDone, T.RankLost,
     T.StepMeasured, T.ValidationDone, T.Validate, T.Extend, T.DynamicSampling, T.Assign, T.Train, T.Step, T.SendWeights, T.Switch, T.Decided, T.Restart,
-    T.SchedulerConfig, T.Mechanisms, Observation, Topology, Decision, PlannedOp,
+    T.SchedulerConfig, T.Mechanisms, Observation, PipelineWorkload, Topology, Decision, PlannedOp,
 )}
 
 

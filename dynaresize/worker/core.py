@@ -63,6 +63,7 @@ import torch.distributed as dist
 from dynaresize.comm import groups as G
 from dynaresize.comm.transport import CommFetch, WeightSender
 from dynaresize.comm.weights import WeightSyncError, broadcast_weights, send_weights_p2p
+from dynaresize.contract.decode import DecodeSums
 from dynaresize.engines import reshard as R
 from dynaresize.engines.protocol import Request
 from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
@@ -179,6 +180,8 @@ class Worker:
     stream: dict[str, _Streamed] = field(default_factory=dict)  # generate commands decoding, by command id, in order
     done: list[tuple[str, dict[str, Any] | None, str | None]] = field(default_factory=list)  # (id, result, error)
     _stream_mark: float = 0.0  # end of the last rollout stage interval this rank logged from the stream
+    decode_sums: DecodeSums = field(default_factory=DecodeSums)  # the stream's iterations since the last generate ack
+    _decoding: int = 0  # sequences still decoding after the stream's last iteration (engines that do not say what waits)
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -429,19 +432,41 @@ class Worker:
         self.stream[command_id] = s
         return None
 
+    def _count_iteration(self, running: int, waiting: int | None, ended: int, seconds: float) -> None:
+        """The iteration's sequences decoded and admitted (``running``/``waiting``: the engine's before it), added to
+        :attr:`decode_sums`. An engine that says what waits (torch, emulated) gives both exactly; one that does not
+        (vLLM) is taken to decode what its KV slots hold and to admit what they freed."""
+        eng = self.rollout
+        after = getattr(eng, "waiting", None)
+        if waiting is not None and after is not None:
+            admitted = max(0, waiting - after)
+            active = eng.running - after + ended
+        else:
+            active = min(running, self._slots)
+            admitted = max(0, active - self._decoding)
+        self._decoding = max(0, active - ended)
+        if active > 0:
+            self.decode_sums.add(active, admitted, seconds)
+
     def advance(self) -> None:
-        """One iteration of the rollout engine's stream: score the samples that ended, complete each slice whose
-        samples all ended, and move the commands whose samples all ended to :attr:`done`."""
+        """One iteration of the rollout engine's stream (timed and counted for the fit of the engine's iteration cost,
+        :mod:`dynaresize.contract.decode`): score the samples that ended, complete each slice whose samples all
+        ended, and move the commands whose samples all ended to :attr:`done`."""
         if not self.stream:
+            self._decoding = 0
             return
         from dynaresize.contract.fencing import FencedRankError
         from dynaresize.contract.workqueue import SampleResult
 
+        eng = self.rollout
+        running, waiting = eng.running, getattr(eng, "waiting", None)
+        t0 = time.perf_counter()
         try:
-            finished = self.rollout.step()
+            finished = eng.step()
         except Exception as e:  # noqa: BLE001 - the engine failed: every command decoding fails with it
             self.abort_stream(f"the rollout engine failed: {type(e).__name__}: {e}")
             return
+        self._count_iteration(running, waiting, len(finished), time.perf_counter() - t0)  # (before its acks)
         score = self.setup.score or (lambda it, ids: {})
         touched: dict[str, _Streamed] = {}
         ended = False
@@ -494,8 +519,11 @@ class Worker:
         samples = len(s.items)
         if not s.validation:
             self._stage(Stage.ROLLOUT, s.step, start, end, tokens=s.tokens, samples=samples, version=s.version)
-        return {"samples": samples, "tokens": s.tokens, "busy_s": end - start, "version": s.version,
-                "prompts": list(s.prompts), "install_s": s.installed_s}
+        out = {"samples": samples, "tokens": s.tokens, "busy_s": end - start, "version": s.version,
+               "prompts": list(s.prompts), "install_s": s.installed_s}
+        if not s.validation and self.decode_sums.n:  # the iterations since the last ack go with this one
+            out["decode"], self.decode_sums = self.decode_sums.to_wire(), DecodeSums()
+        return out
 
     def _fail(self, s: _Streamed, error: str) -> None:
         self.rollout.abort([f"{s.command_id}/{i}" for i in range(len(s.items))])

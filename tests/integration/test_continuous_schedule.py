@@ -58,7 +58,8 @@ def schedule(run_dir: Path) -> list[dict]:
 def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cache, static_run):
     from dynaresize.job.core_io import replay_log
 
-    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}", *CONTINUOUS)
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.forced_splits={2: 1, 4: 3}", f"run.seed={SEED}",
+        "policy.predictor=pipeline", *CONTINUOUS)
     rd = run_dir_of(tmp_path)
     got = batches(rd)
     same_samples(got, batches(static_run))
@@ -87,11 +88,31 @@ def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cach
 
     weights_over_the_communicators(rd)
     waited_for_weights_and_calibrates_as_it_ran(rd, {"continuous_rollout": True, "streaming_training": True})
+    the_policy_saw_each_batch(rd, recs)
 
     replayed = replay_log(rd)
     assert len(replayed) > 50
     for what, logged, again in replayed:
         assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
+def the_policy_saw_each_batch(rd: Path, recs: list[dict]) -> None:
+    """``policy.predictor: pipeline``: each step's observation carries its batch (the pipeline predictor's workload,
+    which the replay below feeds the policy again): every generated response's length, group by group, the rollout
+    ranks' fitted decode model (also logged as a metric per step) and the training per trained group."""
+    fits = {e["step"]: e for e in map(json.loads, (rd / "events.jsonl").read_text().splitlines())
+            if e.get("name") == "rollout.iteration_s"}
+    measured = [r["event"]["observation"] for r in recs if (r.get("event") or {}).get("type") == "StepMeasured"]
+    assert len(measured) == STEPS - 1
+    for obs in measured:
+        wl, k = obs["workload"], obs["step"]
+        assert wl is not None and wl["type"] == "PipelineWorkload", (k, wl)
+        lengths = batches(rd)[k]["response_tokens"]
+        assert sorted(wl["lengths"]) == sorted(float(x) for x in lengths), k  # the batch's own responses
+        assert len(wl["train_s_per_group"]) * wl["group_size"] == len(wl["lengths"]) and sum(wl["train_s_per_group"]) > 0
+        f = fits[k]
+        assert (wl["iteration_s"], wl["seq_iteration_s"]) == pytest.approx((f["value"], f["seq_iteration_s"]), abs=1e-8)
+        assert f["iterations"] >= max(lengths) and wl["seq_iteration_s"] + wl["iteration_s"] > 0
 
 
 def waited_for_weights_and_calibrates_as_it_ran(rd: Path, mechanisms: dict[str, bool]) -> None:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from dynaresize.contract.dataplane import RedisDataPlane
+from dynaresize.contract.decode import DecodeSums
 from dynaresize.contract.workqueue import RolloutQueue, WorkItem
 from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.registry import Registry
@@ -95,6 +96,12 @@ def test_the_next_commands_samples_join_the_running_decode_with_each_seeds_token
     got = [(a.result["samples"], a.result["prompts"], a.result["version"]) for a in acks]
     assert got == [(6, [0, 1], 0), (3, [2], 0), (3, [3], 0)]
     assert [a.result["tokens"] for a in acks] != [0, 0, 0]
+    # each iteration of the stream is timed and counted once, in the next ack: a decoded sequence is one token of
+    # one iteration, and every sample was admitted once (DecodeSums, the fit of the engine's iteration cost)
+    sums = [DecodeSums.from_wire(a.result["decode"]) for a in acks if "decode" in a.result]
+    assert sum(s.a for s in sums) == sum(a.result["tokens"] for a in acks)
+    assert sum(s.m for s in sums) == 12 and sum(s.n for s in sums) >= max(len(r.response_ids) for r in queue.results(1))
+    assert all(s.t > 0 and s.aa >= s.a for s in sums)
     # commands 2 and 3 began while command 1 decoded: their samples queued behind the running ones for free slots
     assert [(k, was) for k, was, _ in begins] == [("generate", False), ("generate", True), ("generate", True)]
     assert begins[-1][2] > worker.rollout.max_running  # more requests than slots: admitted as slots freed
