@@ -11,6 +11,7 @@ Used by the continuous schedule (:mod:`dynaresize.job.core_driver`) and by anyon
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from dynaresize.config.schema import Config
 from dynaresize.job.runtime import Job
@@ -57,7 +58,8 @@ class PlannedPolicy:
     """The resize policy the core consults: ``policy.forced_splits`` (tests, experiments) at the steps it names, else
     the planner's :class:`~dynaresize.policy.ResizePolicy` (when ``policy.enabled``), else hold. The core asks after
     ``T_k`` (``obs.step == k``); a forced split at step ``k + 1`` answers it (the split that trains batch
-    ``k + 1``). Pure, like the policy it wraps."""
+    ``k + 1``), or the first question after it when none came then (a switch was in flight: it is late, not lost);
+    ``PolicyState.forced_step`` remembers the last one that came due. Pure, like the policy it wraps."""
 
     def __init__(self, policy, forced: dict[int, int], enabled: bool):
         self.policy, self.forced, self.enabled = policy, dict(forced), enabled
@@ -66,9 +68,16 @@ class PlannedPolicy:
         return self.policy.initial_state()
 
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
-        n = self.forced.get(obs.step + 1)
-        if n is not None and n != obs.topology.n_train and 1 <= n < obs.topology.total:
-            return state, Decision(ResizeAction.RESIZE, Topology(n, obs.topology.total - n), "forced by policy.forced_splits")
+        # the newest forced split due by the next step and not applied yet: one due while a switch was in flight (the
+        # core asks no policy then) is applied at the first step after it, not dropped
+        due = [k for k in self.forced if state.forced_step < k <= obs.step + 1]
+        if due:
+            k = max(due)
+            n, state = self.forced[k], replace(state, forced_step=k)
+            if n != obs.topology.n_train and 1 <= n < obs.topology.total:
+                late = f" (due at step {k})" if k < obs.step + 1 else ""
+                return state, Decision(ResizeAction.RESIZE, Topology(n, obs.topology.total - n),
+                                       "forced by policy.forced_splits" + late)
         if not self.enabled or obs.train_s <= 0:
             return state, Decision(ResizeAction.HOLD, obs.topology, "policy disabled" if not self.enabled else "nothing measured")
         return self.policy.step(state, obs)

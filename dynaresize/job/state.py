@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dynaresize import atomic
-from dynaresize.policy.types import Estimates, PolicyState
+from dynaresize.policy.types import Estimates, LeftSplit, PolicyState, Topology
 
 STATE_FILE = "coordinator.json"
 STATE_VERSION = 1
@@ -41,21 +41,34 @@ class JobState:
 
 
 def policy_to_dict(ps: PolicyState) -> dict[str, Any]:
-    return asdict(ps)
+    """The policy's state as JSON (``coordinator.json``, ``schedule.jsonl``'s header): everything but the pipeline
+    predictor's batches (a restarted coordinator's policy plays from its next batches; they would put every response
+    length of 8 batches into each checkpoint)."""
+    d = asdict(ps)
+    if d.get("estimates"):
+        d["estimates"].pop("trace", None)
+    return d
 
 
 def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
+    """The state :func:`policy_to_dict` wrote, every field (a takeover's replay starts its policy from it, as the
+    segment's live coordinator did)."""
     if not d:
         return None
     est = d.get("estimates")
     return PolicyState(
-        estimates=Estimates(**{k: v for k, v in est.items() if k != "trace"}) if est else None,  # (the pipeline
-        # predictor's batches are not restored: a restarted coordinator replays from its next batches)
+        estimates=Estimates(**{k: v for k, v in est.items() if k != "trace"}) if est else None,
         signal_dir=int(d.get("signal_dir", 0)),
         signal_count=int(d.get("signal_count", 0)),
         steps_since_resize=int(d.get("steps_since_resize", 10**9)),
         cooldown_left=int(d.get("cooldown_left", 0)),
         history=tuple(d.get("history", ())),
+        here_ratio=None if d.get("here_ratio") is None else float(d["here_ratio"]),
+        here_ratio_var=float(d.get("here_ratio_var", 0.0)),
+        here_steps=int(d.get("here_steps", 0)),
+        left=tuple(LeftSplit(**{**x, "topology": Topology(**x["topology"])}) for x in d.get("left", ())),
+        resized_at=tuple(int(k) for k in d.get("resized_at", ())),
+        forced_step=int(d.get("forced_step", -1)),
     )
 
 

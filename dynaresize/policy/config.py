@@ -76,7 +76,8 @@ class PolicyConfig(Section):
     )
     forced_splits: dict[int, int] = Field(
         default_factory=dict,
-        description="Scripted resizes for tests and experiments: {step: trainers} switches at those steps, bypassing the policy",
+        description="Scripted resizes for tests and experiments: {step: trainers} switches at those steps, bypassing the policy "
+        "(one due while a switch is still in flight: at the first step after it)",
     )
 
 

@@ -159,3 +159,4 @@ class PolicyState:
     here_steps: int = 0  # clean steps measured on the current split
     left: tuple[LeftSplit, ...] = field(default=())  # splits left (newest last, at most 4), for the memory guard
     resized_at: tuple[int, ...] = field(default=())  # steps of the latest resizes (at most 4), for the back-off
+    forced_step: int = -1  # the last step of policy.forced_splits that came due (the runtime's PlannedPolicy)
