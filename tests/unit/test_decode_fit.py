@@ -113,3 +113,27 @@ def test_an_observation_with_its_workload_survives_the_schedule_log():
                            _sums(0.004, 0.0003, 0.002), 2.0, 2, 0.5, 0.1)
     ev = StepMeasured(Observation(3, Topology(2, 2), 1.5, 2.5, workload=wl), 7, 0.25)
     assert decode(encode(ev)) == ev
+
+
+def test_a_rank_counts_what_an_engine_without_a_waiting_count_decodes_and_admits():
+    """vLLM's adapter says how many requests it holds, not how many wait: the rank takes it to decode what its KV
+    slots hold and to admit what they freed (Worker._count_iteration's fallback), and exactly otherwise."""
+    from types import SimpleNamespace
+
+    from dynaresize.worker.core import Worker
+
+    eng = SimpleNamespace(running=10)  # no `waiting`
+    rank = SimpleNamespace(rollout=eng, _slots=4, _decoding=0, decode_sums=DecodeSums())
+    count = lambda running, waiting, ended, s: Worker._count_iteration(rank, running, waiting, ended, s)  # noqa: E731
+    count(10, None, 1, 0.5)  # 4 admitted and decoded, 1 ended: 3 go on
+    eng.running = 9
+    count(9, None, 0, 0.25)  # 4 decoded, 1 admitted into the freed slot
+    eng.running = 2
+    count(2, None, 2, 0.125)  # the last 2 (both already decoding)
+    s = rank.decode_sums
+    assert (s.n, s.a, s.m, s.t) == (3, 10, 5, 0.875) and rank._decoding == 0
+    # an engine that says what waits (torch, emulated): exact, whatever its slots
+    eng = SimpleNamespace(running=7, waiting=3)
+    rank = SimpleNamespace(rollout=eng, _slots=4, _decoding=0, decode_sums=DecodeSums())
+    Worker._count_iteration(rank, 9, 5, 2, 0.5)  # before: 9 held, 5 waiting; after: 7 held, 3 waiting, 2 ended
+    assert (rank.decode_sums.a, rank.decode_sums.m) == (6, 2)
