@@ -210,6 +210,11 @@ class PipelineScheduler:
         self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
         for r in self.ranks:
             r.newest = k
+        # views over every rank, kept until a rank's role, move or loss changes (``_roles_changed``): they were
+        # scanned over all ranks several times a step (4096 at the largest scale)
+        self._rollout_view: tuple[int, ...] | None = None  # rollout_ranks()
+        self._topology_view: Topology | None = None  # topology()
+        self._staying_view: tuple[int, ...] | None = None  # _staying_trainers()
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -227,13 +232,15 @@ class PipelineScheduler:
 
     def topology(self) -> Topology:
         """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
-        nt = live = 0
-        for r in self.ranks:
-            if not r.lost:
-                live += 1
-                if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
-                    nt += 1
-        return Topology(max(1, nt), max(1, live - nt))
+        if self._topology_view is None:
+            nt = live = 0
+            for r in self.ranks:
+                if not r.lost:
+                    live += 1
+                    if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
+                        nt += 1
+            self._topology_view = Topology(max(1, nt), max(1, live - nt))
+        return self._topology_view
 
     def complete(self, batch: int) -> bool:
         """Whether every group of ``batch`` was generated."""
@@ -262,7 +269,20 @@ class PipelineScheduler:
         return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost)
 
     def rollout_ranks(self) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+        if self._rollout_view is None:
+            self._rollout_view = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+        return self._rollout_view
+
+    def _staying_trainers(self) -> tuple[int, ...]:
+        """The trainers that are not leaving (the trainer set of a batch that starts now)."""
+        if self._staying_view is None:
+            self._staying_view = tuple(i for i, r in enumerate(self.ranks)
+                                       if r.role is Role.TRAIN and not r.lost and not r.leaving)
+        return self._staying_view
+
+    def _roles_changed(self) -> None:
+        """A rank's role, move (``leaving``, ``to``) or loss changed: the views over every rank are out of date."""
+        self._rollout_view = self._topology_view = self._staying_view = None
 
     # --- entry points -------------------------------------------------------------------------------------------------
     def start(self) -> list[SchedulerAction]:
@@ -575,9 +595,9 @@ class PipelineScheduler:
         needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
         cap = self.cfg.max_versions_per_rank
         produced = self.produced
-        for rank, r in enumerate(self.ranks):
-            if r.role is not Role.ROLLOUT or r.lost:
-                continue  # (self.rollout_ranks())
+        ranks = self.ranks
+        for rank in self.rollout_ranks():
+            r = ranks[rank]
             if len(r.versions) > 1 and min(r.versions) < produced:  # (else no version is dropped)
                 for v in sorted(r.versions):
                     if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
@@ -622,7 +642,7 @@ class PipelineScheduler:
             self._trainers_leave_now(out)
             if self.cfg.collective_switch and self._switch_running():
                 return  # the trainers take part in the switch: the batch starts on the new trainer set
-            self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
+            self.t_ranks = self._staying_trainers()
             self.t_started = True
         take = len(b.ready)
         limit = self._chunk_limit(b)
@@ -701,6 +721,7 @@ class PipelineScheduler:
                 self.switching.add(rank)
                 self.waiting.discard(rank)
                 r.capacity = 0
+            self._roles_changed()
             for rank in movers:
                 if self.ranks[rank].inflight == 0 and not self._occupied(rank):
                     self._start_switch(rank, out)
@@ -709,6 +730,7 @@ class PipelineScheduler:
             for rank in movers:
                 r = self.ranks[rank]
                 r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+                self._roles_changed()
                 self.switching.add(rank)
                 if not (self.t_started and rank in self.t_ranks):
                     self._start_switch(rank, out)
@@ -740,6 +762,7 @@ class PipelineScheduler:
             self.n_rollout -= 1
         r.role = None
         r.leaving = False
+        self._roles_changed()
         r.versions.clear()
         r.sending.clear()
         r.deferred.clear()
@@ -750,6 +773,7 @@ class PipelineScheduler:
         if r.role is not None or r.to is None:
             raise ScheduleError(f"rank {rank} finished a switch it was not told to make")
         r.role, r.to, r.switch_id = r.to, None, None
+        self._roles_changed()
         self.switching.discard(rank)
         if r.lost:
             return
@@ -772,6 +796,7 @@ class PipelineScheduler:
         if r.lost:
             return
         r.lost = True
+        self._roles_changed()
         self.waiting.discard(rank)
         self.switching.discard(rank)
         if r.role is Role.TRAIN:  # its optimizer state and gradients are gone: the runtime's restart path
@@ -833,6 +858,7 @@ class PipelineScheduler:
         out.append(Decided(max(0, self.produced - 1), dec, sid))
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+        self._roles_changed()
         self.switching.add(rank)
         if not (self.t_started and rank in self.t_ranks):
             self._start_switch(rank, out)
