@@ -38,7 +38,7 @@ import gc
 import heapq
 import math
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate, chain, repeat
 from operator import add, floordiv, mul, sub
 from dataclasses import dataclass, field
@@ -104,11 +104,14 @@ class DecodeRank:
         self.planned = False  # a plan exists (set by the first admission)
         self.t0 = 0.0  # the plan's start (after the prefill pause)
         # the plan, one entry per sequence in plan order, in parallel lists (no tuple per sequence): tokens left at
-        # t0, admission number, per-iteration cost u, local group id
+        # t0, admission number, per-iteration cost u, local group id. A drained rank's admission keeps only its sort
+        # order (``fresh``: order, first admission number, first group id, group size; ``an``, ``us``, ``gs`` None):
+        # the other three lists are made only if the rank admits more before it drains (``_ids``)
         self.rs: list[float] = []
-        self.an: list[int] = []
-        self.us: list[float] = []
-        self.gs: list[int] = []
+        self.an: list[int] | None = []
+        self.us: list[float] | None = []
+        self.gs: list[int] | None = []
+        self.fresh: tuple[list[int], int, int, int] | None = None
         self.u_same: float | None = None  # the u every planned sequence has, if they all have the same (else None)
         self.t_marks: list[float] = []  # completion time of each planned sequence (non-decreasing)
         self.cost: list[float] = []  # seconds per iteration in the segment that ends at each mark
@@ -151,31 +154,49 @@ class DecodeRank:
         self.next_gid += k
         self.next_seq += m
         head = self.head
-        if head == len(self.rs):
-            # nothing decoding (most admissions: a drained rank's next groups): the new sequences sorted by length,
-            # ties in admission order (a stable sort of their indices; the admission numbers are n + index)
-            order = sorted(range(m), key=lengths.__getitem__)
-            rs = list(map(lengths.__getitem__, order))
-            an = list(map(add, repeat(n), order))
-            gs = list(map(add, repeat(gid), map(floordiv, order, repeat(group_size))))
-            self._plan(t, pause, rs, an, [u] * m, gs, u, ended)
+        if head == len(self.rs) and m and m == k * group_size:
+            self._plan_fresh(t, pause, lengths, u, n, gid, group_size, ended)
             return
         # sequences still decoding: their tokens left at t, then the new ones, all sorted by (tokens left, admission
         # number) as tuples (the order the plan is defined by)
         rs = self.rs[head:]
-        if t > self.t0:
+        if rs and t > self.t0:
             d = self._done_iterations(t)
             rs = list(map(max, map(sub, rs, repeat(d)), repeat(_EPS)))  # each max(r - d, _EPS), the loop in C
         rs += lengths
-        an = self.an[head:]
+        an, us, gs = self._ids()
+        an = an[head:]
         an += range(n, n + m)
-        us = self.us[head:]
+        us = us[head:]
         us += repeat(u, m)
-        gs = self.gs[head:]
+        gs = gs[head:]
         gs += chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k)))
         seqs = sorted(zip(rs, an, us, gs))  # (the admission numbers are unique: us and gs never compared)
-        rs, an, us, gs = map(list, zip(*seqs))
+        rs, an, us, gs = map(list, zip(*seqs)) if seqs else ([], [], [], [])
         self._plan(t, pause, rs, an, us, gs, u if self.u_same == u else None, ended)
+
+    def _ids(self) -> tuple[list[int], list[float], list[int]]:
+        """The plan's admission numbers, per-iteration costs and group ids (made from ``fresh`` if need be)."""
+        if self.an is None:
+            order, n, gid, group_size = self.fresh
+            self.an = list(map(add, repeat(n), order))  # the i-th new sequence's admission number is n + i
+            self.us = [self.u_same] * len(order)
+            self.gs = list(map(add, repeat(gid), map(floordiv, order, repeat(group_size))))  # and its group gid + i // G
+            self.fresh = None
+        return self.an, self.us, self.gs
+
+    def _plan_fresh(self, t: float, pause: float, lengths: list[float], u: float, n: int, gid: int, group_size: int,
+                    ended: list[tuple[float, int]]) -> None:
+        """``_plan`` of a drained rank's admission (most admissions: its next groups), without its tuples: the new
+        sequences sorted by length, ties in admission order (a stable sort of their indices: the admission numbers
+        are n + index); a group ends at the mark of its longest sequence (sequences with the same tokens left end at
+        the same mark: the segment between them adds 0.0)."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        rs = list(map(lengths.__getitem__, order))
+        marks = self._marks(t + pause, rs, u, None)
+        ends = [marks[bisect_left(rs, max(lengths[i:i + group_size]))] for i in range(0, len(lengths), group_size)]
+        self.rs, self.an, self.us, self.gs, self.fresh, self.u_same = rs, None, None, None, (order, n, gid, group_size), u
+        self._planned(t, marks, sorted(zip(ends, range(gid, gid + len(ends)))), ended)
 
     def _plan(self, t: float, pause: float, rs: list[float], an: list[int], us: list[float], gs: list[int],
               u_same: float | None, ended: list[tuple[float, int]]) -> None:
@@ -186,27 +207,33 @@ class DecodeRank:
             self.planned, self.rs, self.an, self.us, self.gs, self.u_same = False, [], [], [], [], None
             self.t_marks, self.cost, self.groups = [], [], list(ended)
             return
-        t0 = t + pause
-        # the same floating-point operations, in the same order, as the plain loops they replace: the cost of each
-        # segment is w + the per-iteration costs of the sequences still active, summed from the end; a sequence's
-        # completion is t0 + the running sum of (tokens left - the previous one's) x its segment's cost
+        marks = self._marks(t + pause, rs, u_same, us)
+        gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
+        self.rs, self.an, self.us, self.gs, self.u_same = rs, an, us, gs, u_same
+        self._planned(t, marks, sorted(zip(gend.values(), gend.keys())), ended)
+
+    def _marks(self, t0: float, rs: list[float], u_same: float | None, us: list[float] | None) -> list[float]:
+        """The completion marks of the sequences ``rs`` (sorted) from ``t0``; sets the segments' costs. The same
+        floating-point operations, in the same order, as the plain loops they replace: the cost of each segment is w +
+        the per-iteration costs of the sequences still active, summed from the end; a sequence's completion is t0 +
+        the running sum of (tokens left - the previous one's) x its segment's cost."""
         if u_same is None:
             cost = _segment_costs(self.w, us)
         else:  # the same sums for every rank decoding n sequences of one batch: computed once
-            key = (self.w, u_same, len(us))
+            key = (self.w, u_same, len(rs))
             cost = _SAME_U_COSTS.get(key)
             if cost is None:
                 if len(_SAME_U_COSTS) >= 4096:
                     _SAME_U_COSTS.clear()
-                cost = _SAME_U_COSTS[key] = _segment_costs(self.w, us)
-        steps = accumulate(map(mul, map(sub, rs, chain((0.0,), rs)), cost))
-        marks = list(map(add, repeat(t0), steps))  # t0 + a for each
-        gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
-        self.planned, self.t0, self.t_marks, self.cost = True, t0, marks, cost
-        self.rs, self.an, self.us, self.gs, self.u_same = rs, an, us, gs, u_same
-        self.groups = sorted(zip(gend.values(), gend.keys()))
+                cost = _SAME_U_COSTS[key] = _segment_costs(self.w, [u_same] * len(rs))
+        self.t0, self.cost = t0, cost
+        return list(map(add, repeat(t0), accumulate(map(mul, map(sub, rs, chain((0.0,), rs)), cost))))  # t0 + a each
+
+    def _planned(self, t: float, marks: list[float], groups: list[tuple[float, int]],
+                 ended: list[tuple[float, int]]) -> None:
+        self.head, self.gptr, self.planned, self.t_marks, self.groups = 0, 0, True, marks, groups
         if ended:
-            self.groups[:0] = ended  # (ended by t: before every group of the new plan, which ends after t)
+            groups[:0] = ended  # (ended by t: before every group of the new plan, which ends after t)
         self.t_valid = t
 
     def next_group_time(self) -> float:
