@@ -510,7 +510,7 @@ class SamplePipeline:
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
         ahead = self.ahead
         busy_start, helping, waiting = self.busy_start, self.helping, core.waiting
-        helpers = self.helpers
+        helpers, info = self.helpers, self.info
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
         while True:
             groups, p = dr.groups, dr.gptr
@@ -532,7 +532,7 @@ class SamplePipeline:
                     b, g = done[0]
                     self.rank_batch[b][rank][1] = t
                     if helpers:  # self._tokens(b, gs)
-                        acts = core.groups_done(rank, b, (g,), (self._batch(b).tokens_per_group[g],))
+                        acts = core.groups_done(rank, b, (g,), ((info.get(b) or self._batch(b)).tokens_per_group[g],))
                     else:
                         acts = core.groups_done(rank, b, (g,))  # core.handle(GroupsDone(...))
                     if acts:
@@ -564,7 +564,10 @@ class SamplePipeline:
                 cap = free // G
                 if active == 0 and cap < 1:
                     cap = 1
-                if cap > 0 and (active == 0 or free >= (max(1, min(dr.slots, claim_max)))):  # self._claim_seqs(dr)
+                claim = dr.slots if dr.slots < claim_max else claim_max  # self._claim_seqs(dr), without min and max
+                if claim < 1:
+                    claim = 1
+                if cap > 0 and (active == 0 or free >= claim):
                     acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
                     if acts:
                         self.do(t, acts)
@@ -580,7 +583,9 @@ class SamplePipeline:
                 c = math.inf
             else:  # dr.claim_time(self._claim_seqs(dr))
                 active = len(dr.rs) - dr.head
-                claim = max(1, min(dr.slots, claim_max))
+                claim = dr.slots if dr.slots < claim_max else claim_max  # self._claim_seqs(dr), without min and max
+                if claim < 1:
+                    claim = 1
                 free = dr.slots - active
                 if free >= claim or not dr.planned:
                     c = dr.t_valid
@@ -669,22 +674,15 @@ class SamplePipeline:
                 raise RuntimeError("a trainer was lost in the simulator (not modelled)")
 
     def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
-        bi = self._batch(batch)
+        """The groups' responses start decoding on ``rank`` after their prompts' prefill; the version that makes them
+        is recorded."""
+        bi = self.info.get(batch) or self._batch(batch)
         dr = self.ranks[rank]
-        if dr.active == 0:
+        if len(dr.rs) == dr.head:  # (dr.active == 0)
             dr.slots = bi.cap
             self.busy_start.setdefault(rank, t)  # a rank given work the moment it drained stays busy
         else:
             dr.slots = min(dr.slots, bi.cap)
-        self._admit(t, rank, batch, groups, version)
-        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
-        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
-            self._schedule_rank(rank, t)
-
-    def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
-        """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
-        that makes them is recorded."""
-        bi = self._batch(batch)
         if len(groups) < 8:  # numpy sums fewer than 8 numbers from the first, in order: the same, bit for bit
             pf = bi.prefill_list
             prefill = pf[groups[0]]
@@ -693,11 +691,14 @@ class SamplePipeline:
         else:
             prefill = float(bi.prefill_s[list(groups)].sum())
         lengths = bi.lengths
-        self.ranks[rank].admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
-                               bi.group_size, pause + prefill)
+        dr.admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
+                 bi.group_size, prefill)
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
+        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
+        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
+            self._schedule_rank(rank, t)
 
     def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
         t = max(t, self.t_free)  # queued behind the chunk the trainers run (train_queue > 1)
