@@ -92,7 +92,13 @@ class _Batch:
 
     def add_ready(self, groups) -> None:
         self.ready.extend(groups)
-        self._tally(groups, 1)
+        tokens = self.tokens
+        for g in groups:  # (self._tally(groups, 1), inline: once per generated group)
+            t = tokens.get(g)
+            if t is None:
+                self.ready_untokened += 1
+            else:
+                self.ready_tokens += t
 
     def take_ready(self, groups: tuple[int, ...]) -> None:
         """Remove ``groups`` (ready ones) from the ready list."""
@@ -325,7 +331,37 @@ class PipelineScheduler:
         out: list[SchedulerAction] = []
         if self.restarting:
             return out
-        self._groups_done(rank, batch, groups, tokens, out, kept)
+        b = self.batches[batch]
+        r = self.ranks[rank]
+        if r.lost and any(b.owner.get(g) != rank for g in groups):
+            return out  # a late report of a rank already fenced off: its groups were handed out again
+        if tokens:
+            if len(tokens) != len(groups) or min(tokens) < 0:
+                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
+                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
+            b.tokens.update(zip(groups, tokens))
+        if self.sampling is not None and len(kept) != len(groups):
+            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
+                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
+        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
+        if self.sampling is None:
+            b.add_ready(mine)
+        else:
+            b.judged.update(zip(groups, kept))
+            self._select(b, out)
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving:
+                self._start_switch(rank, out)
+        if len(b.done) == b.groups and b.sealed:  # b.complete
+            self._prune_and_send(out)
+            self._release(out)
+            if self.sampling is not None and batch == self.produced:
+                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
+        if self.t_queued < self.cfg.train_queue:  # (_try_train's own first test)
+            self._try_train(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)  # a drained rank may move on to the next version
         return out
 
     def _handle_rest(self, ev: SchedulerEvent, out: list[SchedulerAction]) -> None:
@@ -464,7 +500,10 @@ class PipelineScheduler:
         """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
         done. None for a late report of a rank already fenced off (its groups were handed out again)."""
         r = self.ranks[rank]
-        mine = [g for g in groups if b.owner.get(g) == rank]
+        if len(groups) == 1:  # (most reports: one group, without the comprehension)
+            mine = list(groups) if b.owner.get(groups[0]) == rank else []
+        else:
+            mine = [g for g in groups if b.owner.get(g) == rank]
         if len(mine) != len(groups):
             if r.lost:
                 return None
@@ -476,40 +515,6 @@ class PipelineScheduler:
             b.done.add(g)
         r.inflight -= len(mine)
         return mine
-
-    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
-                     out: list[SchedulerAction], kept: tuple[bool, ...] = ()) -> None:
-        b = self.batches[batch]
-        r = self.ranks[rank]
-        if r.lost and any(b.owner.get(g) != rank for g in groups):
-            return  # a late report of a rank already fenced off: its groups were handed out again
-        if tokens:
-            if len(tokens) != len(groups) or min(tokens) < 0:
-                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
-                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
-            b.tokens.update(zip(groups, tokens))
-        if self.sampling is not None and len(kept) != len(groups):
-            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
-                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
-        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
-        if self.sampling is None:
-            b.add_ready(mine)
-        else:
-            b.judged.update(zip(groups, kept))
-            self._select(b, out)
-        if r.inflight == 0:
-            r.inflight_version = None
-            if r.leaving:
-                self._start_switch(rank, out)
-        if len(b.done) == b.groups and b.sealed:  # b.complete
-            self._prune_and_send(out)
-            self._release(out)
-            if self.sampling is not None and batch == self.produced:
-                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
-        if self.t_queued < self.cfg.train_queue:  # (_try_train's own first test)
-            self._try_train(out)
-        if r.inflight == 0 and not r.leaving:
-            self._assign(rank, out)  # a drained rank may move on to the next version
 
     # --- dynamic sampling ---------------------------------------------------------------------------------------------
     def _select(self, b: _Batch, out: list[SchedulerAction]) -> None:
