@@ -92,7 +92,13 @@ class _Batch:
 
     def add_ready(self, groups) -> None:
         self.ready.extend(groups)
-        self._tally(groups, 1)
+        tokens = self.tokens
+        for g in groups:  # (self._tally(groups, 1), inline: once per generated group)
+            t = tokens.get(g)
+            if t is None:
+                self.ready_untokened += 1
+            else:
+                self.ready_tokens += t
 
     def take_ready(self, groups: tuple[int, ...]) -> None:
         """Remove ``groups`` (ready ones) from the ready list."""
@@ -210,6 +216,11 @@ class PipelineScheduler:
         self.vals_abandoned: set[int] = set()  # passes whose returned groups no live rank can generate any more
         for r in self.ranks:
             r.newest = k
+        # views over every rank, kept until a rank's role, move or loss changes (``_roles_changed``): they were
+        # scanned over all ranks several times a step (4096 at the largest scale)
+        self._rollout_view: tuple[int, ...] | None = None  # rollout_ranks()
+        self._topology_view: Topology | None = None  # topology()
+        self._staying_view: tuple[int, ...] | None = None  # _staying_trainers()
 
     # --- public views -----------------------------------------------------------------------------------------------
     @property
@@ -227,13 +238,15 @@ class PipelineScheduler:
 
     def topology(self) -> Topology:
         """The split the pipeline is heading for: trainers (and ranks on their way to training) vs rollout ranks."""
-        nt = live = 0
-        for r in self.ranks:
-            if not r.lost:
-                live += 1
-                if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
-                    nt += 1
-        return Topology(max(1, nt), max(1, live - nt))
+        if self._topology_view is None:
+            nt = live = 0
+            for r in self.ranks:
+                if not r.lost:
+                    live += 1
+                    if (r.role is Role.TRAIN and not r.leaving) or r.to is Role.TRAIN:
+                        nt += 1
+            self._topology_view = Topology(max(1, nt), max(1, live - nt))
+        return self._topology_view
 
     def complete(self, batch: int) -> bool:
         """Whether every group of ``batch`` was generated."""
@@ -262,7 +275,20 @@ class PipelineScheduler:
         return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost)
 
     def rollout_ranks(self) -> tuple[int, ...]:
-        return tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+        if self._rollout_view is None:
+            self._rollout_view = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.ROLLOUT and not r.lost)
+        return self._rollout_view
+
+    def _staying_trainers(self) -> tuple[int, ...]:
+        """The trainers that are not leaving (the trainer set of a batch that starts now)."""
+        if self._staying_view is None:
+            self._staying_view = tuple(i for i, r in enumerate(self.ranks)
+                                       if r.role is Role.TRAIN and not r.lost and not r.leaving)
+        return self._staying_view
+
+    def _roles_changed(self) -> None:
+        """A rank's role, move (``leaving``, ``to``) or loss changed: the views over every rank are out of date."""
+        self._rollout_view = self._topology_view = self._staying_view = None
 
     # --- entry points -------------------------------------------------------------------------------------------------
     def start(self) -> list[SchedulerAction]:
@@ -305,7 +331,37 @@ class PipelineScheduler:
         out: list[SchedulerAction] = []
         if self.restarting:
             return out
-        self._groups_done(rank, batch, groups, tokens, out, kept)
+        b = self.batches[batch]
+        r = self.ranks[rank]
+        if r.lost and any(b.owner.get(g) != rank for g in groups):
+            return out  # a late report of a rank already fenced off: its groups were handed out again
+        if tokens:
+            if len(tokens) != len(groups) or min(tokens) < 0:
+                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
+                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
+            b.tokens.update(zip(groups, tokens))
+        if self.sampling is not None and len(kept) != len(groups):
+            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
+                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
+        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
+        if self.sampling is None:
+            b.add_ready(mine)
+        else:
+            b.judged.update(zip(groups, kept))
+            self._select(b, out)
+        if r.inflight == 0:
+            r.inflight_version = None
+            if r.leaving:
+                self._start_switch(rank, out)
+        if len(b.done) == b.groups and b.sealed:  # b.complete
+            self._prune_and_send(out)
+            self._release(out)
+            if self.sampling is not None and batch == self.produced:
+                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
+        if self.t_queued < self.cfg.train_queue:  # (_try_train's own first test)
+            self._try_train(out)
+        if r.inflight == 0 and not r.leaving:
+            self._assign(rank, out)  # a drained rank may move on to the next version
         return out
 
     def _handle_rest(self, ev: SchedulerEvent, out: list[SchedulerAction]) -> None:
@@ -357,7 +413,9 @@ class PipelineScheduler:
         while j < n_steps and not (batches[j].returned or batches[j].cursor < batches[j].groups):  # .unclaimed
             j += 1
         self.first_open = j
-        last = min(n_steps - 1, self.produced + self.s)  # no later batch has its version yet
+        last = self.produced + self.s  # no later batch has its version yet
+        if last >= n_steps:
+            last = n_steps - 1  # (min(n_steps - 1, ...) without the call: ~6,000 calls a step at 4096 GPUs)
         cont = self.mech.continuous_rollout
         while r.capacity > 0 and j <= last and (cont or j < self.released):  # self._open(j)
             b = batches[j]
@@ -442,7 +500,10 @@ class PipelineScheduler:
         """The groups of ``b`` that ``rank`` reports done: checked against what it was given, then no longer its and
         done. None for a late report of a rank already fenced off (its groups were handed out again)."""
         r = self.ranks[rank]
-        mine = [g for g in groups if b.owner.get(g) == rank]
+        if len(groups) == 1:  # (most reports: one group, without the comprehension)
+            mine = list(groups) if b.owner.get(groups[0]) == rank else []
+        else:
+            mine = [g for g in groups if b.owner.get(g) == rank]
         if len(mine) != len(groups):
             if r.lost:
                 return None
@@ -454,40 +515,6 @@ class PipelineScheduler:
             b.done.add(g)
         r.inflight -= len(mine)
         return mine
-
-    def _groups_done(self, rank: int, batch: int, groups: tuple[int, ...], tokens: tuple[int, ...],
-                     out: list[SchedulerAction], kept: tuple[bool, ...] = ()) -> None:
-        b = self.batches[batch]
-        r = self.ranks[rank]
-        if r.lost and any(b.owner.get(g) != rank for g in groups):
-            return  # a late report of a rank already fenced off: its groups were handed out again
-        if tokens:
-            if len(tokens) != len(groups) or min(tokens) < 0:
-                raise ScheduleError(f"rank {rank} reported tokens {list(tokens)} for the {len(groups)} groups "
-                                    f"{list(groups)} of batch {batch}: one count >= 0 per group expected")
-            b.tokens.update(zip(groups, tokens))
-        if self.sampling is not None and len(kept) != len(groups):
-            raise ScheduleError(f"rank {rank} reported groups {list(groups)} of batch {batch} without their judgement "
-                                f"(dynamic sampling needs one kept flag per group, got {list(kept)})")
-        mine = self._finish_groups(b, rank, groups, None)  # (None: "of batch {batch}", built only for the error)
-        if self.sampling is None:
-            b.add_ready(mine)
-        else:
-            b.judged.update(zip(groups, kept))
-            self._select(b, out)
-        if r.inflight == 0:
-            r.inflight_version = None
-            if r.leaving:
-                self._start_switch(rank, out)
-        if len(b.done) == b.groups and b.sealed:  # b.complete
-            self._prune_and_send(out)
-            self._release(out)
-            if self.sampling is not None and batch == self.produced:
-                self._maybe_step(out)  # its last surplus prompt: the step waited for the whole batch
-        if self.t_queued < self.cfg.train_queue:  # (_try_train's own first test)
-            self._try_train(out)
-        if r.inflight == 0 and not r.leaving:
-            self._assign(rank, out)  # a drained rank may move on to the next version
 
     # --- dynamic sampling ---------------------------------------------------------------------------------------------
     def _select(self, b: _Batch, out: list[SchedulerAction]) -> None:
@@ -575,9 +602,9 @@ class PipelineScheduler:
         needed: dict[int, bool] = {}  # per version (no batch completes during this loop)
         cap = self.cfg.max_versions_per_rank
         produced = self.produced
-        for rank, r in enumerate(self.ranks):
-            if r.role is not Role.ROLLOUT or r.lost:
-                continue  # (self.rollout_ranks())
+        ranks = self.ranks
+        for rank in self.rollout_ranks():
+            r = ranks[rank]
             if len(r.versions) > 1 and min(r.versions) < produced:  # (else no version is dropped)
                 for v in sorted(r.versions):
                     if len(r.versions) > 1 and v != r.inflight_version and v < self.produced:
@@ -622,7 +649,7 @@ class PipelineScheduler:
             self._trainers_leave_now(out)
             if self.cfg.collective_switch and self._switch_running():
                 return  # the trainers take part in the switch: the batch starts on the new trainer set
-            self.t_ranks = tuple(i for i, r in enumerate(self.ranks) if r.role is Role.TRAIN and not r.lost and not r.leaving)
+            self.t_ranks = self._staying_trainers()
             self.t_started = True
         take = len(b.ready)
         limit = self._chunk_limit(b)
@@ -675,7 +702,8 @@ class PipelineScheduler:
         self._assign_waiting(out)
 
     def _trainers_leave_now(self, out: list[SchedulerAction]) -> None:
-        for rank, r in enumerate(self.ranks):
+        for rank in sorted(self.switching):  # (a leaving rank is among the switching ones: not a scan of every rank)
+            r = self.ranks[rank]
             if r.role is Role.TRAIN and r.leaving and not r.lost:
                 self._start_switch(rank, out)
 
@@ -701,6 +729,7 @@ class PipelineScheduler:
                 self.switching.add(rank)
                 self.waiting.discard(rank)
                 r.capacity = 0
+            self._roles_changed()
             for rank in movers:
                 if self.ranks[rank].inflight == 0 and not self._occupied(rank):
                     self._start_switch(rank, out)
@@ -709,6 +738,7 @@ class PipelineScheduler:
             for rank in movers:
                 r = self.ranks[rank]
                 r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+                self._roles_changed()
                 self.switching.add(rank)
                 if not (self.t_started and rank in self.t_ranks):
                     self._start_switch(rank, out)
@@ -740,6 +770,7 @@ class PipelineScheduler:
             self.n_rollout -= 1
         r.role = None
         r.leaving = False
+        self._roles_changed()
         r.versions.clear()
         r.sending.clear()
         r.deferred.clear()
@@ -750,6 +781,7 @@ class PipelineScheduler:
         if r.role is not None or r.to is None:
             raise ScheduleError(f"rank {rank} finished a switch it was not told to make")
         r.role, r.to, r.switch_id = r.to, None, None
+        self._roles_changed()
         self.switching.discard(rank)
         if r.lost:
             return
@@ -772,6 +804,7 @@ class PipelineScheduler:
         if r.lost:
             return
         r.lost = True
+        self._roles_changed()
         self.waiting.discard(rank)
         self.switching.discard(rank)
         if r.role is Role.TRAIN:  # its optimizer state and gradients are gone: the runtime's restart path
@@ -833,6 +866,7 @@ class PipelineScheduler:
         out.append(Decided(max(0, self.produced - 1), dec, sid))
         r = self.ranks[rank]
         r.leaving, r.to, r.switch_id = True, Role.ROLLOUT, sid
+        self._roles_changed()
         self.switching.add(rank)
         if not (self.t_started and rank in self.t_ranks):
             self._start_switch(rank, out)

@@ -129,7 +129,15 @@ class HelpingScheduler(PipelineScheduler):
             # the versions of the batches with groups to hand out: no help changes them, so once for every rank
             last = min(self.n_steps - 1, self.produced + self.s)
             gen = {self.batches[j].version for j in range(self.first_open, last + 1) if self.batches[j].unclaimed}
+            k, ranks = self.produced, self.ranks
+            if k >= self.n_steps or not self.t_started:
+                return  # (_offer_help's first test: no rank helps)
             for rank in sorted(self.waiting):
+                # most waiting ranks hold groups (hundreds a chunk at 4096 GPUs): _offer_help's test of the rank,
+                # here, before the call (it answers True for such a rank: the next one)
+                r = ranks[rank]
+                if r.inflight or k not in r.versions:
+                    continue
                 if not self._offer_help(rank, out, gen):
                     return  # not worth a helper now, for any rank (each help only shrinks what is left)
 

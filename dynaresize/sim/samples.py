@@ -38,9 +38,9 @@ import gc
 import heapq
 import math
 import time
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from itertools import accumulate, chain, repeat
-from operator import add, mul, sub
+from operator import add, floordiv, mul, sub
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +70,17 @@ _COMMANDS = (Assign, Train, Help, Step, SendWeights)  # what the coordinator sen
 TAIL_SHARE_BARRIER_FREE = 0.0
 
 
+def _segment_costs(w: float, us: list[float]) -> list[float]:
+    """Seconds per iteration of each segment of a plan: ``w`` + the per-iteration costs of the sequences still
+    active in it (the suffix sums of ``us``, summed from the end). Never modified once made (plans share them)."""
+    acc = list(accumulate(reversed(us)))
+    acc.reverse()
+    return list(map(add, repeat(w), acc))  # w + a for each
+
+
+_SAME_U_COSTS: dict[tuple[float, float, int], list[float]] = {}  # (w, u, sequences) -> _segment_costs(w, [u] * n)
+
+
 class DecodeRank:
     """One rollout GPU under continuous batching.
 
@@ -92,7 +103,16 @@ class DecodeRank:
         self.t_valid = 0.0
         self.planned = False  # a plan exists (set by the first admission)
         self.t0 = 0.0  # the plan's start (after the prefill pause)
-        self.seqs: list[tuple[float, int, float, int]] = []  # plan order: (tokens left at t0, admission no, u, gid)
+        # the plan, one entry per sequence in plan order, in parallel lists (no tuple per sequence): tokens left at
+        # t0, admission number, per-iteration cost u, local group id. A drained rank's admission keeps only its sort
+        # order (``fresh``: order, first admission number, first group id, group size; ``an``, ``us``, ``gs`` None):
+        # the other three lists are made only if the rank admits more before it drains (``_ids``)
+        self.rs: list[float] = []
+        self.an: list[int] | None = []
+        self.us: list[float] | None = []
+        self.gs: list[int] | None = []
+        self.fresh: tuple[list[int], int, int, int] | None = None
+        self.u_same: float | None = None  # the u every planned sequence has, if they all have the same (else None)
         self.t_marks: list[float] = []  # completion time of each planned sequence (non-decreasing)
         self.cost: list[float] = []  # seconds per iteration in the segment that ends at each mark
         self.head = 0  # planned sequences before it have ended
@@ -101,7 +121,7 @@ class DecodeRank:
 
     @property
     def active(self) -> int:
-        return len(self.seqs) - self.head
+        return len(self.rs) - self.head
 
     def advance(self, t: float) -> None:
         """Drop the sequences that ended by ``t``."""
@@ -115,10 +135,10 @@ class DecodeRank:
         marks = self.t_marks
         i = bisect_right(marks, t)
         if i >= len(marks):
-            return self.seqs[-1][0]
+            return self.rs[-1]
         if i == 0:
             return (t - self.t0) / self.cost[0]
-        return self.seqs[i - 1][0] + (t - marks[i - 1]) / self.cost[i]
+        return self.rs[i - 1] + (t - marks[i - 1]) / self.cost[i]
 
     def admit(self, t: float, lengths: list[float], u: float, keys: list[tuple[int, int]], group_size: int,
               pause: float) -> None:
@@ -129,42 +149,91 @@ class DecodeRank:
         # instant, after this admission): they keep their completion time; a new plan would have lost them (the
         # simulator then stalled with the group in flight for ever: a 7:1 barrier run of bench_emulated)
         ended = [g for g in self.groups[self.gptr:] if g[0] <= t + _EPS]
-        live = self.seqs[self.head:]
-        if live and t > self.t0:
-            d = self._done_iterations(t)
-            rs, an, us, gs = zip(*live)  # each (max(r - d, _EPS), a, u, g), the loop in C
-            live = list(zip(map(max, map(sub, rs, repeat(d)), repeat(_EPS)), an, us, gs))
         gid, n, m, k = self.next_gid, self.next_seq, len(lengths), len(keys)
         self.gkey.update(zip(range(gid, gid + k), keys))
-        # each sequence's local group id: gid + i // group_size for the i-th new sequence
-        live += zip(lengths, range(n, n + m), repeat(u, m), chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k))))
         self.next_gid += k
         self.next_seq += m
-        self._plan(t, pause, live, ended)
-
-    def _plan(self, t: float, pause: float, seqs: list[tuple[float, int, float, int]],
-              ended: list[tuple[float, int]] | None = None) -> None:
-        self.head, self.gptr = 0, 0
-        if not seqs:
-            self.planned, self.seqs, self.t_marks, self.cost, self.groups = False, [], [], [], list(ended or ())
+        head = self.head
+        if head == len(self.rs) and m and m == k * group_size:
+            self._plan_fresh(t, pause, lengths, u, n, gid, group_size, ended)
             return
-        seqs.sort()  # by tokens left, then admission number (unique): a stable sort by tokens left
-        t0 = t + pause
-        w = self.w
-        rs, _, us, gs = zip(*seqs)
-        # the same floating-point operations, in the same order, as the plain loops they replace: the cost of each
-        # segment is w + the per-iteration costs of the sequences still active, summed from the end; a sequence's
-        # completion is t0 + the running sum of (tokens left - the previous one's) x its segment's cost
-        acc = list(accumulate(reversed(us)))
-        acc.reverse()
-        cost = list(map(add, repeat(w), acc))  # w + a for each
-        steps = accumulate(map(mul, map(sub, rs, (0.0,) + rs[:-1]), cost))
-        marks = list(map(add, repeat(t0), steps))  # t0 + a for each
+        # sequences still decoding: their tokens left at t, then the new ones, all sorted by (tokens left, admission
+        # number) as tuples (the order the plan is defined by)
+        rs = self.rs[head:]
+        if rs and t > self.t0:
+            d = self._done_iterations(t)
+            rs = list(map(max, map(sub, rs, repeat(d)), repeat(_EPS)))  # each max(r - d, _EPS), the loop in C
+        rs += lengths
+        an, us, gs = self._ids()
+        an = an[head:]
+        an += range(n, n + m)
+        us = us[head:]
+        us += repeat(u, m)
+        gs = gs[head:]
+        gs += chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k)))
+        seqs = sorted(zip(rs, an, us, gs))  # (the admission numbers are unique: us and gs never compared)
+        rs, an, us, gs = map(list, zip(*seqs)) if seqs else ([], [], [], [])
+        self._plan(t, pause, rs, an, us, gs, u if self.u_same == u else None, ended)
+
+    def _ids(self) -> tuple[list[int], list[float], list[int]]:
+        """The plan's admission numbers, per-iteration costs and group ids (made from ``fresh`` if need be)."""
+        if self.an is None:
+            order, n, gid, group_size = self.fresh
+            self.an = list(map(add, repeat(n), order))  # the i-th new sequence's admission number is n + i
+            self.us = [self.u_same] * len(order)
+            self.gs = list(map(add, repeat(gid), map(floordiv, order, repeat(group_size))))  # and its group gid + i // G
+            self.fresh = None
+        return self.an, self.us, self.gs
+
+    def _plan_fresh(self, t: float, pause: float, lengths: list[float], u: float, n: int, gid: int, group_size: int,
+                    ended: list[tuple[float, int]]) -> None:
+        """``_plan`` of a drained rank's admission (most admissions: its next groups), without its tuples: the new
+        sequences sorted by length, ties in admission order (a stable sort of their indices: the admission numbers
+        are n + index); a group ends at the mark of its longest sequence (sequences with the same tokens left end at
+        the same mark: the segment between them adds 0.0)."""
+        order = sorted(range(len(lengths)), key=lengths.__getitem__)
+        rs = list(map(lengths.__getitem__, order))
+        marks = self._marks(t + pause, rs, u, None)
+        ends = [marks[bisect_left(rs, max(lengths[i:i + group_size]))] for i in range(0, len(lengths), group_size)]
+        self.rs, self.an, self.us, self.gs, self.fresh, self.u_same = rs, None, None, None, (order, n, gid, group_size), u
+        self._planned(t, marks, sorted(zip(ends, range(gid, gid + len(ends)))), ended)
+
+    def _plan(self, t: float, pause: float, rs: list[float], an: list[int], us: list[float], gs: list[int],
+              u_same: float | None, ended: list[tuple[float, int]]) -> None:
+        """The plan of the sequences ``rs, an, us, gs`` (sorted) from ``t + pause``; ``u_same``: the u every one of
+        them has, if they all have the same (else None)."""
+        self.head, self.gptr = 0, 0
+        if not rs:
+            self.planned, self.rs, self.an, self.us, self.gs, self.u_same = False, [], [], [], [], None
+            self.t_marks, self.cost, self.groups = [], [], list(ended)
+            return
+        marks = self._marks(t + pause, rs, u_same, us)
         gend = dict(zip(gs, marks))  # the last sequence of a group in completion order
-        self.planned, self.t0, self.seqs, self.t_marks, self.cost = True, t0, seqs, marks, cost
-        self.groups = sorted(zip(gend.values(), gend.keys()))
+        self.rs, self.an, self.us, self.gs, self.u_same = rs, an, us, gs, u_same
+        self._planned(t, marks, sorted(zip(gend.values(), gend.keys())), ended)
+
+    def _marks(self, t0: float, rs: list[float], u_same: float | None, us: list[float] | None) -> list[float]:
+        """The completion marks of the sequences ``rs`` (sorted) from ``t0``; sets the segments' costs. The same
+        floating-point operations, in the same order, as the plain loops they replace: the cost of each segment is w +
+        the per-iteration costs of the sequences still active, summed from the end; a sequence's completion is t0 +
+        the running sum of (tokens left - the previous one's) x its segment's cost."""
+        if u_same is None:
+            cost = _segment_costs(self.w, us)
+        else:  # the same sums for every rank decoding n sequences of one batch: computed once
+            key = (self.w, u_same, len(rs))
+            cost = _SAME_U_COSTS.get(key)
+            if cost is None:
+                if len(_SAME_U_COSTS) >= 4096:
+                    _SAME_U_COSTS.clear()
+                cost = _SAME_U_COSTS[key] = _segment_costs(self.w, [u_same] * len(rs))
+        self.t0, self.cost = t0, cost
+        return list(map(add, repeat(t0), accumulate(map(mul, map(sub, rs, chain((0.0,), rs)), cost))))  # t0 + a each
+
+    def _planned(self, t: float, marks: list[float], groups: list[tuple[float, int]],
+                 ended: list[tuple[float, int]]) -> None:
+        self.head, self.gptr, self.planned, self.t_marks, self.groups = 0, 0, True, marks, groups
         if ended:
-            self.groups[:0] = ended  # (ended by t: before every group of the new plan, which ends after t)
+            groups[:0] = ended  # (ended by t: before every group of the new plan, which ends after t)
         self.t_valid = t
 
     def next_group_time(self) -> float:
@@ -350,7 +419,7 @@ class SamplePipeline:
             return math.inf  # draining for a switch, or helping the trainers: only its completions matter
         if rank in core.waiting:
             # it waits for work of a new version: the next chance is when it is empty (else woken by the core)
-            return dr.drain_time() if len(dr.seqs) > dr.head else math.inf  # (dr.active > 0)
+            return dr.drain_time() if len(dr.rs) > dr.head else math.inf  # (dr.active > 0)
         if self.in_flight and self.in_flight.get(rank):
             return math.inf  # an assignment is on its way: its arrival schedules the next claim
         c = dr.claim_time(self._claim_seqs(dr))
@@ -427,7 +496,7 @@ class SamplePipeline:
 
     def _capacity(self, dr: DecodeRank) -> int:
         coming = self.in_flight.get(dr.rank, 0) if self.in_flight else 0  # assigned, not arrived (command_latency_s > 0 only)
-        active = len(dr.seqs) - dr.head
+        active = len(dr.rs) - dr.head
         free = dr.slots - active - coming
         return max(1 if active == 0 and not coming else 0, free // self.group_size)
 
@@ -441,7 +510,7 @@ class SamplePipeline:
         heap, in_flight, G, claim_max = self.heap, self.in_flight, self.group_size, self.claim_max
         ahead = self.ahead
         busy_start, helping, waiting = self.busy_start, self.helping, core.waiting
-        helpers = self.helpers
+        helpers, info = self.helpers, self.info
         self._deferred = rank  # its own next event is scheduled below, once (an Assign to it does not schedule one)
         while True:
             groups, p = dr.groups, dr.gptr
@@ -463,7 +532,7 @@ class SamplePipeline:
                     b, g = done[0]
                     self.rank_batch[b][rank][1] = t
                     if helpers:  # self._tokens(b, gs)
-                        acts = core.groups_done(rank, b, (g,), (self._batch(b).tokens_per_group[g],))
+                        acts = core.groups_done(rank, b, (g,), ((info.get(b) or self._batch(b)).tokens_per_group[g],))
                     else:
                         acts = core.groups_done(rank, b, (g,))  # core.handle(GroupsDone(...))
                     if acts:
@@ -483,19 +552,22 @@ class SamplePipeline:
                         acts = core.groups_done(rank, b, tuple(gs))  # core.handle(GroupsDone(...))
                     if acts:
                         self.do(t, acts)
-            active = len(dr.seqs) - dr.head
+            active = len(dr.rs) - dr.head
             if active == 0:  # self._idle(rank, t)
                 s0 = busy_start.pop(rank, None)
                 if s0 is not None:
                     self.res.busy_rollout_gpu_s += t - s0
             if crank.role is Role.ROLLOUT and not (in_flight and in_flight.get(rank)):
                 if ahead and dr.planned:  # claim_ahead: the slots free when the assignment arrives
-                    active = len(dr.seqs) - bisect_right(dr.t_marks, t + ahead + _EPS, dr.head)
+                    active = len(dr.rs) - bisect_right(dr.t_marks, t + ahead + _EPS, dr.head)
                 free = dr.slots - active  # self._capacity(dr), with nothing on its way
                 cap = free // G
                 if active == 0 and cap < 1:
                     cap = 1
-                if cap > 0 and (active == 0 or free >= (max(1, min(dr.slots, claim_max)))):  # self._claim_seqs(dr)
+                claim = dr.slots if dr.slots < claim_max else claim_max  # self._claim_seqs(dr), without min and max
+                if claim < 1:
+                    claim = 1
+                if cap > 0 and (active == 0 or free >= claim):
                     acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
                     if acts:
                         self.do(t, acts)
@@ -506,12 +578,14 @@ class SamplePipeline:
             if crank.role is not Role.ROLLOUT or crank.lost or crank.leaving or rank in helping:
                 c = math.inf
             elif rank in waiting:
-                c = dr.t_marks[-1] if len(dr.seqs) > dr.head else math.inf  # (a plan exists while it holds sequences)
+                c = dr.t_marks[-1] if len(dr.rs) > dr.head else math.inf  # (a plan exists while it holds sequences)
             elif in_flight and in_flight.get(rank):
                 c = math.inf
             else:  # dr.claim_time(self._claim_seqs(dr))
-                active = len(dr.seqs) - dr.head
-                claim = max(1, min(dr.slots, claim_max))
+                active = len(dr.rs) - dr.head
+                claim = dr.slots if dr.slots < claim_max else claim_max  # self._claim_seqs(dr), without min and max
+                if claim < 1:
+                    claim = 1
                 free = dr.slots - active
                 if free >= claim or not dr.planned:
                     c = dr.t_valid
@@ -600,22 +674,15 @@ class SamplePipeline:
                 raise RuntimeError("a trainer was lost in the simulator (not modelled)")
 
     def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
-        bi = self._batch(batch)
+        """The groups' responses start decoding on ``rank`` after their prompts' prefill; the version that makes them
+        is recorded."""
+        bi = self.info.get(batch) or self._batch(batch)
         dr = self.ranks[rank]
-        if dr.active == 0:
+        if len(dr.rs) == dr.head:  # (dr.active == 0)
             dr.slots = bi.cap
             self.busy_start.setdefault(rank, t)  # a rank given work the moment it drained stays busy
         else:
             dr.slots = min(dr.slots, bi.cap)
-        self._admit(t, rank, batch, groups, version)
-        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
-        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
-            self._schedule_rank(rank, t)
-
-    def _admit(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int, pause: float = 0.0) -> None:
-        """The groups' responses start decoding on ``rank`` after ``pause`` and their prompts' prefill; the version
-        that makes them is recorded."""
-        bi = self._batch(batch)
         if len(groups) < 8:  # numpy sums fewer than 8 numbers from the first, in order: the same, bit for bit
             pf = bi.prefill_list
             prefill = pf[groups[0]]
@@ -624,11 +691,14 @@ class SamplePipeline:
         else:
             prefill = float(bi.prefill_s[list(groups)].sum())
         lengths = bi.lengths
-        self.ranks[rank].admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
-                               bi.group_size, pause + prefill)
+        dr.admit(t, list(chain.from_iterable(map(lengths.__getitem__, groups))), bi.u, [(batch, g) for g in groups],
+                 bi.group_size, prefill)
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
+        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
+        if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
+            self._schedule_rank(rank, t)
 
     def _train(self, t: float, batch: int, groups: tuple[int, ...], ranks: tuple[int, ...], first: bool) -> None:
         t = max(t, self.t_free)  # queued behind the chunk the trainers run (train_queue > 1)
