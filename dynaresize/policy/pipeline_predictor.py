@@ -46,9 +46,11 @@ class PipelinePredictor:
     ``min_measured``); ``train_scaling_per_doubling`` is the policy's data-parallel efficiency model.
     """
 
-    def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 3, min_measured: int = 3, cache_size: int = 4096):
+    def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 11, min_measured: int = 3, cache_size: int = 4096,
+                 lookahead_steps: int = 2):
         self.per_doubling = train_scaling_per_doubling
         self.warmup = warmup_steps
+        self.lookahead = lookahead_steps
         self.min_measured = min_measured
         self.cache_size = cache_size
         self._cache: dict = {}
@@ -77,7 +79,8 @@ class PipelinePredictor:
         if not trace:
             raise ValueError("the pipeline predictor needs at least one observed batch")
         m = max(len(trace), self.min_measured)
-        K = self.warmup + m
+        M = self.warmup + m  # batches played to their optimizer step
+        K = M + self.lookahead  # and batches behind them, so that the last measured ones share the GPUs as in a run
         # batch j of the play is the trace's batch (j - warmup) mod len(trace): the measured steps see each once
         wl = [trace[(j - self.warmup) % len(trace)] for j in range(K)]
         w0 = trace[-1]
@@ -232,7 +235,7 @@ class PipelinePredictor:
             assign(r, 0.0)
         for r in range(n_r):
             schedule(r, 0.0)
-        while heap and produced < K:
+        while heap and produced < M:
             t, _, kind, key, tok = heapq.heappop(heap)
             if kind == 0:  # a rollout GPU: groups done, slots free, or drained
                 r = key
@@ -249,7 +252,7 @@ class PipelinePredictor:
                 if dr.active == 0:
                     held_v[r] = None
                 free = dr.slots - dr.active
-                if dr.active == 0 or (r not in waiting and free >= max(1, min(dr.slots, G * w0.claim_groups))):
+                if (free // G > 0 or dr.active == 0) and (dr.active == 0 or free >= max(1, min(dr.slots, G * w0.claim_groups))):
                     assign(r, t)
                 schedule(r, t)
                 if done:
@@ -274,6 +277,6 @@ class PipelinePredictor:
                 for r in sorted(waiting):
                     assign(r, t)
                     schedule(r, t)
-        if produced < K:
+        if produced < M:
             raise RuntimeError(f"pipeline play of {topo} stalled at batch {produced}")
-        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, K))
+        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, M))
