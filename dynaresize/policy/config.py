@@ -79,9 +79,11 @@ class PolicyConfig(Section):
         2.0, ge=0, description="predictor=pipeline: a trend is followed only when its slope is more than this many "
         "standard errors from flat"
     )
-    pipeline_noise: Literal["played", "max"] = Field(
-        "played", description="predictor=pipeline: the noise test's standard error of a played gain: its spread over the "
-        "replayed batches (played), or the larger of that and the capacity model's sensitivity to its estimates (max)"
+    pipeline_noise: Literal["agree", "played", "max"] = Field(
+        "agree", description="predictor=pipeline: the noise test of a played gain (positive in every mode): beyond its "
+        "spread over the replayed batches, or the capacity model predicting a gain for the same split beyond its own "
+        "noise (agree); beyond that spread alone (played); beyond the larger of that spread and the capacity model's "
+        "sensitivity to its estimates (max)"
     )
     pipeline_window: int = Field(
         4, ge=0, description="predictor=pipeline: candidates within this many units of the current split or of the "

@@ -215,9 +215,11 @@ class ResizePolicy:
             return np.full(len(cands), np.inf)  # one batch: no spread to judge a gain by
         now = np.array(self.pipeline.step_times(play, cur)[:n])
         d = now[None, :] - np.array([self.pipeline.step_times(play, c)[:n] for c in cands])
+        e = d - d.mean(axis=1, keepdims=True)
+        var = (e * e).sum(axis=1) / (n - 1)
         # Student's t over n - 1 degrees of freedom, as a multiple of the normal's: the spread of a few batches is
         # itself uncertain (2 batches: x 6.5, 4: x 1.6, 8: x 1.2)
-        return d.std(axis=1, ddof=1) / math.sqrt(n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
+        return np.sqrt(var / n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
 
     def _z(self, state: PolicyState, step: int) -> float:
         """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
@@ -243,7 +245,8 @@ class ResizePolicy:
             return m.periods(est, nr, nt, tail)
 
         now, per = now_fn(), per_fn()
-        if self._piped(est):  # the pipeline's periods; the noise stays the capacity model's sensitivity to its estimates
+        cap_gain = now - per  # the capacity model's
+        if self._piped(est):  # the pipeline's periods
             now, per = self._period(est, cur), np.array([self._period(est, c) for c in cands])
         memory = self._memory(state.left, est)
         for i, c in enumerate(cands):
@@ -252,13 +255,19 @@ class ResizePolicy:
         gain = now - per
         ok = gain > 0
         if cfg.noise_z > 0 and ok.any():
+            z = self._z(state, step)
             if self._piped(est):  # the played gain's own spread: step i replays the same batch on both splits
-                noise = self._played_noise(est, cur, cands)
+                played = self._played_noise(est, cur, cands)
                 if cfg.pipeline_noise == "max":  # and the capacity model's sensitivity to its estimates
-                    noise = np.maximum(noise, self._noise(est, now_fn, per_fn))
+                    ok &= gain > z * np.maximum(played, self._noise(est, now_fn, per_fn))
+                elif cfg.pipeline_noise == "agree" and not state.resized_at:
+                    # or, on the way from the configured start split (no resize yet), the capacity model passes its own
+                    # test for the same split (a few batches cannot show a gain of a few % beyond their spread)
+                    ok &= (gain > z * played) | ((cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn)))
+                else:
+                    ok &= gain > z * played
             else:
-                noise = self._noise(est, now_fn, per_fn)
-            ok &= gain > self._z(state, step) * noise
+                ok &= gain > z * self._noise(est, now_fn, per_fn)
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
         costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
