@@ -70,6 +70,21 @@ class PolicyConfig(Section):
         "of the barrier-free pipeline'"
     )
     pipeline_trace_steps: int = Field(8, ge=1, description="predictor=pipeline: recent batches replayed (4 -> 8 smoothed the played period: 8 GPUs at 3000 tokens 3 switches +2.3% -> 1 switch -0.1%)")
+    pipeline_lead_steps: float | None = Field(
+        1.0, ge=0, description="predictor=pipeline: the batches are replayed as the run will be this many batches after "
+        "the newest, along the linear trend of their mean response length, training per group, per-sequence decode cost "
+        "and KV slots where that trend is significant (pipeline_trend_z); null: replayed as observed"
+    )
+    pipeline_trend_z: float = Field(
+        2.0, ge=0, description="predictor=pipeline: a trend is followed only when its slope is more than this many "
+        "standard errors from flat"
+    )
+    pipeline_noise: Literal["agree", "played", "max"] = Field(
+        "agree", description="predictor=pipeline: the noise test of a played gain (positive in every mode): beyond its "
+        "spread over the replayed batches, or the capacity model predicting a gain for the same split beyond its own "
+        "noise (agree); beyond that spread alone (played); beyond the larger of that spread and the capacity model's "
+        "sensitivity to its estimates (max)"
+    )
     pipeline_window: int = Field(
         4, ge=0, description="predictor=pipeline: candidates within this many units of the current split or of the "
         "capacity model's best are played forward (0: every candidate)"

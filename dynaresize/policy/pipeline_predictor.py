@@ -27,6 +27,7 @@ memoised by their inputs.
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
 import math
 from typing import Sequence
 
@@ -46,9 +47,11 @@ class PipelinePredictor:
     ``min_measured``); ``train_scaling_per_doubling`` is the policy's data-parallel efficiency model.
     """
 
-    def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 3, min_measured: int = 3, cache_size: int = 4096):
+    def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 11, min_measured: int = 3, cache_size: int = 4096,
+                 lookahead_steps: int = 2):
         self.per_doubling = train_scaling_per_doubling
         self.warmup = warmup_steps
+        self.lookahead = lookahead_steps
         self.min_measured = min_measured
         self.cache_size = cache_size
         self._cache: dict = {}
@@ -77,7 +80,8 @@ class PipelinePredictor:
         if not trace:
             raise ValueError("the pipeline predictor needs at least one observed batch")
         m = max(len(trace), self.min_measured)
-        K = self.warmup + m
+        M = self.warmup + m  # batches played to their optimizer step
+        K = M + self.lookahead  # and batches behind them, so that the last measured ones share the GPUs as in a run
         # batch j of the play is the trace's batch (j - warmup) mod len(trace): the measured steps see each once
         wl = [trace[(j - self.warmup) % len(trace)] for j in range(K)]
         w0 = trace[-1]
@@ -232,7 +236,7 @@ class PipelinePredictor:
             assign(r, 0.0)
         for r in range(n_r):
             schedule(r, 0.0)
-        while heap and produced < K:
+        while heap and produced < M:
             t, _, kind, key, tok = heapq.heappop(heap)
             if kind == 0:  # a rollout GPU: groups done, slots free, or drained
                 r = key
@@ -249,7 +253,7 @@ class PipelinePredictor:
                 if dr.active == 0:
                     held_v[r] = None
                 free = dr.slots - dr.active
-                if dr.active == 0 or (r not in waiting and free >= max(1, min(dr.slots, G * w0.claim_groups))):
+                if (free // G > 0 or dr.active == 0) and (dr.active == 0 or free >= max(1, min(dr.slots, G * w0.claim_groups))):
                     assign(r, t)
                 schedule(r, t)
                 if done:
@@ -274,6 +278,70 @@ class PipelinePredictor:
                 for r in sorted(waiting):
                     assign(r, t)
                     schedule(r, t)
-        if produced < K:
+        if produced < M:
             raise RuntimeError(f"pipeline play of {topo} stalled at batch {produced}")
-        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, K))
+        return tuple(ends[k] - ends[k - 1] for k in range(self.warmup, M))
+
+
+def _trend(ys: Sequence[float], z: float) -> tuple[float, float] | None:
+    """Least-squares line ``a + b i`` through ``ys`` (i = 0, 1, ...), or None when its slope is within ``z`` standard
+    errors of zero (no drift shown) or there are fewer than 4 points."""
+    n = len(ys)
+    if n < 4:
+        return None
+    xm = (n - 1) / 2.0
+    ym = sum(ys) / n
+    sxx = sum((i - xm) ** 2 for i in range(n))
+    b = sum((i - xm) * (y - ym) for i, y in enumerate(ys)) / sxx
+    a = ym - b * xm
+    sse = sum((y - a - b * i) ** 2 for i, y in enumerate(ys))
+    se = math.sqrt(sse / (n - 2) / sxx)
+    if b == 0.0 or abs(b) <= z * se:
+        return None
+    return a, b
+
+
+def extrapolate(trace: Sequence[PipelineWorkload], lead: float, z: float = 2.0) -> tuple[PipelineWorkload, ...]:
+    """The trace as the run will be ``lead`` batches after its newest, where it drifts: each batch's response lengths
+    and training per group scaled by the linear trend of the batches' means (its value ``lead`` batches past the
+    newest over its value at the batch), and the decode model's per-sequence cost and KV slots set to their trend's
+    value there. A quantity whose trend is within ``z`` standard errors of flat is left as observed (a stationary run
+    is replayed as it is). Pure."""
+    n = len(trace)
+    if n < 4 or lead < 0:
+        return tuple(trace)
+    target = n - 1 + lead
+
+    def factors(ys: Sequence[float]) -> list[float] | None:
+        fit = _trend(ys, z)
+        if fit is None:
+            return None
+        a, b = fit
+        at = a + b * target
+        out = []
+        for i in range(n):
+            here = a + b * i
+            if here <= 0 or at <= 0:
+                return None
+            out.append(min(2.0, max(0.5, at / here)))
+        return out
+
+    fl = factors([sum(w.lengths) / max(1, len(w.lengths)) for w in trace])
+    ft = factors([sum(w.train_s_per_group) / max(1, len(w.train_s_per_group)) for w in trace])
+    fu = factors([w.seq_iteration_s for w in trace])
+    fk = factors([float(w.kv_slots) for w in trace])
+    if fl is None and ft is None and fu is None and fk is None:
+        return tuple(trace)
+    out = []
+    for i, w in enumerate(trace):
+        ch: dict = {}
+        if fl is not None:
+            ch["lengths"] = tuple(x * fl[i] for x in w.lengths)
+        if ft is not None:
+            ch["train_s_per_group"] = tuple(x * ft[i] for x in w.train_s_per_group)
+        if fu is not None:
+            ch["seq_iteration_s"] = w.seq_iteration_s * fu[i]
+        if fk is not None:
+            ch["kv_slots"] = max(1, round(w.kv_slots * fk[i]))
+        out.append(replace(w, **ch))
+    return tuple(out)

@@ -47,12 +47,14 @@ import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
-from dynaresize.policy.pipeline_predictor import PipelinePredictor
+from dynaresize.policy.pipeline_predictor import PipelinePredictor, extrapolate
 from dynaresize.policy.predictor import StageModel
 from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation, PolicyState, ResizeAction, Topology
 
 
 MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
+# Student's t 97.5% quantiles by degrees of freedom (0: unused; the last entry stands for more)
+_T975 = (math.inf, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120)
 
 
 class ResizePolicy:
@@ -81,7 +83,9 @@ class ResizePolicy:
         est = state.estimates if obs.mixed and state.estimates else self.model.update(state.estimates, obs)
         if self.pipeline is not None:  # the batches the pipeline predictor replays (a mixed step's batch too)
             trace = state.estimates.trace if state.estimates is not None else ()
-            est = replace(est, trace=(trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ())
+            trace = (trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ()
+            lead = cfg.pipeline_lead_steps
+            est = replace(est, trace=trace, play=trace if lead is None else extrapolate(trace, lead, cfg.pipeline_trend_z))
         state = replace(self._observe(state, obs), estimates=est, steps_since_resize=state.steps_since_resize + 1)
         imb, direction = self._imbalance(est, cur)
 
@@ -130,7 +134,7 @@ class ResizePolicy:
     def _period(self, est: Estimates, topo: Topology) -> float:
         """The predicted period of ``topo``: the pipeline predictor's where in use, else the capacity model's."""
         if self._piped(est):
-            return self.pipeline.period_s(est.trace, topo)
+            return self.pipeline.period_s(est.play or est.trace, topo)
         return self.model.period_s(est, topo)
 
     def _window(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> list[Topology]:
@@ -205,11 +209,17 @@ class ResizePolicy:
 
     def _played_noise(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
         """Standard error of the played gain per step, from its spread over the replayed batches (paired steps)."""
-        now = np.array(self.pipeline.step_times(est.trace, cur))
-        if len(now) < 2:
-            return np.zeros(len(cands))
-        d = now[None, :] - np.array([self.pipeline.step_times(est.trace, c) for c in cands])
-        return d.std(axis=1, ddof=1) / math.sqrt(len(now))
+        play = est.play or est.trace
+        n = min(len(play), len(self.pipeline.step_times(play, cur)))  # distinct batches (a short trace is cycled)
+        if n < 2:
+            return np.full(len(cands), np.inf)  # one batch: no spread to judge a gain by
+        now = np.array(self.pipeline.step_times(play, cur)[:n])
+        d = now[None, :] - np.array([self.pipeline.step_times(play, c)[:n] for c in cands])
+        e = d - d.mean(axis=1, keepdims=True)
+        var = (e * e).sum(axis=1) / (n - 1)
+        # Student's t over n - 1 degrees of freedom, as a multiple of the normal's: the spread of a few batches is
+        # itself uncertain (2 batches: x 6.5, 4: x 1.6, 8: x 1.2)
+        return np.sqrt(var / n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
 
     def _z(self, state: PolicyState, step: int) -> float:
         """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
@@ -235,7 +245,8 @@ class ResizePolicy:
             return m.periods(est, nr, nt, tail)
 
         now, per = now_fn(), per_fn()
-        if self._piped(est):  # the pipeline's periods; the noise stays the capacity model's sensitivity to its estimates
+        cap_gain = now - per  # the capacity model's
+        if self._piped(est):  # the pipeline's periods
             now, per = self._period(est, cur), np.array([self._period(est, c) for c in cands])
         memory = self._memory(state.left, est)
         for i, c in enumerate(cands):
@@ -244,10 +255,19 @@ class ResizePolicy:
         gain = now - per
         ok = gain > 0
         if cfg.noise_z > 0 and ok.any():
-            noise = self._noise(est, now_fn, per_fn)
-            if self._piped(est):  # and the played gain's own spread: step i replays the same batch on both splits
-                noise = np.maximum(noise, self._played_noise(est, cur, cands))
-            ok &= gain > self._z(state, step) * noise
+            z = self._z(state, step)
+            if self._piped(est):  # the played gain's own spread: step i replays the same batch on both splits
+                played = self._played_noise(est, cur, cands)
+                if cfg.pipeline_noise == "max":  # and the capacity model's sensitivity to its estimates
+                    ok &= gain > z * np.maximum(played, self._noise(est, now_fn, per_fn))
+                elif cfg.pipeline_noise == "agree" and not state.resized_at:
+                    # or, on the way from the configured start split (no resize yet), the capacity model passes its own
+                    # test for the same split (a few batches cannot show a gain of a few % beyond their spread)
+                    ok &= (gain > z * played) | ((cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn)))
+                else:
+                    ok &= gain > z * played
+            else:
+                ok &= gain > z * self._noise(est, now_fn, per_fn)
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
         costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])

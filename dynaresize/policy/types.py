@@ -131,6 +131,7 @@ class Estimates:
     train_var: float = 0.0  # EWMA variance of the observed train work, relative (squared fraction)
     observations: int = 1  # observations the estimates were learned from
     trace: tuple[PipelineWorkload, ...] = ()  # the newest observed batches (oldest first), for the pipeline predictor
+    play: tuple[PipelineWorkload, ...] = ()  # the batches it replays: ``trace`` carried forward along its drift
 
 
 @dataclass(frozen=True, slots=True)
