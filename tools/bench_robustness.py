@@ -8,7 +8,9 @@ the same mechanisms (a local search over splits from the step-level best, shared
 once per ``policy.predictor`` (``--predictors``: capacity, pipeline), on the same workloads. The issue's target
 (13, item 6; 28): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
 table, then ONE JSON line (``cases``; per row ``cases_within``, the cases within the target, and
-``ms_per_decision``, the run's wall time per step beyond the static run's: what the policy costs).
+``ms_per_decision``, the run's wall time per step beyond the static run's: what the policy costs; ``step_level``: the
+same target for the step-level model on the same cases, the barrier schedule with the capacity policy against its
+best static split, unless ``--no-step-level``).
 
     .venv/bin/python tools/bench_robustness.py                       # 24 cases x both predictors (~10 min)
     .venv/bin/python tools/bench_robustness.py --shares 1 0.5 0.25 0 --predictors capacity   # the tail shares
@@ -30,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
 from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
-from dynaresize.sim.compare import best_static_samples, run_samples, setup  # noqa: E402
+from dynaresize.sim.compare import best_static_samples, run_dynamic, run_samples, run_static, setup  # noqa: E402
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE  # noqa: E402
 
 BARRIER_FREE = SimMechanisms(True, True, True, True)
@@ -52,17 +54,22 @@ def main(argv: list[str] | None = None) -> int:
                     help="tail shares to compare (default: the default; 1 0.5 0.25 0: the whole tail, half, a quarter, none)")
     ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
                     help="policy.predictor values to compare")
+    ap.add_argument("--no-step-level", action="store_true",
+                    help="skip the step-level row (the barrier schedule, the capacity policy, against the best static split)")
     args = ap.parse_args(argv)
     shares = list(dict.fromkeys(args.shares))
     rows_of = [(p, sh) for p in dict.fromkeys(args.predictors) for sh in shares]
     label = {k: f"{k[0]} {k[1]:g}" for k in rows_of}
     res: dict[tuple, list[tuple[float, int, float]]] = {k: [] for k in rows_of}
+    step_level: list[tuple[float, int]] = []  # (loss against the best static split, switches) per case
     for g, m, seed in itertools.product(args.gpus, args.means, args.seeds):
         s = setup(stationary(g, m, seed, args.steps))
-        split, best = best_static_samples(s, BARRIER_FREE)
-        t0 = time.perf_counter()
-        run_samples(s, split, replace(BARRIER_FREE, resize=False))
-        static_wall = time.perf_counter() - t0
+        split, best, static_wall = "-", 0.0, 0.0
+        if rows_of:  # (``--predictors`` with none: the step-level row alone)
+            split, best = best_static_samples(s, BARRIER_FREE)
+            t0 = time.perf_counter()
+            run_samples(s, split, replace(BARRIER_FREE, resize=False))
+            static_wall = time.perf_counter() - t0
         cells = []
         for p, sh in rows_of:
             sp = replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": p})}))
@@ -72,10 +79,17 @@ def main(argv: list[str] | None = None) -> int:
             loss = dyn.total_s / best - 1
             res[(p, sh)].append((loss, dyn.switches, extra_ms))
             cells.append(f"{label[(p, sh)]}: {dyn.switches} sw {100 * loss:+.2f}%{' MISS' if dyn.switches > 2 or loss > 0.01 else ''}")
+        if not args.no_step_level:  # the step-level model (the barrier schedule) on the same case, its own best split
+            s.table.sweep([c.n_rollout for c in s.candidates])
+            best_step = min(run_static(s, c).total_s for c in s.candidates)
+            dyn = run_dynamic(s, False)
+            step_level.append((dyn.total_s / best_step - 1, dyn.switches))
+            loss, sw = step_level[-1]
+            cells.append(f"step level: {sw} sw {100 * loss:+.2f}%{' MISS' if sw > 2 or loss > 0.01 else ''}")
         print(f"{g:3d} GPUs, {m:5d} tokens, seed {seed}: best {str(split):>6} | " + " | ".join(cells), flush=True)
     print()
     print(f"{'predictor, tail share':>22} {'ok (<=2 sw, <=1%)':>18} {'worst loss':>11} {'most sw':>8} {'within 3%':>10} {'ms/decision':>12}")
-    out = {"cases": len(res[rows_of[0]]), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "rows": {}}
+    out = {"cases": len(res[rows_of[0]]) if rows_of else len(step_level), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "rows": {}}
     for k in rows_of:
         rows = res[k]
         ok = sum(1 for loss, sw, _ in rows if loss <= 0.01 and sw <= 2)
@@ -85,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label[k]:>22} {f'{ok} / {len(rows)}':>18} {100 * worst:>10.2f}% {most:>8} {f'{within3} / {len(rows)}':>10} {ms:>12.1f}")
         out["rows"][label[k]] = {"predictor": k[0], "tail_share": k[1], "cases_within": ok, "worst_loss": round(worst, 4),
                                  "most_switches": most, "within_3pct": within3, "ms_per_decision": round(ms, 2)}
+    if step_level:
+        ok = sum(1 for loss, sw in step_level if loss <= 0.01 and sw <= 2)
+        worst, most = max(r[0] for r in step_level), max(r[1] for r in step_level)
+        print(f"{'step level (barrier)':>22} {f'{ok} / {len(step_level)}':>18} {100 * worst:>10.2f}% {most:>8} "
+              f"{f'{sum(1 for r in step_level if r[0] <= 0.03)} / {len(step_level)}':>10}")
+        out["step_level"] = {"cases_within": ok, "worst_loss": round(worst, 4), "most_switches": most}
     print(json.dumps(out))
     return 0
 
