@@ -47,6 +47,7 @@ def policy_to_dict(ps: PolicyState) -> dict[str, Any]:
     d = asdict(ps)
     if d.get("estimates"):
         d["estimates"].pop("trace", None)
+        d["estimates"].pop("play", None)  # (the same batches carried along their drift)
     return d
 
 
@@ -57,7 +58,7 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
         return None
     est = d.get("estimates")
     return PolicyState(
-        estimates=Estimates(**{k: v for k, v in est.items() if k != "trace"}) if est else None,
+        estimates=Estimates(**{k: v for k, v in est.items() if k not in ("trace", "play")}) if est else None,
         signal_dir=int(d.get("signal_dir", 0)),
         signal_count=int(d.get("signal_count", 0)),
         steps_since_resize=int(d.get("steps_since_resize", 10**9)),
