@@ -424,9 +424,10 @@ class ContinuousSchedule:
         den = self.denominator(t)
         generated = self.p.svc.queue.results(k) if self.p.svc.assembler.filtering else t.results
         built = self.whole_batch(k, generated)
-        job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + max(
-            float(x.get("busy_s", 0.0)) for x in res.values()), sync_s=t.sync_s / max(1, len(job.rollouts())),
-            tokens_generated=t.tokens_generated, tokens_trained=t.tokens)
+        step_s = max(float(x.get("busy_s", 0.0)) for x in res.values())  # the optimizer step (its slowest trainer)
+        job.last = StepTimes(rollout_s=t.gen_busy_s / max(1, len(job.rollouts())), train_s=t.train_s + step_s,
+                             sync_s=t.sync_s / max(1, len(job.rollouts())), tokens_generated=t.tokens_generated,
+                             tokens_trained=t.tokens)
         # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
         results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
@@ -449,7 +450,7 @@ class ContinuousSchedule:
             n_t = max(1, st.n_train)
             obs = Observation(step=k, topology=Topology(n_t, max(1, len(job.rollouts()))), rollout_s=job.last.rollout_s,
                               train_s=job.last.train_s, tokens_generated=t.tokens_generated, tokens_trained=t.tokens,
-                              mixed=t.mixed, workload=self.workload(k, t, generated, res))
+                              mixed=t.mixed, workload=self.workload(k, t, generated, n_t, step_s))
             # (no weight_sync_s: sync_s is the coordinator's wall clock, which a takeover's replay cannot reproduce; the
             # simulator's barrier observations carry it, the runtime's do not: docs/schedule.md)
             per_group = job.last.train_s * n_t / max(1, self.cfg.rollout.prompts_per_step)
@@ -468,7 +469,7 @@ class ContinuousSchedule:
             if not self.replaying:
                 self.job.events.emit("control", what="decode_sums_ignored", reason=f"rank {rank}: {e}")
 
-    def workload(self, k: int, t: Tally, generated: list, res: dict[int, dict]) -> PipelineWorkload | None:
+    def workload(self, k: int, t: Tally, generated: list, n_train: int, step_s: float) -> PipelineWorkload | None:
         """Batch k as the policy's pipeline predictor replays it (:mod:`dynaresize.job.workload`), in the barrier-free
         schedule with streaming training (as the simulator fills it) and with ``policy.predictor: pipeline`` (the
         observation goes into ``schedule.jsonl`` with its lengths). Its decode model is fitted on the timed iterations
@@ -481,9 +482,8 @@ class ContinuousSchedule:
         sums = DecodeSums()
         for d in self.decode_recent:
             sums.merge(d)
-        n_t = max(1, len(self.job.trainers()))
         wl, fit = batch_workload(self.cfg, self.core_cfg, generated, {r.prompt for r in t.results}, sums, t.train_s,
-                                 n_t, max(float(x.get("busy_s", 0.0)) for x in res.values()), self.job.last.sync_s)
+                                 n_train, step_s, self.job.last.sync_s)
         if fit is not None and not self.replaying:
             self.job.events.emit("metric", name="rollout.iteration_s", value=round(fit.iteration_s, 9), step=k,
                                  seq_iteration_s=round(fit.seq_iteration_s, 9),

@@ -5,7 +5,8 @@ ran (``policy.predictor: pipeline``, docs/simulator.md "A predictor of the barri
 
 - the response lengths, group by group: every generated group of the batch (with dynamic sampling, the dropped
   ones too: they were decoded), from the samples' tokens;
-- the decode model: the rollout ranks' timed iterations of this batch's generate acks, fitted
+- the decode model: the rollout ranks' timed iterations (their generate acks' sums; the coordinator passes the
+  last few batches', ``core_driver.DECODE_WINDOW``), fitted
   (:func:`~dynaresize.contract.decode.fit_decode`: fixed seconds per iteration, seconds per active sequence, prefill
   seconds per admitted sequence), with the configured KV slots per rank;
 - the training: the trainers' compute for the batch's chunks (the slowest trainer of each) on ``n_train`` trainers,
