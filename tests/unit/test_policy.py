@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from dynaresize.events import SwitchOp
 from dynaresize.policy import Observation, ResizeAction, ResizePolicy, SwitchCostModel, Topology, candidate_topologies, greedy_config
@@ -176,19 +176,26 @@ works = st.tuples(st.floats(10, 5000), st.floats(0, 300), st.floats(10, 5000))
 
 @settings(max_examples=60, deadline=None)
 @given(work=works, start=st.integers(1, 7), alpha=st.floats(0.2, 1.0))
+@example(work=(10.0, 188.0, 759.0), start=1, alpha=1.0)  # the three moves below
 def test_never_oscillates_under_a_stationary_workload(work, start, alpha):
+    # Never back to a split it left, every move faster in truth, and few moves. A third move can be right: the tail
+    # here never varies while the policy's prior says ~20% (tail_cv_prior), so once the measured variance has decayed
+    # (20-30 steps) a split that is 0.4% faster pays back its switch (work=(10, 188, 759) from 1:7: 6:2 at step 1, 5:3
+    # at 6, then 4:4 at 32). So: at most 2 moves in the first 20 steps, 3 in all.
     p = policy(ewma_alpha=alpha, min_dwell_steps=1, cooldown_steps=1)
     s = p.initial_state()
-    topo, left, pending_mixed = Topology(start, 8 - start), [], False
+    topo, left, moved, pending_mixed = Topology(start, 8 - start), [], [], False
     for k in range(40):
         r, t = ground_truth(topo, *work)
         s, d = p.step(s, obs(k, topo, r, t, tail=work[1], mixed=pending_mixed))
         pending_mixed = False
         if d.resize:
             assert d.target not in left, f"returned to {d.target} after leaving it: {left}"
+            assert max(ground_truth(d.target, *work)) < max(r, t), f"{topo} -> {d.target} is slower in truth"
             left.append(topo)
+            moved.append(k)
             topo, pending_mixed = d.target, True
-    assert len(left) <= 2
+    assert len(moved) <= 3 and len([k for k in moved if k < 20]) <= 2, f"moves at steps {moved}: {left} -> {topo}"
 
 
 @settings(max_examples=60, deadline=None)
