@@ -31,13 +31,10 @@ from dataclasses import replace
 import math
 from typing import Sequence
 
+from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PipelineWorkload, Topology
 
 _EPS = 1e-9
-
-
-def _eff(n: int, per_doubling: float) -> float:
-    return per_doubling ** math.log2(n) if n > 1 else 1.0
 
 
 class PipelinePredictor:
@@ -87,7 +84,7 @@ class PipelinePredictor:
         w0 = trace[-1]
         s, c, sync, G = max(1, w0.staleness), w0.command_latency_s, w0.sync_s, w0.group_size
         n_r, n_t = topo.n_rollout, topo.n_train
-        rate = n_t * _eff(n_t, self.per_doubling)
+        rate = n_t * efficiency(n_t, self.per_doubling)
         ranks = [DecodeRank(r, w0.iteration_s) for r in range(n_r)]
         for dr in ranks:
             dr.slots = wl[0].kv_slots
