@@ -1,0 +1,82 @@
+"""Where the run with every mechanism loses against the tight bound: its GPU-seconds split into what the bound counts
+and what it does not (issue 28, item 2: the bound fractions).
+
+    .venv/bin/python tools/diag_gap.py                                   # the bench's five scenarios, 100 steps
+    .venv/bin/python tools/diag_gap.py --scenarios paper_8gpu --steps 200
+
+Per scenario, one sample-level run from the configured split with continuous rollout, streaming training, gradient
+helpers and resizing (the bench's "all mechanisms" row), then its ``N x T`` GPU-seconds as
+
+- **rollout busy**: the rollout ranks' time with sequences in flight (``SampleRunResult.busy_rollout_gpu_s``), against
+  the tight bound's rollout GPU-seconds (every token decoded at the concurrency its version's sequences allow, plus
+  prefill: ``TightBound.rollout_gpu_s``); the difference is decode below that concurrency: a rank's share of a batch
+  drains (its last sequences decode at a few per iteration) and the iteration's fixed cost is paid per rank;
+- **train busy**: the trainers' chunks and optimizer steps, against the bound's training GPU-seconds (one trainer,
+  no scaling loss: ``TightBound.train_gpu_s``); the difference is the data-parallel efficiency and every trainer's
+  optimizer step;
+- **idle**: neither (a rollout rank waiting for a version or a claim, a trainer waiting for groups, switches).
+
+The tight bound itself lies above its work (``tight - work``, GPU-seconds): the chain of trainings and the rollout
+windows. So ``N x (run - tight) = rollout excess + train excess + idle - (N x tight - bound work)``. Prints a table,
+then ONE JSON line. Deterministic (the simulator has no randomness beyond the scenario's seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dynaresize.config.loader import load_config  # noqa: E402
+from dynaresize.sim.compare import run_samples, setup, tight_bound_of  # noqa: E402
+from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
+
+SCENARIOS = ["paper_8gpu", "stationary_8gpu", "scale_64gpu", "dapo_64gpu", "taskmix_64gpu"]
+
+
+def gap(name: str, steps: int) -> dict:
+    cfg = load_config(ROOT / f"configs/sim/{name}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
+    s = setup(cfg)
+    run = run_samples(s, s.initial, SimMechanisms(True, True, True, True))
+    tb = tight_bound_of(s)
+    N = cfg.cluster.gpus
+    total = run.total_s * N
+    roll_b, train_b = float(tb.rollout_gpu_s.sum()), float(tb.train_gpu_s.sum())
+    idle = total - run.busy_rollout_gpu_s - run.busy_train_gpu_s
+    return {
+        "scenario": name, "gpus": N, "steps": steps, "run_s": round(run.total_s, 1), "tight_s": round(tb.total_s, 1),
+        "fraction_of_tight": round(tb.total_s / run.total_s, 4), "gap_gpu_s": round(total - tb.total_s * N),
+        "rollout_busy": round(run.busy_rollout_gpu_s), "rollout_bound": round(roll_b),
+        "rollout_excess": round(run.busy_rollout_gpu_s - roll_b),
+        "train_busy": round(run.busy_train_gpu_s), "train_bound": round(train_b),
+        "train_excess": round(run.busy_train_gpu_s - train_b), "idle": round(idle),
+        "bound_above_work": round(tb.total_s * N - roll_b - train_b),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--scenarios", nargs="*", default=SCENARIOS)
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"{'scenario':>16} {'of tight':>9} {'gap':>9} | {'rollout busy / bound (excess)':>32} | "
+          f"{'train busy / bound (excess)':>30} | {'idle':>8} | {'tight - work':>12}   (GPU-seconds)")
+    for name in args.scenarios:
+        r = gap(name, args.steps)
+        rows.append(r)
+        share = (lambda x: f"{100 * x / r['gap_gpu_s']:.0f}%") if r["gap_gpu_s"] > 0 else (lambda x: "-")
+        print(f"{name:>16} {100 * r['fraction_of_tight']:>8.1f}% {r['gap_gpu_s']:>9} | "
+              f"{r['rollout_busy']:>9} / {r['rollout_bound']:>8} ({r['rollout_excess']:>7}, {share(r['rollout_excess']):>4}) | "
+              f"{r['train_busy']:>9} / {r['train_bound']:>8} ({r['train_excess']:>6}, {share(r['train_excess']):>4}) | "
+              f"{r['idle']:>8} | {r['bound_above_work']:>12}", flush=True)
+    print(json.dumps({"steps": args.steps, "scenarios": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
