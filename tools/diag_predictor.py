@@ -35,7 +35,7 @@ from dynaresize.policy.pipeline_predictor import PipelinePredictor  # noqa: E402
 from dynaresize.policy.types import Topology  # noqa: E402
 from dynaresize.sim import samples as S  # noqa: E402
 from dynaresize.sim.compare import best_static_samples, run_samples, setup  # noqa: E402
-from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
+from dynaresize.sim.mechanisms import HelperPlay, SimMechanisms, helpers_on  # noqa: E402
 
 
 def scenario(a, extra: list[str]):
@@ -81,7 +81,7 @@ def exact(a) -> None:
         topo = Topology(n, N - n)
         run_samples(s, topo, mech)
         K = max(cap.ends) + 1
-        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, warmup_steps=0)
+        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, warmup_steps=0, hooks=HelperPlay if helpers_on(mech) else None)
         st = pp.step_times(tuple(cap.wls[j] for j in range(K - 1)), topo)
         pe = np.cumsum(st[1:])  # play ends relative to ends[0]
         se = np.array([cap.ends[k] - cap.ends[0] for k in range(1, K - 1)])
@@ -97,7 +97,7 @@ def fidelity(a) -> None:
         cap = Capture()
         topo = Topology(n, N - n)
         r = run_samples(s, topo, SimMechanisms(True, True, False, True))
-        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling)
+        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, hooks=HelperPlay)
         if a.warmup is not None:
             pp.warmup = a.warmup
         if a.lookahead is not None:

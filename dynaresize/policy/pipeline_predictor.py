@@ -14,11 +14,13 @@ hand-out rules (oldest batch first, one version per GPU, at most an even share o
 when ``claim_groups`` groups of slots are free or the GPU drained, waiting GPUs served when a version arrives), the
 versions (``T_k``'s optimizer step makes version ``k + 1``, which reaches the GPUs ``sync_s`` later), streaming
 training (a chunk of the batch's finished groups once ``stream_min_groups`` are ready, on ``n_train`` trainers at
-the measured per-group cost and data-parallel efficiency), gradient helpers (a drained rollout GPU with nothing to
-generate trains some of the ready groups when that pays, priced as the core prices it) and the control-plane latency
-per command. The batches
+the measured per-group cost and data-parallel efficiency) and the control-plane latency per command. The batches
 are the run's own recent ones (:class:`~dynaresize.policy.types.PipelineWorkload`, cycled); the period is the
 mean step time once the pipeline has filled. Not modelled: switches, preemption.
+
+Mechanisms only the simulator runs are played by the simulator's own plug-in (:class:`PlayHooks`, passed as
+``PipelinePredictor(hooks=...)``): the gradient helpers' is ``dynaresize.sim.mechanisms.HelperPlay``, which the
+simulator gives its policy when it runs them. Without it a batch with ``helper_rate > 0`` is refused.
 
 Pure and deterministic: the same workloads and split give the same period (no clock, no randomness); results are
 memoised by their inputs.
@@ -34,7 +36,48 @@ from typing import Sequence
 from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PipelineWorkload, Topology
 
-_EPS = 1e-9
+PLAY_EPS = 1e-9  # a version counts as arrived this close to its time
+
+
+class PlayHooks:
+    """A mechanism only the simulator runs, inside the forward play (its extension points; the base does nothing).
+    ``start`` is called once per play with the play's state (:class:`PlayState`); the others where the play would
+    act for the mechanism: a drained GPU left waiting, the size of a training chunk, a chunk just started (before it
+    is timed), whether batch ``k``'s optimizer step must wait, and an event of a kind of its own (``kind >= 4``)."""
+
+    def start(self, st: "PlayState") -> "PlayHooks":
+        return self
+
+    def drained(self, r: int, t: float) -> None:
+        pass
+
+    def chunk_size(self, k: int, take: int) -> int:
+        return take
+
+    def chunk_started(self, k: int, t: float) -> None:
+        pass
+
+    def step_waits(self, k: int) -> bool:
+        return False
+
+    def event(self, kind: int, key: int, t: float) -> None:
+        raise ValueError(f"pipeline play: no mechanism handles events of kind {kind}")
+
+
+class PlayState:
+    """What a :class:`PlayHooks` sees of a play in progress: the batches played (``wl``, ``K`` of them), the rollout
+    GPUs' decode state (``ranks``, ``token``: the current event of each), the groups ``ready`` to train and
+    ``trained`` per batch, ``version_at`` (when a version reaches the GPUs), the trainers' ``rate`` (GPU-equivalents),
+    the command latency ``c``, ``ngroups`` per batch, ``waiting`` (GPUs with free slots and nothing to take), ``produced()`` (versions made),
+    ``trainers_started[k]``, and ``push(t, kind, key)`` (an event) and ``then(r, t)`` (a GPU back from the
+    mechanism: it takes work, and its next event is scheduled) and ``maybe_step(t, k)``."""
+
+    __slots__ = ("wl", "K", "ngroups", "ranks", "token", "ready", "trained", "version_at", "rate", "c", "waiting", "produced",
+                 "trainers_started", "push", "then", "maybe_step")
+
+    def __init__(self, **kw) -> None:
+        for k, v in kw.items():
+            setattr(self, k, v)
 
 
 class PipelinePredictor:
@@ -45,7 +88,8 @@ class PipelinePredictor:
     """
 
     def __init__(self, train_scaling_per_doubling: float, warmup_steps: int = 11, min_measured: int = 3, cache_size: int = 4096,
-                 lookahead_steps: int = 2):
+                 lookahead_steps: int = 2, hooks: type[PlayHooks] | None = None):
+        self.hooks = hooks  # a simulator-only mechanism's play (a PlayHooks class, one instance per play)
         self.per_doubling = train_scaling_per_doubling
         self.warmup = warmup_steps
         self.lookahead = lookahead_steps
@@ -82,6 +126,9 @@ class PipelinePredictor:
         # batch j of the play is the trace's batch (j - warmup) mod len(trace): the measured steps see each once
         wl = [trace[(j - self.warmup) % len(trace)] for j in range(K)]
         w0 = trace[-1]
+        if self.hooks is None and any(x.helper_rate > 0 for x in trace):
+            raise ValueError("the batches have gradient helpers (a simulator-only mechanism): the simulator plays them "
+                             "with PipelinePredictor(hooks=dynaresize.sim.mechanisms.HelperPlay)")
         s, c, sync, G = max(1, w0.staleness), w0.command_latency_s, w0.sync_s, w0.group_size
         n_r, n_t = topo.n_rollout, topo.n_train
         rate = n_t * efficiency(n_t, self.per_doubling)
@@ -101,8 +148,6 @@ class PipelinePredictor:
         t_queued = 0  # chunks and the step sent, not done
         stepping = False  # the step of batch ``produced`` is sent
         t_free = 0.0  # when the trainers end what they hold
-        helping: dict[int, int] = {}  # rollout GPU -> groups of the batch in training it is computing gradients of
-        helps_open = [0] * K  # per batch: helps not finished
         trainers_started = [False] * K
         ends = [0.0] * K
         heap: list = []
@@ -139,7 +184,7 @@ class PipelinePredictor:
             last = min(K - 1, produced + s)
             while cap > 0 and j <= last:
                 v = version_of(j)
-                usable = version_at[v] <= t + _EPS and (held_v[r] is None or held_v[r] == v)
+                usable = version_at[v] <= t + PLAY_EPS and (held_v[r] is None or held_v[r] == v)
                 room = -(-ngroups[j] // n_r) - held_n[r].get(j, 0)
                 if cursor[j] < ngroups[j] and usable and room > 0:
                     n = min(cap, room, ngroups[j] - cursor[j])
@@ -158,38 +203,10 @@ class PipelinePredictor:
                 j += 1
             if cap > 0:
                 waiting.add(r)
-                if dr.active == 0:
-                    offer_help(r, t)
+                if dr.active == 0 and hook is not None:
+                    hook.drained(r, t)
             else:
                 waiting.discard(r)
-
-        def offer_help(r: int, t: float) -> None:
-            """The core's gradient helper: a drained GPU holding the version of the batch in training takes a share
-            of its ready groups when the batch's training then ends sooner by more than (margin - 1) x the cost."""
-            k = produced
-            x = wl[k] if k < K else None
-            if x is None or x.helper_rate <= 0 or not trainers_started[k] or not ready[k] or r in helping or version_at[k] > t + _EPS:
-                return
-            tpg = x.train_s_per_group
-            total = sum(tpg[g] for g in ready[k])
-            h, hc = x.helper_rate, x.helper_cost_s
-            share = (total / rate - hc) / (1.0 / rate + 1.0 / h)
-            if share <= 0 or total / rate - max((total - share) / rate, share / h + hc) <= (x.helper_margin - 1.0) * hc:
-                return
-            chosen, acc = [], 0.0
-            for g in reversed(ready[k]):
-                if acc + tpg[g] <= share:
-                    chosen.append(g)
-                    acc += tpg[g]
-            if not chosen:
-                return
-            ready[k] = [g for g in ready[k] if g not in set(chosen)]
-            trained[k] += len(chosen)
-            helps_open[k] += 1
-            helping[r] = k
-            waiting.discard(r)
-            token[r] += 1
-            push(t + c + hc + acc / h, 4, r)
 
         def try_train(t: float) -> None:
             nonlocal t_queued, t_free
@@ -199,17 +216,13 @@ class PipelinePredictor:
             left = ngroups[k] - trained[k]
             if left == 0 or len(ready[k]) < min(w0.stream_min_groups, left):
                 return
-            take = len(ready[k])
-            if wl[k].helper_rate > 0:  # micro-chunks, so that helpers who fall idle meanwhile can take the rest
-                take = min(take, max(1, -(-ngroups[k] // max(1, wl[k].train_chunks))))
+            take = len(ready[k]) if hook is None else hook.chunk_size(k, len(ready[k]))
             chunk, ready[k] = ready[k][:take], ready[k][take:]
             trained[k] += len(chunk)
             t_queued += 1
             trainers_started[k] = True
-            if ready[k]:
-                for r in sorted(waiting):
-                    if ranks[r].active == 0 and ready[k]:
-                        offer_help(r, t)
+            if hook is not None:
+                hook.chunk_started(k, t)
             tpg = wl[k].train_s_per_group
             dur = sum(tpg[g] for g in chunk) / rate
             t_free = max(t + c, t_free) + dur  # (train_queue > 1: behind the chunk running)
@@ -219,7 +232,7 @@ class PipelinePredictor:
         def try_step(t: float, k: int) -> None:
             nonlocal t_queued, stepping, t_free
             if (k == produced and not stepping and t_queued < q and trained[k] == ngroups[k] and not ready[k]
-                    and helps_open[k] == 0):
+                    and (hook is None or not hook.step_waits(k))):
                 t_queued += 1  # the optimizer step
                 stepping = True
                 t_free = max(t + c, t_free) + w0.step_overhead_s
@@ -229,6 +242,16 @@ class PipelinePredictor:
             try_step(t, k)
             try_train(t)
 
+        def then(r: int, t: float) -> None:
+            assign(r, t)
+            schedule(r, t)
+
+        hook = None
+        if self.hooks is not None:
+            hook = self.hooks().start(PlayState(
+                wl=wl, K=K, ngroups=ngroups, ranks=ranks, token=token, ready=ready, trained=trained, version_at=version_at, rate=rate,
+                c=c, waiting=waiting, produced=lambda: produced, trainers_started=trainers_started, push=push, then=then,
+                maybe_step=maybe_step))
         for r in range(n_r):
             assign(r, 0.0)
         for r in range(n_r):
@@ -258,12 +281,8 @@ class PipelinePredictor:
             elif kind == 1:  # a training chunk done
                 t_queued -= 1
                 maybe_step(t, key)
-            elif kind == 4:  # a help done: the GPU is a rollout GPU again
-                k = helping.pop(key)
-                helps_open[k] -= 1
-                maybe_step(t, k)
-                assign(key, t)
-                schedule(key, t)
+            elif kind >= 4:  # a simulator-only mechanism's event
+                hook.event(kind, key, t)
             elif kind == 2:  # optimizer step done: version key + 1 is made, reaches the GPUs sync_s later
                 t_queued, stepping = 0, False
                 ends[key] = t

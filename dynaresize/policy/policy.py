@@ -47,7 +47,7 @@ import numpy as np
 
 from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy.costs import SwitchCostModel
-from dynaresize.policy.pipeline_predictor import PipelinePredictor, extrapolate
+from dynaresize.policy.pipeline_predictor import PipelinePredictor, PlayHooks, extrapolate
 from dynaresize.policy.predictor import StageModel
 from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation, PolicyState, ResizeAction, Topology
 
@@ -58,14 +58,17 @@ _T975 = (math.inf, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.26
 
 
 class ResizePolicy:
-    def __init__(self, cfg: PolicyConfig, costs: SwitchCostModel, candidates: Sequence[Topology]):
+    def __init__(self, cfg: PolicyConfig, costs: SwitchCostModel, candidates: Sequence[Topology],
+                 pipeline_hooks: type[PlayHooks] | None = None):
+        """``pipeline_hooks``: a simulator-only mechanism the pipeline predictor plays (the simulator's gradient
+        helpers, ``dynaresize.sim.mechanisms.HelperPlay``); the runtime has none."""
         if not candidates:
             raise ValueError("ResizePolicy needs at least one candidate topology")
         self.cfg = cfg
         self.costs = costs
         self.candidates = tuple(candidates)
         self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior)
-        self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling) if cfg.predictor == "pipeline" else None
+        self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks) if cfg.predictor == "pipeline" else None
         ts = sorted({c.n_train for c in self.candidates})
         self._unit = min((b - a for a, b in zip(ts, ts[1:])), default=1)
         self._state = self.initial_state()

@@ -51,7 +51,7 @@ class PipelineWorkload:
     staleness: int = 1  # batches in flight: batch j is made by version j - staleness
     claim_groups: int = 4  # a GPU asks for work when this many groups of slots are free (or it drained)
     stream_min_groups: int = 1  # streaming training starts a chunk once this many groups are ready
-    helper_rate: float = 0.0  # gradient helpers: an idle rollout GPU's training rate relative to a trainer (0: none)
+    helper_rate: float = 0.0  # gradient helpers (simulator only, played by sim.mechanisms.HelperPlay): rate vs a trainer (0: none)
     helper_cost_s: float = 0.0  # gradient helpers: overhead per help
     helper_margin: float = 1.5  # a help must save more than its cost times this
     train_chunks: int = 8  # with helpers, a training chunk takes at most 1/train_chunks of the batch (micro-chunks)

@@ -32,8 +32,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynaresize.policy import ResizePolicy
+from dynaresize.policy.pipeline_predictor import PLAY_EPS, PlayHooks, PlayState
 from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import Mechanisms, PipelineScheduler, Role, ScheduleError, SchedulerConfig, StepMeasured
+
+
+HELP_DONE = 4  # the pipeline play's event kind of a help done (the play's own kinds are 0-3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,3 +245,77 @@ class HelpingScheduler(PipelineScheduler):
         r = self.ranks[rank]
         if r.leaving and r.inflight == 0:
             self._start_switch(rank, out)
+
+
+class HelperPlay(PlayHooks):
+    """The gradient helpers in the policy's pipeline predictor (:mod:`dynaresize.policy.pipeline_predictor`): the
+    simulator's policy plays them when the simulator runs them (``ResizePolicy(..., pipeline_hooks=HelperPlay)``,
+    ``PipelinePredictor(..., hooks=HelperPlay)``). As the core prices a help (:meth:`HelpingScheduler._offer_help`): a drained GPU holding
+    the version of the batch in training takes a share of its ready groups when the batch's training then ends sooner
+    by more than (margin - 1) x the cost; the trainers take micro-chunks (1/``train_chunks`` of the batch) so that
+    helpers who fall idle meanwhile can take the rest; the optimizer step waits for the helps."""
+
+    __slots__ = ("st", "helping", "open")
+
+    def start(self, st: PlayState) -> "HelperPlay":
+        self.st = st
+        self.helping: dict[int, int] = {}  # rollout GPU -> the batch in training it computes gradients of
+        self.open = [0] * st.K  # per batch: helps not finished
+        return self
+
+    def drained(self, r: int, t: float) -> None:
+        self._offer(r, t)
+
+    def chunk_size(self, k: int, take: int) -> int:
+        x = self.st.wl[k]
+        if x.helper_rate > 0:
+            return min(take, max(1, -(-self.st.ngroups[k] // max(1, x.train_chunks))))
+        return take
+
+    def chunk_started(self, k: int, t: float) -> None:
+        st = self.st
+        if st.ready[k]:
+            for r in sorted(st.waiting):
+                if st.ranks[r].active == 0 and st.ready[k]:
+                    self._offer(r, t)
+
+    def step_waits(self, k: int) -> bool:
+        return self.open[k] != 0
+
+    def event(self, kind: int, key: int, t: float) -> None:
+        if kind != HELP_DONE:
+            super().event(kind, key, t)
+        k = self.helping.pop(key)  # a help done: the GPU is a rollout GPU again
+        self.open[k] -= 1
+        self.st.maybe_step(t, k)
+        self.st.then(key, t)
+
+    def _offer(self, r: int, t: float) -> None:
+        st = self.st
+        k = st.produced()
+        x = st.wl[k] if k < st.K else None
+        ready = st.ready
+        if (x is None or x.helper_rate <= 0 or not st.trainers_started[k] or not ready[k] or r in self.helping
+                or st.version_at[k] > t + PLAY_EPS):
+            return
+        tpg, rate = x.train_s_per_group, st.rate
+        total = sum(tpg[g] for g in ready[k])
+        h, hc = x.helper_rate, x.helper_cost_s
+        share = (total / rate - hc) / (1.0 / rate + 1.0 / h)
+        if share <= 0 or total / rate - max((total - share) / rate, share / h + hc) <= (x.helper_margin - 1.0) * hc:
+            return
+        chosen, acc = [], 0.0
+        for g in reversed(ready[k]):
+            if acc + tpg[g] <= share:
+                chosen.append(g)
+                acc += tpg[g]
+        if not chosen:
+            return
+        ready[k] = [g for g in ready[k] if g not in set(chosen)]
+        st.trained[k] += len(chosen)
+        self.open[k] += 1
+        self.helping[r] = k
+        st.waiting.discard(r)
+        st.token[r] += 1
+        st.push(t + st.c + hc + acc / h, HELP_DONE, r)
+

@@ -11,7 +11,7 @@ from dynaresize.config.loader import load_config
 from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.pipeline_predictor import PipelinePredictor, extrapolate
-from dynaresize.sim.mechanisms import SimMechanisms
+from dynaresize.sim.mechanisms import HelperPlay, SimMechanisms
 from dynaresize.sim.compare import run_samples, setup
 from dynaresize.sim.samples import SamplePipeline, SampleSettings
 
@@ -33,7 +33,7 @@ def _world(gpus: int, mean: int, steps: int):
 def test_pure_and_deterministic():
     _, pipe = _world(8, 300, 8)
     trace = tuple(pipe._workload(pipe._batch(j)) for j in range(4))
-    a, b = PipelinePredictor(0.95), PipelinePredictor(0.95)
+    a, b = PipelinePredictor(0.95, hooks=HelperPlay), PipelinePredictor(0.95, hooks=HelperPlay)
     for topo in (Topology(5, 3), Topology(6, 2), Topology(3, 5)):
         x = a.period_s(trace, topo)
         assert x > 0 and x == b.period_s(trace, topo) == a.period_s(trace, topo)
@@ -46,7 +46,7 @@ def test_predicts_the_simulated_barrier_free_period(split):
     leaves out: which GPU the next group lands on, a help's exact chunking)."""
     s, pipe = _world(8, 300, 30)
     trace = tuple(pipe._workload(pipe._batch(j)) for j in range(10, 14))
-    predicted = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling).period_s(trace, split)
+    predicted = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, hooks=HelperPlay).period_s(trace, split)
     s20 = setup(s.cfg.model_copy(update={"sim": s.cfg.sim.model_copy(update={"steps": 20})}))
     measured = (run_samples(s, split, MECH).total_s - run_samples(s20, split, MECH).total_s) / 10
     assert predicted == pytest.approx(measured, rel=0.10)
@@ -70,7 +70,7 @@ def test_a_train_queue_hides_the_trainers_command_latency_in_the_prediction_as_i
                                              train_queue=q))
         trace = tuple(pipe._workload(pipe._batch(j)) for j in range(10, 14))
         assert all(w.train_queue == q and w.command_latency_s == 2.0 for w in trace)
-        predicted = PipelinePredictor(cfg.policy.train_scaling_per_doubling).period_s(trace, Topology(5, 3))
+        predicted = PipelinePredictor(cfg.policy.train_scaling_per_doubling, hooks=HelperPlay).period_s(trace, Topology(5, 3))
         measured = (runs[30] - runs[20]) / 10
         assert predicted == pytest.approx(measured, rel=0.10), q
         got[q] = (predicted, measured)
@@ -89,6 +89,22 @@ def test_without_a_batch_the_pipeline_policy_is_the_capacity_policy():
         decisions.append(d[0])
         topo = d[0].target
     assert any(d.resize for d in decisions)
+
+
+def test_the_gradient_helpers_are_played_only_by_the_simulators_plugin():
+    """The helpers are a simulator-only mechanism: the shared predictor refuses batches that have them unless given
+    the simulator's HelperPlay, which plays them (here they change the period); without helpers the plug-in changes
+    nothing."""
+    _, pipe = _world(8, 300, 8)
+    trace = tuple(pipe._workload(pipe._batch(j)) for j in range(4))
+    assert all(w.helper_rate > 0 for w in trace)
+    with pytest.raises(ValueError, match="simulator-only mechanism"):
+        PipelinePredictor(0.95).period_s(trace, Topology(5, 3))
+    plain = tuple(replace(w, helper_rate=0.0) for w in trace)
+    for topo in (Topology(6, 2), Topology(5, 3), Topology(2, 6)):
+        assert PipelinePredictor(0.95).step_times(plain, topo) == PipelinePredictor(0.95, hooks=HelperPlay).step_times(plain, topo)
+    assert any(PipelinePredictor(0.95, hooks=HelperPlay).period_s(trace, t) != PipelinePredictor(0.95).period_s(plain, t)
+               for t in (Topology(2, 6), Topology(3, 5)))
 
 
 def test_config_names_the_predictors():
@@ -124,7 +140,7 @@ def test_played_in_order_the_batches_give_the_simulated_step_times(n_train):
     cfg, ends, wls = _recorded(["cluster.gpus=32", "cluster.initial_train=24", "sim.workload.response_tokens_start=1000",
                                 "sim.workload.response_tokens_end=1000", "run.seed=1"], split, 40)
     K = max(ends) + 1
-    pp = PipelinePredictor(cfg.policy.train_scaling_per_doubling, warmup_steps=0)
+    pp = PipelinePredictor(cfg.policy.train_scaling_per_doubling, warmup_steps=0, hooks=HelperPlay)
     played = pp.step_times(tuple(wls[j] for j in range(K - 1)), split)
     sim = (ends[K - 2] - ends[4]) / (K - 6)
     assert sum(played[5:K - 1]) / (K - 6) == pytest.approx(sim, rel=0.01)
@@ -138,7 +154,7 @@ def test_the_windowed_play_of_a_rollout_bound_split_is_its_steady_state():
     cfg, ends, wls = _recorded(["cluster.gpus=64", "cluster.initial_train=48", "sim.workload.prompts_per_step=256",
                                 "sim.workload.response_tokens_start=2500", "sim.workload.response_tokens_end=2500"],
                                split, 40)
-    pp = PipelinePredictor(cfg.policy.train_scaling_per_doubling)
+    pp = PipelinePredictor(cfg.policy.train_scaling_per_doubling, hooks=HelperPlay)
     got = [pp.period_s(tuple(wls[j] for j in range(k - 7, k + 1)), split) for k in (16, 24, 32)]
     sim = (ends[38] - ends[10]) / 28
     assert sum(got) / len(got) == pytest.approx(sim, rel=0.02)
