@@ -274,14 +274,15 @@ class CommandBus:
         return int(self.r.get(self.keys.epoch) or 0)
 
     def command(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
-                command_id: str | None = None) -> Command:
+                command_id: str | None = None, reply_to: str | None = None) -> Command:
         return Command(job_id=self.job_id, epoch=self.epoch, command_id=command_id or new_command_id(),
-                       kind=CommandKind(kind), ranks=format_ranks(ranks), payload=payload or {})
+                       kind=CommandKind(kind), ranks=format_ranks(ranks), payload=payload or {}, reply_to=reply_to)
 
     def send(self, kind: CommandKind | str, ranks: Iterable[int], payload: dict[str, Any] | None = None,
-             command_id: str | None = None) -> Command:
-        """Append a new command to every target's stream and wake them; returns it (keep it to resend)."""
-        cmd = self.command(kind, ranks, payload, command_id)
+             command_id: str | None = None, reply_to: str | None = None) -> Command:
+        """Append a new command to every target's stream and wake them; returns it (keep it to resend). ``reply_to``:
+        the command whose ack caused this one (a target that acked it and waited idle times the round trip)."""
+        cmd = self.command(kind, ranks, payload, command_id, reply_to)
         self.resend(cmd)
         return cmd
 
@@ -408,6 +409,10 @@ class CommandReceiver:
         self.bcursor: bytes = bcast or b"0-0"  # the job's broadcast stream: likewise (entries for others skipped)
         self._held: list[_Held] = []  # entries after a pending streamed command, in stream order (run_stream)
         self._ahead: dict[bool, bytes] = {}  # read positions past the cursors while entries are held
+        # the round trip (Ack.reply_s): the newest ack written (command id, monotonic time), and per command read
+        # while this rank waited idle since that ack, the seconds from it to the read
+        self._last_ack: tuple[str, float] | None = None
+        self._replies: dict[str, float] = {}
         self._pubsub = None
         if wake:
             self._subscribe()
@@ -505,6 +510,7 @@ class CommandReceiver:
 
         Never raises on message content; Redis connection errors propagate (redis-py already retried).
         """
+        idle = self._last_ack if not self._held and not (isinstance(handler, StreamHandler) and handler.busy()) else None
         entries, epoch = self._read()
         deadline = time.monotonic() + timeout
         while not entries and time.monotonic() < deadline:
@@ -513,6 +519,7 @@ class CommandReceiver:
                 entries, epoch = got, self.max_epoch
             else:
                 entries, epoch = self._read()
+        read_at = time.monotonic()
         self.max_epoch = max(self.max_epoch, epoch)
         self.job_epoch = epoch
         if isinstance(handler, StreamHandler):
@@ -525,7 +532,7 @@ class CommandReceiver:
                 else:
                     self.bcursor = entry_id  # another rank's: skipped (not persisted: skipping again is harmless)
                 continue
-            self._handle(entry_id, fields.get(b"m"), handler, broadcast)
+            self._handle(entry_id, fields.get(b"m"), handler, broadcast, (idle, read_at))
             handled += 1
         return handled
 
@@ -584,7 +591,8 @@ class CommandReceiver:
             if h is None:
                 continue
             ack = Ack(job_id=self.job_id, epoch=h.epoch, command_id=cid, rank=self.rank, incarnation=self.incarnation,
-                      ok=error is None, result=result if error is None else None, error=error[:2000] if error else None)
+                      ok=error is None, result=result if error is None else None, error=error[:2000] if error else None,
+                      reply_s=self._replies.pop(cid, None))
             h.raw_ack = encode(ack, self.cfg.max_message_bytes)
         self._settle()
 
@@ -600,6 +608,8 @@ class CommandReceiver:
                 pipe.expire(akey, self.cfg.ack_ttl_s)
                 pipe.execute()
                 h.written = True
+                if h.command_id:
+                    self._last_ack = (h.command_id, time.monotonic())
         n = 0
         while n < len(self._held) and self._held[n].written:
             n += 1
@@ -630,8 +640,10 @@ class CommandReceiver:
         self._settle()
 
     # -- one entry ---------------------------------------------------------------------------------------------
-    def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler, broadcast: bool = False) -> None:
-        """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream."""
+    def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler, broadcast: bool = False,
+                read: tuple[tuple[str, float] | None, float] = (None, 0.0)) -> None:
+        """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream. ``read``: the newest
+        ack written when the rank began waiting idle for this read (None: it was busy), and when the entry was read."""
         at = (entry_id, broadcast)  # where the entry is: its commit moves that stream's cursor
         try:
             cmd = decode(Command, raw, self.cfg.max_message_bytes)
@@ -677,6 +689,9 @@ class CommandReceiver:
         if prev is not None:
             self._replay(at, cmd, prev)
             return
+        idle, read_at = read
+        if idle is not None and cmd.reply_to is not None and cmd.reply_to == idle[0]:
+            self._replies[cmd.command_id] = max(0.0, read_at - idle[1])  # the ack it waited idle after, answered
         try:
             result = handler.begin(cmd) if stream else handler(cmd)
             if result is PENDING:
@@ -702,7 +717,8 @@ class CommandReceiver:
 
     def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
         return Ack(job_id=self.job_id, epoch=cmd.epoch, command_id=cmd.command_id, rank=self.rank,
-                   incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed)
+                   incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed,
+                   reply_s=None if replayed else self._replies.pop(cmd.command_id, None))
 
     def _replay(self, at: tuple[bytes, bool], cmd: Command, prev: bytes) -> None:
         if prev.startswith(STARTED):
@@ -743,6 +759,8 @@ class CommandReceiver:
             pipe.xadd(akey, {"m": raw_ack})
             pipe.expire(akey, self.cfg.ack_ttl_s)
         pipe.execute()
+        if raw_ack is not None and command_id:
+            self._last_ack = (command_id, time.monotonic())
         if broadcast:
             self.bcursor = entry_id
         else:

@@ -68,6 +68,8 @@ class Command(_Wire):
     ranks: str = Field(description="rank-set string of all targets, e.g. '0-3,6' (informational for the receiver)")
     payload: dict[str, Any] = Field(default_factory=dict, description="kind-specific arguments (JSON values only)")
     issued_at: float = Field(default_factory=time.time, allow_inf_nan=False, description="coordinator wall time (Unix s) when first sent")
+    reply_to: str | None = Field(None, min_length=1, max_length=64, description="the command whose ack (by a target "
+                                 "rank) this command answers: that rank times the round trip (Ack.reply_s)")
 
 
 class Ack(_Wire):
@@ -81,6 +83,9 @@ class Ack(_Wire):
     error: str | None = Field(None, description="why it was rejected or failed (when not ok)")
     replayed: bool = Field(False, description="true when this is the stored ack of an already applied command (a retry)")
     acked_at: float = Field(default_factory=time.time, allow_inf_nan=False, description="rank wall time (Unix s)")
+    reply_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="seconds on this rank's clock from its "
+                                  "ack of the command's reply_to to the command's arrival, when it waited idle "
+                                  "between them: the control plane's round trip (None: not measured)")
 
 
 class Registration(_Wire):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
@@ -125,6 +126,10 @@ class Tally:
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
     mixed: bool = False  # a switch ran while this batch was generated or trained
     decode: DecodeSums = field(default_factory=DecodeSums)  # the rollout ranks' timed iterations (its generate acks)
+    # the control plane's round trips its commands' acks carry (Ack.reply_s: the least over a command's ranks, the one
+    # that acked last), of its training commands (train_chunk, optimizer_step) and of its generates
+    train_replies: list[float] = field(default_factory=list)
+    gen_replies: list[float] = field(default_factory=list)
 
 
 class ContinuousSchedule:
@@ -148,6 +153,8 @@ class ContinuousSchedule:
         self.sent: dict[str, Sent] = {}
         self.tally: dict[int, Tally] = {}
         self.decode_recent: deque[DecodeSums] = deque(maxlen=DECODE_WINDOW)  # the last batches' decode sums
+        self.replies_recent: deque[tuple[list, list]] = deque(maxlen=DECODE_WINDOW)  # and their round trips
+        self.answering: tuple[int, str] | None = None  # (rank, command id) of the ack being observed: what it causes
         self.validating: dict[int, float] = {}  # version -> when its validation pass was first handed out
         self.barrier = not self.core_cfg.mechanisms.continuous_rollout  # versions travel in one blocking sync
         self.syncs: dict[int, set[int]] = {}  # barrier: version -> rollout ranks the core sent it to, not yet synced
@@ -359,7 +366,19 @@ class ContinuousSchedule:
         if not sent.complete():
             return
         del self.sent[sent.flight.cmd.command_id]
+        self.answering = (ack.rank, sent.flight.cmd.command_id)  # the commands this ack causes answer it (reply_to)
+        try:
+            self.completed(sent)
+        finally:
+            self.answering = None
+
+    def completed(self, sent: Sent) -> None:
+        """Every rank acked ``sent``: its results become the core's events."""
         res = {r: a.result or {} for r, a in sent.acks.items()}
+        replies = [a.reply_s for a in sent.acks.values() if getattr(a, "reply_s", None) is not None]
+        if replies and sent.batch is not None and sent.kind in ("train_chunk", "optimizer_step", "generate"):
+            t = self.tally.setdefault(sent.batch, Tally())
+            (t.gen_replies if sent.kind == "generate" else t.train_replies).append(min(replies))
         match sent.kind:
             case "generate":
                 r = sent.rank
@@ -482,12 +501,19 @@ class ContinuousSchedule:
         sums = DecodeSums()
         for d in self.decode_recent:
             sums.merge(d)
+        self.replies_recent.append((t.train_replies, t.gen_replies))
+        trains = [x for tr, _ in self.replies_recent for x in tr]
+        replies = trains or [x for _, g in self.replies_recent for x in g]  # the trainers' where there are any
+        latency = statistics.median(replies) if replies else 0.0
         wl, fit = batch_workload(self.cfg, self.core_cfg, generated, {r.prompt for r in t.results}, sums, t.train_s,
-                                 n_train, step_s, self.job.last.sync_s)
+                                 n_train, step_s, self.job.last.sync_s, latency)
         if fit is not None and not self.replaying:
             self.job.events.emit("metric", name="rollout.iteration_s", value=round(fit.iteration_s, 9), step=k,
                                  seq_iteration_s=round(fit.seq_iteration_s, 9),
                                  prefill_s_per_seq=round(fit.prefill_s_per_seq, 9), iterations=fit.iterations)
+        if replies and not self.replaying:
+            self.job.events.emit("metric", name="control.round_trip_s", value=round(latency, 6), step=k,
+                                 samples=len(replies), of="train" if trains else "generate")
         return wl if self.cfg.policy.predictor == "pipeline" else None  # (only its user carries it into schedule.jsonl)
 
     def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
@@ -673,7 +699,10 @@ class ContinuousSchedule:
 
     # --- the core's actions -> commands ---------------------------------------------------------------------------
     def send(self, kind: str, ranks, payload: dict, label: str | None = None, **what) -> Sent:
-        flight = self.p.tx.send(self.at, kind, ranks, payload, step=what.get("batch"))
+        ranks = list(ranks)
+        cause = self.answering  # an ack of one of these ranks caused it: that rank times the round trip
+        reply_to = cause[1] if cause is not None and cause[0] in ranks else None
+        flight = self.p.tx.send(self.at, kind, ranks, payload, step=what.get("batch"), reply_to=reply_to)
         s = Sent(label or kind, flight, **what)
         self.sent[flight.cmd.command_id] = s
         return s

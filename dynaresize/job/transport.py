@@ -57,15 +57,18 @@ class Transport:
         # wait is answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
         self.replay: Takeover | None = None
 
-    def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None) -> InFlight:
+    def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None,
+             reply_to: str | None = None) -> InFlight:
         """Send with an id that a coordinator re-running the same step from the journal computes again: the ranks
         answer such a resent command with the stored result of its first application instead of applying it twice
-        (launch incarnation, step, kind, how many of that kind so far in the step, digest of ranks and payload)."""
+        (launch incarnation, step, kind, how many of that kind so far in the step, digest of ranks and payload).
+        ``reply_to``: the command whose ack caused this one (not in the id: a rank times the round trip)."""
         ranks = list(ranks)
         cid = at.command_id(self.job.state.incarnation, kind, ranks, payload)
         if self.replay is not None:  # the old coordinator sent it (or was about to): sent again when the replay ends
-            return self.replay.hold(InFlight(self.svc.bus.command(kind, ranks, payload, command_id=cid), ranks, step))
-        return InFlight(self.svc.bus.send(kind, ranks, payload, command_id=cid), ranks, step)
+            return self.replay.hold(InFlight(self.svc.bus.command(kind, ranks, payload, command_id=cid, reply_to=reply_to),
+                                             ranks, step))
+        return InFlight(self.svc.bus.send(kind, ranks, payload, command_id=cid, reply_to=reply_to), ranks, step)
 
     def call(self, at: Phase, kind: str, ranks, payload: dict):
         """Send a command and wait for every rank's ack, watching the ranks' liveness while waiting."""

@@ -15,8 +15,12 @@ ran (``policy.predictor: pipeline``, docs/simulator.md "A predictor of the barri
 - the pipeline's settings: staleness, what a rank asks for at a time (``pipeline.groups_per_command``), the least
   chunk of streaming training, the training queue.
 
-Not measured, so not in the play: the control-plane latency per command (``command_latency_s`` 0; ``dynaresize
-calibrate`` fits it afterwards from the run's log) and gradient helpers (a simulator-only mechanism).
+- the control plane: its latency per command, the median round trip the ranks timed over the same batches
+  (``Ack.reply_s``: a rank that acked a command and waited idle until the command it caused arrived; of a command to
+  several ranks the least, its last acker's), the trainers' where there are any, else the rollout ranks'
+  (``core_driver.ContinuousSchedule.workload``; 0 when none was timed).
+
+Not in the play: gradient helpers (a simulator-only mechanism).
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from dynaresize.schedule import SchedulerConfig
 
 
 def batch_workload(cfg, core_cfg: SchedulerConfig, samples: Iterable, trained_prompts: set[int], decode: DecodeSums,
-                   chunk_s: float, n_train: int, step_s: float, sync_s: float) -> tuple[PipelineWorkload | None, DecodeFit | None]:
+                   chunk_s: float, n_train: int, step_s: float, sync_s: float,
+                   command_latency_s: float = 0.0) -> tuple[PipelineWorkload | None, DecodeFit | None]:
     """The batch's workload for the pipeline predictor, and the decode fit it rests on. ``samples``: every generated
-    sample of the batch (``SampleResult``); ``trained_prompts``: the groups its chunks trained. No workload (None)
-    without a decode fit (too few timed iterations), a complete group or training time."""
+    sample of the batch (``SampleResult``); ``trained_prompts``: the groups its chunks trained;
+    ``command_latency_s``: the control plane's measured round trip. No workload (None) without a decode fit (too few
+    timed iterations), a complete group or training time."""
     fit = fit_decode(decode)
     G = cfg.rollout.group_size
     by_prompt: dict[int, dict[int, int]] = defaultdict(dict)
@@ -52,6 +58,6 @@ def batch_workload(cfg, core_cfg: SchedulerConfig, samples: Iterable, trained_pr
         lengths=tuple(float(x) for _, lens in groups for x in lens), group_size=G, kv_slots=cfg.rollout.kv_slots,
         iteration_s=fit.iteration_s, seq_iteration_s=fit.seq_iteration_s, prefill_s_per_group=fit.prefill_s_per_seq * G,
         train_s_per_group=tuple(one_gpu_s * x / total for x in tokens), step_overhead_s=step_s, sync_s=sync_s,
-        command_latency_s=0.0, staleness=core_cfg.staleness, claim_groups=cfg.pipeline.groups_per_command,
+        command_latency_s=command_latency_s, staleness=core_cfg.staleness, claim_groups=cfg.pipeline.groups_per_command,
         stream_min_groups=core_cfg.stream_min_groups, train_queue=core_cfg.train_queue)
     return wl, fit

@@ -368,3 +368,42 @@ def test_a_fenced_coordinator_fences_no_rank_of_its_successor(client, cfg, tmp_p
     with pytest.raises(FencedError):
         Recovery(job, svc, planner=None).shrink([3], "no heartbeat for 9.0 s")
     assert registry.fenced() == set() and job.state.lost == []
+
+
+def test_a_rank_times_the_round_trip_of_a_command_that_answers_its_ack(client, cfg, job_id):
+    """``Command.reply_to`` names the command whose ack caused it; the rank that acked that one and then waited idle
+    reports the seconds from its ack to the new command's arrival (``Ack.reply_s``, the control plane's round trip:
+    what the pipeline predictor plays as the command latency). Not timed: a command answering an older ack (the rank
+    acked another since), none named, or a stored ack answered again."""
+    import time
+
+    bus = CommandBus(client("coord"), job_id, cfg)
+    recv = CommandReceiver(client("rank"), job_id, 0, cfg)
+    h = Recorder()
+    a = bus.send(CommandKind.PING, [0], {"i": 0})
+    drain(recv, h, rounds=1)
+    assert bus.await_acks(a.command_id, [0], timeout=1).acks[0].reply_s is None  # it answers nothing
+
+    got = []
+
+    def rank():  # waiting idle after its ack of ``a``
+        got.append(recv.process(h, timeout=3))
+
+    t = threading.Thread(target=rank)
+    t.start()
+    time.sleep(0.3)  # the round trip includes the coordinator's time to answer
+    b = bus.send(CommandKind.PING, [0], {"i": 1}, reply_to=a.command_id)
+    t.join()
+    ack_b = bus.await_acks(b.command_id, [0], timeout=1).acks[0]
+    assert got == [1] and b.reply_to == a.command_id
+    assert ack_b.reply_s is not None and 0.3 <= ack_b.reply_s < 2.0, ack_b.reply_s
+
+    c = bus.send(CommandKind.PING, [0], {"i": 2}, reply_to=a.command_id)  # answers ``a``, but ``b`` was acked since
+    d = bus.send(CommandKind.PING, [0], {"i": 3})
+    drain(recv, h, rounds=1)
+    assert bus.await_acks(c.command_id, [0], timeout=1).acks[0].reply_s is None
+    assert bus.await_acks(d.command_id, [0], timeout=1).acks[0].reply_s is None
+    bus.resend(b)  # applied already: its stored ack again, as it was
+    drain(recv, h, rounds=1)
+    again = [x for x in bus.await_acks(b.command_id, [0], timeout=1).acks.values()]
+    assert again and all(x.reply_s in (None, ack_b.reply_s) for x in again)

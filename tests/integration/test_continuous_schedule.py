@@ -102,8 +102,17 @@ def the_policy_saw_each_batch(rd: Path, recs: list[dict]) -> None:
     ranks' fitted decode model (also logged as a metric per step) and the training per trained group."""
     fits = {e["step"]: e for e in map(json.loads, (rd / "events.jsonl").read_text().splitlines())
             if e.get("name") == "rollout.iteration_s"}
+    trips = {e["step"]: e for e in map(json.loads, (rd / "events.jsonl").read_text().splitlines())
+             if e.get("name") == "control.round_trip_s"}
     measured = [r["event"]["observation"] for r in recs if (r.get("event") or {}).get("type") == "StepMeasured"]
     assert len(measured) == STEPS - 1
+    # the control plane's latency: the round trips the ranks timed (a rank idle after its ack until the command it
+    # caused arrived), their median over the batches of the decode window
+    assert trips, "no rank timed a round trip"
+    for obs in measured:
+        trip = trips.get(obs["step"])
+        assert obs["workload"]["command_latency_s"] == (pytest.approx(trip["value"], abs=1e-6) if trip else 0.0)
+        assert trip is None or 0 < trip["value"] < 5.0
     for obs in measured:
         wl, k = obs["workload"], obs["step"]
         assert wl is not None and wl["type"] == "PipelineWorkload", (k, wl)
