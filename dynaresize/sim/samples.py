@@ -696,7 +696,11 @@ class SamplePipeline:
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
-        self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t])
+        by_rank = self.rank_batch.get(batch)  # self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t]),
+        if by_rank is None:  # without a dict and a list made for nothing at each admission
+            by_rank = self.rank_batch[batch] = {}
+        if rank not in by_rank:
+            by_rank[rank] = [t, t]
         if rank != self._deferred:  # (inside the rank's own event, its next event is scheduled once, at its end)
             self._schedule_rank(rank, t)
 
