@@ -8,7 +8,7 @@ pool sizes two batches are in flight and a step takes half a batch's latency, on
 "What the policy's model cannot see").
 
 :class:`PipelinePredictor` plays a split forward with the sample-level simulator's step model, stripped to what
-sets the period: per rollout GPU continuous batching with its KV slots (:class:`~dynaresize.sim.samples.DecodeRank`,
+sets the period: per rollout GPU continuous batching with its KV slots (:class:`~dynaresize.policy.decode_rank.DecodeRank`,
 the simulator's own decode model: ``iteration_s + sum of the active sequences' per-iteration cost``), the core's
 hand-out rules (oldest batch first, one version per GPU, at most an even share of a batch in flight per GPU, claims
 when ``claim_groups`` groups of slots are free or the GPU drained, waiting GPUs served when a version arrives), the
@@ -33,6 +33,7 @@ from dataclasses import replace
 import math
 from typing import Sequence
 
+from dynaresize.policy.decode_rank import DecodeRank
 from dynaresize.policy.predictor import efficiency
 from dynaresize.policy.types import PipelineWorkload, Topology
 
@@ -116,7 +117,6 @@ class PipelinePredictor:
 
     # --- the forward play (pure) -------------------------------------------------------------------------------------
     def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> tuple[float, ...]:
-        from dynaresize.sim.samples import DecodeRank  # the simulator's decode model (imported late: sim imports policy)
 
         if not trace:
             raise ValueError("the pipeline predictor needs at least one observed batch")

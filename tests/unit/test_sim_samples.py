@@ -129,7 +129,7 @@ def test_a_group_that_ended_at_the_instant_of_an_admission_is_still_reported():
     """A rank's admission re-plans its decoding; a group whose last sequence ended at that same instant, not popped
     yet (its rank event comes after the admission in the heap's order), keeps its completion (it was lost: the
     simulator stalled with the group in flight, a 7:1 barrier run of tools/bench_emulated.py)."""
-    from dynaresize.sim.samples import DecodeRank
+    from dynaresize.policy.decode_rank import DecodeRank
 
     dr = DecodeRank(0, 0.01)
     dr.slots = 8
