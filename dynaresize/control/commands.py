@@ -410,9 +410,9 @@ class CommandReceiver:
         self._held: list[_Held] = []  # entries after a pending streamed command, in stream order (run_stream)
         self._ahead: dict[bool, bytes] = {}  # read positions past the cursors while entries are held
         # the round trip (Ack.reply_s): the newest ack written (command id, monotonic time), and per command read
-        # while this rank waited idle since that ack, the seconds from it to the read
+        # while this rank waited idle since that ack and answering it, when that ack was written
         self._last_ack: tuple[str, float] | None = None
-        self._replies: dict[str, float] = {}
+        self._reply_from: dict[str, float] = {}
         self._pubsub = None
         if wake:
             self._subscribe()
@@ -519,7 +519,6 @@ class CommandReceiver:
                 entries, epoch = got, self.max_epoch
             else:
                 entries, epoch = self._read()
-        read_at = time.monotonic()
         self.max_epoch = max(self.max_epoch, epoch)
         self.job_epoch = epoch
         if isinstance(handler, StreamHandler):
@@ -532,7 +531,7 @@ class CommandReceiver:
                 else:
                     self.bcursor = entry_id  # another rank's: skipped (not persisted: skipping again is harmless)
                 continue
-            self._handle(entry_id, fields.get(b"m"), handler, broadcast, (idle, read_at))
+            self._handle(entry_id, fields.get(b"m"), handler, broadcast, idle)
             handled += 1
         return handled
 
@@ -592,7 +591,7 @@ class CommandReceiver:
                 continue
             ack = Ack(job_id=self.job_id, epoch=h.epoch, command_id=cid, rank=self.rank, incarnation=self.incarnation,
                       ok=error is None, result=result if error is None else None, error=error[:2000] if error else None,
-                      reply_s=self._replies.pop(cid, None))
+                      reply_s=self._reply_s(cid))
             h.raw_ack = encode(ack, self.cfg.max_message_bytes)
         self._settle()
 
@@ -641,9 +640,9 @@ class CommandReceiver:
 
     # -- one entry ---------------------------------------------------------------------------------------------
     def _handle(self, entry_id: bytes, raw: bytes | None, handler: Handler, broadcast: bool = False,
-                read: tuple[tuple[str, float] | None, float] = (None, 0.0)) -> None:
-        """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream. ``read``: the newest
-        ack written when the rank began waiting idle for this read (None: it was busy), and when the entry was read."""
+                idle: tuple[str, float] | None = None) -> None:
+        """One entry of this rank's own stream or (``broadcast``) of the job's broadcast stream. ``idle``: the newest
+        ack written (command id, when) if the rank waited idle after it for this read (None: it was busy)."""
         at = (entry_id, broadcast)  # where the entry is: its commit moves that stream's cursor
         try:
             cmd = decode(Command, raw, self.cfg.max_message_bytes)
@@ -689,9 +688,8 @@ class CommandReceiver:
         if prev is not None:
             self._replay(at, cmd, prev)
             return
-        idle, read_at = read
         if idle is not None and cmd.reply_to is not None and cmd.reply_to == idle[0]:
-            self._replies[cmd.command_id] = max(0.0, read_at - idle[1])  # the ack it waited idle after, answered
+            self._reply_from[cmd.command_id] = idle[1]  # it answers the ack this rank waited idle after
         try:
             result = handler.begin(cmd) if stream else handler(cmd)
             if result is PENDING:
@@ -718,7 +716,12 @@ class CommandReceiver:
     def _ack(self, cmd: Command, ok: bool, result: dict | None = None, error: str | None = None, replayed: bool = False) -> Ack:
         return Ack(job_id=self.job_id, epoch=cmd.epoch, command_id=cmd.command_id, rank=self.rank,
                    incarnation=self.incarnation, ok=ok, result=result, error=error, replayed=replayed,
-                   reply_s=None if replayed else self._replies.pop(cmd.command_id, None))
+                   reply_s=None if replayed else self._reply_s(cmd.command_id))
+
+    def _reply_s(self, command_id: str) -> float | None:
+        """Seconds from the ack the command answers to this one's (made now), if it was timed."""
+        t0 = self._reply_from.pop(command_id, None)
+        return None if t0 is None else max(0.0, time.monotonic() - t0)
 
     def _replay(self, at: tuple[bytes, bool], cmd: Command, prev: bytes) -> None:
         if prev.startswith(STARTED):

@@ -84,8 +84,9 @@ class Ack(_Wire):
     replayed: bool = Field(False, description="true when this is the stored ack of an already applied command (a retry)")
     acked_at: float = Field(default_factory=time.time, allow_inf_nan=False, description="rank wall time (Unix s)")
     reply_s: float | None = Field(None, ge=0, allow_inf_nan=False, description="seconds on this rank's clock from its "
-                                  "ack of the command's reply_to to the command's arrival, when it waited idle "
-                                  "between them: the control plane's round trip (None: not measured)")
+                                  "ack of the command's reply_to to this ack, when it waited idle after that one and "
+                                  "this command answers it: the control plane's round trip, the command's handling and "
+                                  "its work (its result's busy_s) (None: not timed)")
 
 
 class Registration(_Wire):

@@ -126,8 +126,9 @@ class Tally:
     results: list = field(default_factory=list)  # the samples of the chunks built (read once from Redis)
     mixed: bool = False  # a switch ran while this batch was generated or trained
     decode: DecodeSums = field(default_factory=DecodeSums)  # the rollout ranks' timed iterations (its generate acks)
-    # the control plane's round trips its commands' acks carry (Ack.reply_s: the least over a command's ranks, the one
-    # that acked last), of its training commands (train_chunk, optimizer_step) and of its generates
+    # the dead time of its commands (Ack.reply_s less the command's busy_s: the round trip and the command's handling
+    # outside its work; the least over a command's ranks, the one that acked last), of its training commands
+    # (train_chunk, optimizer_step) and of its generates
     train_replies: list[float] = field(default_factory=list)
     gen_replies: list[float] = field(default_factory=list)
 
@@ -375,7 +376,9 @@ class ContinuousSchedule:
     def completed(self, sent: Sent) -> None:
         """Every rank acked ``sent``: its results become the core's events."""
         res = {r: a.result or {} for r, a in sent.acks.items()}
-        replies = [a.reply_s for a in sent.acks.values() if getattr(a, "reply_s", None) is not None]
+        # the dead time a command costs: from the ack it answers to its own, less its work (Ack.reply_s - busy_s)
+        replies = [max(0.0, a.reply_s - float(res[r].get("busy_s", 0.0))) for r, a in sent.acks.items()
+                   if getattr(a, "reply_s", None) is not None]
         if replies and sent.batch is not None and sent.kind in ("train_chunk", "optimizer_step", "generate"):
             t = self.tally.setdefault(sent.batch, Tally())
             (t.gen_replies if sent.kind == "generate" else t.train_replies).append(min(replies))
