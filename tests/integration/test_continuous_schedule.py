@@ -109,6 +109,11 @@ def the_policy_saw_each_batch(rd: Path, recs: list[dict]) -> None:
     # the control plane's latency: the round trips the ranks timed (a rank idle after its ack until the command it
     # caused arrived), their median over the batches of the decode window
     assert trips, "no rank timed a round trip"
+    # step 0 may have no batch to play: its window holds batch 0's acks alone, and batches 0 and 1 share version 0,
+    # so iterations of batch 0 can go with batch-1 acks and leave fewer than the fit needs (the policy then uses the
+    # capacity model for that step); from step 1 on every step has one
+    measured = [obs for obs in measured if obs["step"] > 0 or obs["workload"] is not None]
+    assert len(measured) >= STEPS - 2
     for obs in measured:
         trip = trips.get(obs["step"])
         assert obs["workload"]["command_latency_s"] == (pytest.approx(trip["value"], abs=1e-6) if trip else 0.0)
