@@ -60,9 +60,10 @@ def decode_fit_vs_model(run_dir: Path) -> tuple[float, float]:
 
 
 def played_vs_measured(run_dir: Path) -> tuple[float, float, float]:
-    """A ``predictor: pipeline`` run's own split played on its logged batches (the newest 8, as the policy plays them)
-    against its measured step times, over the steps whose window saw no switch: (played / measured, the same with the
-    command latency at 0, the median logged ``control.round_trip_s``). NaN where the run logged no batches."""
+    """A ``predictor: pipeline`` run's own split played on its logged batches (the newest ``pipeline_trace_steps``, as
+    the policy plays them) against its measured step times, over the steps whose window saw no switch: (played /
+    measured, the same with the command latency at 0, the median logged ``control.round_trip_s``). NaN where the run
+    logged no batches."""
     from dataclasses import replace
 
     from dynaresize.config.loader import load_config
@@ -80,15 +81,21 @@ def played_vs_measured(run_dir: Path) -> tuple[float, float, float]:
     events = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines()]
     ends = {e["step"]: e["t"] for e in events if e.get("type") == "step_end"}
     trips = [e["value"] for e in events if e.get("name") == "control.round_trip_s"]
-    steady = [k for k in sorted(wls) if k >= 7 and k - 1 in ends and all(topo.get(j) == topo[k] for j in range(k - 7, k + 1))]
+    pol = load_config(run_dir / "config.yaml").policy
+    n = pol.pipeline_trace_steps  # the policy's window, drift and efficiency (ResizePolicy.step)
+
+    def play(tr):
+        return tr if pol.pipeline_lead_steps is None else extrapolate(tr, pol.pipeline_lead_steps, pol.pipeline_trend_z)
+
+    steady = [k for k in sorted(wls) if k >= n - 1 and k - 1 in ends and all(topo.get(j) == topo[k] for j in range(k - n + 1, k + 1))]
     if not steady:
         return float("nan"), float("nan"), float("nan")
-    pp = PipelinePredictor(load_config(run_dir / "config.yaml").policy.train_scaling_per_doubling)
+    pp = PipelinePredictor(pol.train_scaling_per_doubling)
     played, zero, measured = [], [], []
     for k in steady:
-        tr = tuple(wls[j] for j in range(k - 7, k + 1))
-        played.append(pp.period_s(extrapolate(tr, 1.0), topo[k]))
-        zero.append(pp.period_s(extrapolate(tuple(replace(w, command_latency_s=0.0) for w in tr), 1.0), topo[k]))
+        tr = tuple(wls[j] for j in range(k - n + 1, k + 1))
+        played.append(pp.period_s(play(tr), topo[k]))
+        zero.append(pp.period_s(play(tuple(replace(w, command_latency_s=0.0) for w in tr)), topo[k]))
         measured.append(ends[k] - ends[k - 1])
     m = statistics.mean(measured)
     return statistics.mean(played) / m, statistics.mean(zero) / m, statistics.median(trips) if trips else float("nan")

@@ -117,7 +117,6 @@ class PipelinePredictor:
 
     # --- the forward play (pure) -------------------------------------------------------------------------------------
     def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> tuple[float, ...]:
-
         if not trace:
             raise ValueError("the pipeline predictor needs at least one observed batch")
         m = max(len(trace), self.min_measured)

@@ -40,6 +40,17 @@ from dynaresize.schedule import Mechanisms, PipelineScheduler, Role, ScheduleErr
 HELP_DONE = 4  # the pipeline play's event kind of a help done (the play's own kinds are 0-3)
 
 
+def help_share(total: float, trate: float, rate: float, cost: float, margin: float) -> float:
+    """The training compute one more helper should take of ``total`` (ready groups on one GPU), the trainers' rate
+    ``trate`` against the helper's ``rate`` and ``cost`` per help: ``(total / trate - cost) / (1 / trate + 1 / rate)``,
+    or 0 when not even a helper filling that share would end the batch's training sooner by more than
+    ``(margin - 1) x cost``. The core's helpers and the predictor's play price a help alike."""
+    share = (total / trate - cost) / (1.0 / trate + 1.0 / rate)
+    if share <= 0 or total / trate - max((total - share) / trate, share / rate + cost) <= (margin - 1.0) * cost:
+        return 0.0
+    return share
+
+
 @dataclass(frozen=True, slots=True)
 class SimMechanisms(Mechanisms):
     """The core's mechanisms plus the ones only the simulator runs."""
@@ -185,10 +196,10 @@ class HelpingScheduler(PipelineScheduler):
             total = b.ready_tokens * self.gpu_s_per_token + b.ready_untokened * self.gpu_s_per_group
         else:
             total = len(b.ready) * self.gpu_s_per_group
-        share = (total / trate - c.cost_s) / (1.0 / trate + 1.0 / c.rate)
-        need = (c.margin - 1.0) * c.cost_s
-        if share <= 0 or total / trate - max((total - share) / trate, share / c.rate + c.cost_s) <= need:
+        share = help_share(total, trate, c.rate, c.cost_s, c.margin)
+        if share <= 0:
             return ()  # not even a helper filling its whole share would pay
+        need = (c.margin - 1.0) * c.cost_s
         mean = total / len(b.ready)
         scan = 4 * int(share / mean) + 16 if mean > 0 else len(b.ready)  # enough to fill the share, bounded
         chosen: list[int] = []
@@ -301,8 +312,8 @@ class HelperPlay(PlayHooks):
         tpg, rate = x.train_s_per_group, st.rate
         total = sum(tpg[g] for g in ready[k])
         h, hc = x.helper_rate, x.helper_cost_s
-        share = (total / rate - hc) / (1.0 / rate + 1.0 / h)
-        if share <= 0 or total / rate - max((total - share) / rate, share / h + hc) <= (x.helper_margin - 1.0) * hc:
+        share = help_share(total, rate, h, hc, x.helper_margin)
+        if share <= 0:
             return
         chosen, acc = [], 0.0
         for g in reversed(ready[k]):
