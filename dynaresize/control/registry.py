@@ -430,6 +430,18 @@ class Heartbeater:
             self.registration = self.registration.model_copy(update=fields)
             self._pending = self.registration
 
+    def beat_now(self) -> None:
+        """Write the pending fields at once, in the caller's thread, instead of with the next beat. A rank calls it
+        as it leaves ``starting``: a rank still registered as starting is forgiven its silence for ``start_grace_s``,
+        so a rank killed within a heartbeat period of becoming ready (a fast job reaches its first checkpoint in less)
+        went unnoticed past the heartbeat deadline, and its peers' errors in the collective it broke were taken as
+        their own failure, not as its loss (the restart path). A failed write stays pending for the next beat."""
+        try:
+            self.beat_once()
+        except redis.RedisError as e:
+            self.errors += 1
+            log.warning("rank %d: heartbeat failed (%s); retrying next period", self.registration.rank, e)
+
     def stop(self, deregister: bool = True) -> None:
         """Stop beating; ``deregister=False`` simulates a crash (the coordinator will see the rank die)."""
         self._stop.set()

@@ -277,6 +277,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     if worker.rollout is not None:
         worker.rollout.version = worker.version
     hb.update(role=worker.role, state=RankState.IDLE)
+    hb.beat_now()  # registered as ready before it answers a command (Heartbeater.beat_now says why)
     log.info("ready: %s, version %d, %d groups pre-built", worker.role.value, worker.version, G.group_creations())
 
     handler = RankHandler(worker, hb)

@@ -159,6 +159,26 @@ def test_heartbeat_many_answers_each_rank_in_one_round_trip(client, cfg, job_id,
     assert reg.heartbeat_many({0: regs[0].incarnation, 2: regs[2].incarnation}) == {0: Beat.OK, 2: Beat.SUPERSEDED}
 
 
+def test_a_rank_killed_just_after_it_became_ready_is_reported_dead_at_the_usual_deadline(client, cfg, job_id, registration):
+    """The ready state is written as the rank leaves ``starting`` (``beat_now``), not with the next beat: a rank killed
+    within a heartbeat period of becoming ready (a fast job's trainer killed at its first checkpoint) was still
+    registered as starting, forgiven its silence for ``start_grace_s``, and its peers' collective errors failed the job
+    instead of restarting it."""
+    cfg = cfg.model_copy(update={"heartbeat_s": 0.5, "start_grace_s": 30.0})
+    coord = Registry(client("coord"), job_id, cfg)
+    hb = Heartbeater(Registry(client("rank0"), job_id, cfg), registration(job_id, 0, state=RankState.STARTING))
+    hb.start()
+    past_restart_allowance(coord.r, cfg)
+    hb.update(state=RankState.IDLE)
+    hb.beat_now()
+    assert coord.live()[0].state is RankState.IDLE  # written at once, not with the next beat
+    hb.stop(deregister=False)  # killed before its heartbeat thread's next beat
+    silent = time.monotonic()
+    while 0 not in coord.dead():
+        assert time.monotonic() - silent < cfg.start_grace_s / 2, "a rank killed once ready was forgiven as starting"
+        time.sleep(0.05)
+
+
 def test_a_rank_still_starting_is_not_reported_dead_within_its_start_grace(client, cfg, job_id, registration):
     """A rank between registering and ``ready`` (imports, model load, communicators) can starve its heartbeat thread
     for seconds on a loaded machine: it is reported dead only past ``start_grace_s``; once ready, the usual deadline."""
