@@ -87,9 +87,10 @@ class DecodeRank:
         return self.rs[i - 1] + (t - marks[i - 1]) / self.cost[i]
 
     def admit(self, t: float, lengths: list[float], u: float, keys: list[tuple[int, int]], group_size: int,
-              pause: float) -> None:
-        """Sequences of the groups ``keys`` (``group_size`` consecutive lengths each) start at ``t + pause``; the
-        prefill pause stalls the sequences already decoding too."""
+              pause: float, sizes: list[int] | None = None) -> None:
+        """Sequences of the groups ``keys`` (``group_size`` consecutive lengths each, or ``sizes[i]`` for the i-th
+        group: groups whose other sequences ended elsewhere) start at ``t + pause``; the prefill pause stalls the
+        sequences already decoding too."""
         self.advance(t)
         # groups whose last sequence ended by ``t`` but not reported yet (their rank event comes later at this same
         # instant, after this admission): they keep their completion time; a new plan would have lost them (the
@@ -100,7 +101,7 @@ class DecodeRank:
         self.next_gid += k
         self.next_seq += m
         head = self.head
-        if head == len(self.rs) and m and m == k * group_size:
+        if head == len(self.rs) and m and m == k * group_size and sizes is None:
             self._plan_fresh(t, pause, lengths, u, n, gid, group_size, ended)
             return
         # sequences still decoding: their tokens left at t, then the new ones, all sorted by (tokens left, admission
@@ -116,7 +117,7 @@ class DecodeRank:
         us = us[head:]
         us += repeat(u, m)
         gs = gs[head:]
-        gs += chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k)))
+        gs += chain.from_iterable(map(repeat, range(gid, gid + k), repeat(group_size, k) if sizes is None else sizes))
         seqs = sorted(zip(rs, an, us, gs))  # (the admission numbers are unique: us and gs never compared)
         rs, an, us, gs = map(list, zip(*seqs)) if seqs else ([], [], [], [])
         self._plan(t, pause, rs, an, us, gs, u if self.u_same == u else None, ended)

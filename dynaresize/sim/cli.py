@@ -162,7 +162,7 @@ def main(args: argparse.Namespace) -> int:
         if forced:
             raise ConfigError("policy.forced_splits: scripted resizes are a step-level feature (sim.pipeline.model=step)")
         res = run_samples(s, s.initial, SimMechanisms(pm.continuous_rollout, pm.streaming_training, cfg.policy.enabled,
-                                                      pm.gradient_helpers), log)
+                                                      pm.gradient_helpers, pm.tail_consolidation), log)
     else:
         res = run_dynamic(s, log, forced=forced) if cfg.policy.enabled else run_static(s, s.initial, log, forced=forced)
     wall = time.perf_counter() - t0

@@ -86,7 +86,8 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     settings = SampleSettings(s.cfg.pipeline.staleness_bound, log, s.cfg.switching.costs.deferred_overlap_fraction,
                               p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,
                               tail_share=tail_share, train_queue=p.train_queue,
-                              claim_ahead=p.claim_ahead)
+                              claim_ahead=p.claim_ahead, kv_move_gbps=p.kv_move_gbps,
+                              consolidation_min_gain=p.consolidation_min_gain)
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, settings).run()
 
 
@@ -160,6 +161,7 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn +continuous", "continuous_rollout", Mechanisms(True, False, True)),
     ("dyn +cont+stream", "streaming_training", Mechanisms(True, True, True)),
     ("dyn +cont+stream+helpers", "gradient_helpers", SimMechanisms(True, True, True, True)),
+    ("dyn +cont+stream+helpers+consol", "tail_consolidation", SimMechanisms(True, True, True, True, True)),
 )
 ALL_MECHANISMS = SAMPLE_ROWS[-1][1]  # the summary key of the run with every mechanism
 

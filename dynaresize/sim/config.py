@@ -209,6 +209,17 @@ class PipelineModelConfig(Section):
         1.2, ge=0, description="model=samples: a helper's overhead per help: engine sleep and wake (DESIGN: level 1 0.1-6 s) plus one "
         "gradient send (as a weight sync) (ASSUMPTION)"
     )
+    tail_consolidation: bool = Field(
+        False, description="model=samples: a rollout rank whose last sequences hold it back from the next version's work "
+        "(or from its switch) hands them, with their KV cache, to a rank still decoding the same version (simulated only)"
+    )
+    kv_move_gbps: float = Field(
+        25.0, gt=0, description="model=samples: tail consolidation moves the KV cache at this rate, GB/s (ASSUMPTION: a "
+        "200 Gb/s RDMA link per GPU; NVLink within a node is faster)"
+    )
+    consolidation_min_gain: float = Field(
+        2.0, ge=1, description="model=samples: a tail moves only if it would have decoded this many times longer than the move takes"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dynaresize.policy import ResizePolicy
+from dynaresize.policy.decode_rank import _EPS, DecodeRank
 from dynaresize.policy.pipeline_predictor import PLAY_EPS, PlayHooks, PlayState
 from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import Mechanisms, PipelineScheduler, Role, ScheduleError, SchedulerConfig, StepMeasured
@@ -56,17 +57,23 @@ class SimMechanisms(Mechanisms):
     """The core's mechanisms plus the ones only the simulator runs."""
 
     gradient_helpers: bool = False  # idle rollout ranks holding the training version compute gradients of the batch
+    tail_consolidation: bool = False  # a draining rank's last sequences move, with their KV cache, to a rank decoding the same version
 
     @property
     def label(self) -> str:
         parts = [n for n, on in (("continuous", self.continuous_rollout), ("streaming", self.streaming_training),
-                                 ("helpers", self.gradient_helpers)) if on]
+                                 ("helpers", self.gradient_helpers), ("consolidation", self.tail_consolidation)) if on]
         return "+".join(parts) or "barrier"
 
 
 def helpers_on(mech: Mechanisms) -> bool:
     """Whether ``mech`` turns the gradient helpers on (a plain core ``Mechanisms`` never does)."""
     return isinstance(mech, SimMechanisms) and mech.gradient_helpers
+
+
+def consolidation_on(mech: Mechanisms) -> bool:
+    """Whether ``mech`` turns tail consolidation on (a plain core ``Mechanisms`` never does)."""
+    return isinstance(mech, SimMechanisms) and mech.tail_consolidation
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,3 +337,141 @@ class HelperPlay(PlayHooks):
         st.token[r] += 1
         st.push(t + st.c + hc + acc / h, HELP_DONE, r)
 
+
+
+# --- tail consolidation ----------------------------------------------------------------------------------------------
+# A rollout rank decodes one weight version at a time. Once its share of a batch is handed out, its last sequences
+# decode a few per iteration, each iteration paying the GPU's fixed cost, and the rank cannot take the next version's
+# groups until they end. Tail consolidation hands those sequences, with their KV cache, to a rank still decoding the
+# same version with free slots (``ConsolidatingScheduler.move_groups``); the freed rank takes the next version's work
+# (or switches roles, if it was leaving). The same weights generate the same sequences from the same prefix: the
+# sample-to-version map, the batches and the loss normalisation stay the static run's. Simulator only: the runtime
+# has no generate resumed from another rank's KV cache (docs/simulator.md, "Tail consolidation: simulator only").
+
+
+class Consolidating:
+    """The core's side of tail consolidation (a mixin on the core; ``sim_scheduler`` builds the class): who holds which
+    groups after a move, and whether a rank freed now would get other work."""
+
+    def move_groups(self, src: int, dst: int, batch: int, groups: tuple[int, ...]) -> list:
+        """Groups of ``batch`` in flight on rollout rank ``src`` continue on ``dst`` (which decodes their version or
+        nothing, and holds it): their owner, both ranks' groups in flight and ``dst``'s version change. A rank left
+        with nothing moves on as after its last ``GroupsDone``: it switches if it was leaving, else it is offered
+        work (the driver then sends its ``RankReady``). Raises ``ScheduleError`` for a move the core cannot make."""
+        out: list = []
+        if self.restarting:
+            return out
+        b = self.batches[batch]
+        rs, rd = self.ranks[src], self.ranks[dst]
+        bad = None
+        if src == dst or not groups:
+            bad = "needs two ranks and at least one group"
+        elif any(b.owner.get(g) != src for g in groups):
+            bad = f"moves groups {sorted(g for g in groups if b.owner.get(g) != src)} that rank {src} does not hold"
+        elif rd.role is not Role.ROLLOUT or rd.lost or rd.leaving or self._occupied(dst):
+            bad = f"sends them to rank {dst}, which does not take rollout work"
+        elif b.version not in rd.versions or (rd.inflight and rd.inflight_version != b.version) or rd.newest > b.version:
+            bad = f"sends them to rank {dst}, which does not decode version {b.version}"
+        if bad:
+            raise ScheduleError(f"tail consolidation of batch {batch} from rank {src} to rank {dst} {bad}")
+        n = len(groups)
+        for g in groups:
+            b.owner[g] = dst
+        b.held[src] -= n
+        b.held[dst] = b.held.get(dst, 0) + n
+        rs.inflight -= n
+        rd.inflight += n
+        rd.inflight_version = b.version
+        if rs.inflight == 0:
+            rs.inflight_version = None
+            if rs.leaving:
+                self._start_switch(src, out)
+            else:
+                self._assign(src, out)
+        return out
+
+    def other_work(self, rank: int) -> bool:
+        """Whether rollout rank ``rank``, once it holds nothing, could take groups of another version it holds now
+        (the first batch of such a version with groups unclaimed within its even share)."""
+        r = self.ranks[rank]
+        v = r.inflight_version
+        last = min(self.n_steps - 1, self.produced + self.s)
+        cont = self.mech.continuous_rollout
+        for j in range(self.first_open, last + 1):
+            if not (cont or j < self.released):
+                break
+            b = self.batches[j]
+            if (b.version != v and b.version in r.versions and b.version >= r.newest and b.unclaimed
+                    and -(-b.groups // max(1, self.n_rollout)) > b.held.get(rank, 0)):
+                return True
+        return False
+
+
+class ConsolidatingScheduler(Consolidating, PipelineScheduler):
+    """The core with tail consolidation."""
+
+
+class ConsolidatingHelpingScheduler(Consolidating, HelpingScheduler):
+    """The core with gradient helpers and tail consolidation: a freed rank may also help the trainers."""
+
+    def other_work(self, rank: int) -> bool:
+        """As the core's, or: the rank holds the version of the batch in training and a helper would pay now."""
+        if super().other_work(rank):
+            return True
+        k = self.produced
+        return (k < self.n_steps and k in self.ranks[rank].versions and self.gpu_s_per_group > 0 and self.t_started
+                and bool(self._help_groups()))
+
+
+def sim_scheduler(cfg: SchedulerConfig, helpers: HelperConfig, policy: ResizePolicy | None) -> PipelineScheduler:
+    """The scheduler the sample-level simulator drives for ``cfg.mechanisms``: the core itself, or the core with the
+    simulator's mechanisms that are on."""
+    mech = cfg.mechanisms
+    if consolidation_on(mech):
+        if helpers_on(mech):
+            return ConsolidatingHelpingScheduler(cfg, helpers, policy)
+        return ConsolidatingScheduler(cfg, policy)
+    if helpers_on(mech):
+        return HelpingScheduler(cfg, helpers, policy)
+    return PipelineScheduler(cfg, policy)
+
+
+class MovableDecodeRank(DecodeRank):
+    """A rollout GPU whose sequences in flight can leave it (tail consolidation)."""
+
+    def in_flight_at(self, t: float) -> list[tuple[tuple[int, int], list[float], float]]:
+        """The sequences still decoding at ``t``, per group: ``((batch, group), tokens left of each of its sequences
+        still decoding, their per-iteration cost)``, in plan order. Not during an admission's prefill pause (the plan
+        must have started)."""
+        self.advance(t)
+        head = self.head
+        if head == len(self.rs):
+            return []
+        if t < self.t0:
+            raise ValueError(f"rank {self.rank}: no eviction during a prefill pause (t={t}, the plan starts at {self.t0})")
+        left = self.rs[head:]
+        if t > self.t0:
+            d = self._done_iterations(t)
+            left = [max(r - d, _EPS) for r in left]
+        _, us, gs = self._ids()
+        by_gid: dict[int, tuple[list[float], float]] = {}
+        for r, u, g in zip(left, us[head:], gs[head:]):
+            got = by_gid.get(g)
+            if got is None:
+                by_gid[g] = ([r], u)
+            else:
+                got[0].append(r)
+        return [(self.gkey[g], rs, u) for g, (rs, u) in by_gid.items()]
+
+    def evict(self, t: float) -> list[tuple[tuple[int, int], list[float], float]]:
+        """Take every sequence still decoding at ``t`` off this GPU (what ``in_flight_at(t)`` lists). Groups that
+        ended by ``t`` stay, to be reported."""
+        out = self.in_flight_at(t)
+        if not out:
+            return out
+        moved = {key for key, _, _ in out}
+        self.gkey = {gid: key for gid, key in self.gkey.items() if key not in moved}
+        ended = [g for g in self.groups[self.gptr:] if g[0] <= t + _EPS]
+        self.planned, self.rs, self.an, self.us, self.gs, self.fresh, self.u_same = False, [], [], [], [], None, None
+        self.t_marks, self.cost, self.head, self.groups, self.gptr = [], [], 0, ended, 0
+        return out

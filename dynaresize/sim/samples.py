@@ -38,7 +38,7 @@ import gc
 import heapq
 import math
 import time
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from itertools import chain
 from dataclasses import dataclass, field
 
@@ -54,7 +54,9 @@ from dynaresize.schedule import (
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
 )
 from dynaresize.sim.engine import RunResult
-from dynaresize.sim.mechanisms import Help, HelpDone, HelperConfig, HelpingScheduler, helpers_on
+from dynaresize.sim.mechanisms import (
+    Help, HelpDone, HelperConfig, MovableDecodeRank, consolidation_on, helpers_on, sim_scheduler,
+)
 from dynaresize.sim.stages import StageTable
 
 _EPS = 1e-9
@@ -93,6 +95,8 @@ class SampleRunResult(RunResult):
     busy_train_gpu_s: float = 0.0
     gpus: int = 0
     helps: int = 0  # gradient helps by rollout ranks
+    moves: int = 0  # tail consolidations: a rank's sequences in flight moved to another rank
+    moved_sequences: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,12 +117,16 @@ class SampleSettings:
     # a rollout GPU claims one control-plane latency before its slots free (the runtime's rank holds a group queued
     # beyond its KV slots' worth, so its refills never wait a round trip); off: it claims when they free, and waits the latency
     claim_ahead: bool = False
+    # tail consolidation: the moved sequences' KV cache crosses at this rate (GB/s; ASSUMPTION) and a move is made
+    # when the freed rank's tail would have lasted ``consolidation_min_gain`` x the move's time
+    kv_move_gbps: float = 25.0
+    consolidation_min_gain: float = 2.0
 
 
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
-    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, CMD = range(7)  # heap event kinds
+    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, CMD, MOVE = range(8)  # heap event kinds
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, settings: SampleSettings = SampleSettings()):
@@ -151,10 +159,18 @@ class SamplePipeline:
         core_cfg = SchedulerConfig(self.N, initial.n_train, groups, staleness, mechanisms, stream_min,
                                    train_queue=st.train_queue)
         core_policy = policy if mechanisms.resize else None
-        self.core = (HelpingScheduler(core_cfg, self.helper_cfg, core_policy) if self.helpers
-                     else PipelineScheduler(core_cfg, core_policy))
+        self.core = sim_scheduler(core_cfg, self.helper_cfg, core_policy)
         self.helping: dict = self.core.helping if self.helpers else {}  # helper rank -> (batch, groups)
-        self.ranks = {r: DecodeRank(r, self.w) for r in range(self.N)}
+        self.consolidate = consolidation_on(mechanisms)  # tail consolidation (sim-only: dynaresize.sim.mechanisms)
+        rank_cls = MovableDecodeRank if self.consolidate else DecodeRank
+        self.ranks = {r: rank_cls(r, self.w) for r in range(self.N)}
+        # consolidation's receivers: per version, the (drain time, plan stamp, rank) of the ranks decoding it, sorted,
+        # added at each admission; an entry whose stamp is not its rank's newest (re-planned since) is stale
+        self.drains: dict[int, list[tuple[float, int, int]]] = {}
+        self.stamp = [0] * self.N
+        self.incoming: dict[int, float] = {}  # rank -> the decode seconds moves on their way add to its iterations
+        self.kv_move_s_per_token = sim.rollout.kv_bytes_per_token / (st.kv_move_gbps * 1e9)
+        self.min_gain = st.consolidation_min_gain
         self.heap: list = []
         self.seq = 0
         self.ev: list[Event] = []
@@ -281,12 +297,16 @@ class SamplePipeline:
                 self._step_done(t, key)
             elif kind == self.WEIGHTS:
                 self.do(t, self.core.handle(WeightsArrived(key, payload)))
+                if self.consolidate and self._consolidate(t, key):
+                    self._schedule_rank(key, t)
             elif kind == self.SWITCH:
                 self._switch_done(t, key, payload)
             elif kind == self.CMD:
                 if isinstance(payload, Assign):
                     self.in_flight[payload.rank] -= len(payload.groups) * self.G
                 self._apply(t, payload)
+            elif kind == self.MOVE:
+                self._moved_in(t, key, *payload)
             elif kind == self.HELP:
                 self.do(t, self.core.handle(HelpDone(key, payload)))
                 if self.core.accepting(key):
@@ -380,6 +400,8 @@ class SamplePipeline:
                     acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
                     if acts:
                         self.do(t, acts)
+            if self.consolidate and len(dr.rs) > dr.head and (crank.leaving or rank in waiting):
+                self._consolidate(t, rank)  # its tail may move, so that it takes the next version's work now
             # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
             # would pop it next: the same order)
             nxt = dr.groups[dr.gptr][0] if dr.gptr < len(dr.groups) else math.inf  # dr.next_group_time()
@@ -415,6 +437,141 @@ class SamplePipeline:
                 heapq.heappush(heap, (nxt if nxt > t else t, self.seq, 0, rank, dr.token))  # kind READY
             break
         self._deferred = -1
+
+    # --- tail consolidation (a sim-only mechanism: dynaresize.sim.mechanisms) -----------------------------------------
+    def _consolidate(self, t: float, rank: int) -> bool:
+        """Move every sequence ``rank`` still decodes to another rank decoding the same version, when the freed rank
+        has other work (a newer version's groups, or its switch) and the move pays: the tail would have lasted
+        ``min_gain`` x the move's time (the control-plane latency plus the sequences' KV cache, each group's prompt
+        once and every sequence's generated tokens, at ``kv_move_gbps``). The receiver has the free slots, drains
+        no sooner than this rank, and with the moved sequences' decode added to its iterations (``sum tokens left x
+        u``) still no later than the version's last rank; the latest-draining such rank. Whether it moved."""
+        core = self.core
+        cr = core.ranks[rank]
+        v = cr.inflight_version
+        dr = self.ranks[rank]
+        if (v is None or cr.role is not Role.ROLLOUT or cr.lost or not dr.planned or dr.t0 > t or rank in self.helping
+                or (self.in_flight and self.in_flight.get(rank))):
+            return False
+        if not (cr.leaving or core.other_work(rank)):
+            return False
+        d_src = dr.t_marks[-1]
+        moving = dr.in_flight_at(t)
+        n = sum(len(left) for _, left, _ in moving)
+        if n == 0:
+            return False
+        delay = 0.0
+        kv_tokens = 0.0
+        for (b, g), left, u in moving:
+            bi = self._batch(b)
+            lens = sorted(bi.lengths[g])[-len(left):]  # a group's sequences decode together: the longest are left
+            kv_tokens += bi.prefill_list[g] * self.tab.sim.rollout.prefill_tokens_per_s + sum(lens) - sum(left)
+            delay += u * sum(left)
+        move_s = self.latency + kv_tokens * self.kv_move_s_per_token
+        if d_src - t < self.min_gain * move_s:
+            return False
+        dst = self._receiver(v, rank, t, d_src, delay, n)
+        if dst is None:
+            return False
+        moved = dr.evict(t)
+        self.stamp[rank] += 1  # its entries among the receivers are stale
+        by_batch: dict[int, list[int]] = {}
+        for (b, g), _, _ in moved:
+            by_batch.setdefault(b, []).append(g)
+        acts: list = []
+        for b, gs in by_batch.items():
+            self.rank_batch[b][rank][1] = t  # its stage on the batch ends here
+            acts.extend(core.move_groups(rank, dst, b, tuple(gs)))
+        self._idle(rank, t)
+        self.in_flight[dst] = self.in_flight.get(dst, 0) + n
+        self.incoming[dst] = self.incoming.get(dst, 0.0) + delay
+        self.res.moves += 1
+        self.res.moved_sequences += n
+        self.push(t + move_s, self.MOVE, dst, (moved, delay))
+        self.do(t, acts)
+        if core.accepting(rank):
+            self.do(t, core.rank_ready(rank, self._capacity(dr)))
+        return True
+
+    RECEIVERS_TRIED = 256  # the latest-draining ranks under the ceiling a tail may move to (a bound on the search)
+
+    def _receiver(self, v: int, src: int, t: float, d_src: float, delay: float, n: int) -> int | None:
+        """The rank a tail of ``n`` sequences moves to from ``src`` (``_consolidate``): among the ranks decoding
+        version ``v``, the latest-draining one that drains no sooner than ``src`` (``d_src``), has ``n`` slots free
+        and, with the decode ``delay`` its iterations gain and the tails already on their way to it, still drains no
+        later than the version's last rank (the latest of the last 8 to drain); the first of ``RECEIVERS_TRIED`` live
+        candidates under that ceiling that qualifies. None if none does. Stale entries are dropped as they are met."""
+        entries = self.drains.get(v)
+        if not entries:
+            return None
+        stamp, ranks, crank, incoming = self.stamp, self.ranks, self.core.ranks, self.incoming
+
+        def live(i: int) -> float | None:
+            """Entry i's drain with the tails on their way, or None (stale: dropped) for a rank re-planned since,
+            moved on to another version, or drained."""
+            _, st, r = entries[i]
+            x = ranks[r]
+            if st != stamp[r] or crank[r].inflight_version != v or len(x.rs) == x.head:
+                del entries[i]
+                return None
+            return x.t_marks[-1] + incoming.get(r, 0.0)
+
+        d_max, seen, i = d_src, 0, len(entries) - 1
+        while i >= 0 and seen < 8:  # the version's last ranks to drain: the list is sorted by their plans' drains,
+            d = live(i)             # the tails on their way to them are added (the latest of the last 8)
+            if d is not None:
+                seen += 1
+                if d > d_max:
+                    d_max = d
+            i -= 1
+        in_flight, helping = self.in_flight, self.helping
+        i = bisect_right(entries, (d_max - delay, math.inf, 0)) - 1
+        tried = 0
+        while i >= 0 and entries[i][0] >= d_src and tried < self.RECEIVERS_TRIED:
+            r = entries[i][2]
+            d = live(i)
+            if d is None:
+                i -= 1
+                continue
+            tried += 1
+            c, x = crank[r], ranks[r]
+            if (r != src and d + delay <= d_max and x.t0 <= t and not c.leaving and not c.lost
+                    and c.role is Role.ROLLOUT and r not in helping
+                    and x.slots - (len(x.rs) - x.head) - in_flight.get(r, 0) >= n):
+                return r
+            i -= 1
+        return None
+
+    def _note_drain(self, rank: int, version: int) -> None:
+        """``rank`` re-planned its decoding of ``version``: a receiver entry with its new drain time."""
+        dr = self.ranks[rank]
+        self.stamp[rank] += 1
+        if dr.planned and len(dr.rs) > dr.head:
+            entries = self.drains.get(version)
+            if entries is None:
+                entries = self.drains[version] = []
+            insort(entries, (dr.t_marks[-1], self.stamp[rank], rank))
+
+    def _moved_in(self, t: float, rank: int, moved: list, delay: float) -> None:
+        """Sequences another rank decoded arrive with their KV cache and decode on here (no prefill)."""
+        n = sum(len(left) for _, left, _ in moved)
+        self.in_flight[rank] -= n
+        self.incoming[rank] -= delay
+        dr = self.ranks[rank]
+        if len(dr.rs) == dr.head:
+            self.busy_start.setdefault(rank, t)
+        by_u: dict[float, list] = {}
+        for item in moved:
+            by_u.setdefault(item[2], []).append(item)
+        for u, items in by_u.items():
+            dr.admit(t, [x for _, left, _ in items for x in left], u, [key for key, _, _ in items], self.G, 0.0,
+                     [len(left) for _, left, _ in items])
+        for (b, _), _, _ in moved:
+            by_rank = self.rank_batch.setdefault(b, {})
+            if rank not in by_rank:
+                by_rank[rank] = [t, t]
+        self._note_drain(rank, self.core.ranks[rank].inflight_version)
+        self._schedule_rank(rank, t)
 
     def _tokens(self, batch: int, groups) -> tuple[int, ...]:
         """The groups' trained tokens, for the helpers' pricing (only then: the core keeps them per group)."""
@@ -505,6 +662,8 @@ class SamplePipeline:
         if self.record:
             for g in groups:
                 self.res.versions[(batch, g)] = version
+        if self.consolidate:
+            self._note_drain(rank, version)
         by_rank = self.rank_batch.get(batch)  # self.rank_batch.setdefault(batch, {}).setdefault(rank, [t, t]),
         if by_rank is None:  # without a dict and a list made for nothing at each admission
             by_rank = self.rank_batch[batch] = {}
@@ -580,6 +739,8 @@ class SamplePipeline:
             per_token = work / max(1, sum(bi.tokens_per_group))
             self.do(t, self.core.handle(StepMeasured(obs, self.K - batch - 1, per_group, per_token)))
         self.info.pop(batch - 2, None)
+        for v in [v for v in self.drains if v <= batch - self.s]:  # every batch of version v is complete
+            del self.drains[v]
 
     def _workload(self, bi: _BatchInfo) -> PipelineWorkload:
         """The finished batch as the policy's pipeline predictor replays it (its lengths, its training per group, the

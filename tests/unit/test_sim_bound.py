@@ -143,7 +143,8 @@ WORLD = st.fixed_dictionaries(dict(
     mean=st.floats(20, 400), sigma=st.floats(0, 1.5), cap=st.integers(50, 2000), cap_share=st.sampled_from([0.0, 0.2]),
     slots=st.integers(1, 16), staleness=st.integers(0, 2), scaling=st.floats(0.6, 1.0), overhead=st.floats(0, 2),
     helper_rate=st.floats(0.3, 1.0), helper_cost=st.floats(0, 1), latency=st.sampled_from([0.0, 0.01, 0.2]),
-    sync=st.floats(0, 1), train_frac=st.floats(0, 1), mech=st.lists(st.booleans(), min_size=4, max_size=4), seed=st.integers(0, 3),
+    sync=st.floats(0, 1), train_frac=st.floats(0, 1), mech=st.lists(st.booleans(), min_size=5, max_size=5), seed=st.integers(0, 3),
+    kv_gbps=st.sampled_from([0.01, 25.0]),
 ))
 
 
@@ -151,7 +152,7 @@ WORLD = st.fixed_dictionaries(dict(
 @given(WORLD)
 def test_no_schedule_of_a_random_world_beats_either_bound(w):
     """Random small worlds (cluster, lengths, cap, slots, staleness, efficiency, helpers, latency, sync, split and
-    mechanisms): neither bound is beaten by the sample-level run nor by the step-level static and dynamic ones."""
+    mechanisms, tail consolidation and its KV link among them): neither bound is beaten by the sample-level run nor by the step-level static and dynamic ones."""
     init = max(1, min(w["gpus"] - 1, round(w["train_frac"] * w["gpus"])))
     mean = min(w["mean"], w["cap"])
     cfg = load_config(ROOT / "configs/sim/paper_8gpu.yaml", [
@@ -162,7 +163,7 @@ def test_no_schedule_of_a_random_world_beats_either_bound(w):
         f"sim.workload.cap_share={w['cap_share']}", f"sim.rollout.max_seqs_per_gpu={w['slots']}",
         f"pipeline.staleness_bound={w['staleness']}", f"sim.train.scaling_per_doubling={w['scaling']}",
         f"sim.train.step_overhead_s={w['overhead']}", f"sim.pipeline.helper_rate={w['helper_rate']}",
-        f"sim.pipeline.helper_cost_s={w['helper_cost']}",
+        f"sim.pipeline.helper_cost_s={w['helper_cost']}", f"sim.pipeline.kv_move_gbps={w['kv_gbps']}",
         f"sim.command_latency_s={w['latency']}", f"switching.costs.override_s={{weight_sync: {w['sync']}}}",
         "sim.write_events=false"])
     s = setup(cfg)
