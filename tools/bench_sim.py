@@ -31,7 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
 from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
-from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, setup  # noqa: E402
+from dynaresize.sim.compare import SAMPLE_ROWS, compare, format_table, run_dynamic, run_samples, setup  # noqa: E402
+
+EVERY = SAMPLE_ROWS[-1][2]  # every mechanism (the summary's "all mechanisms" run)
+BEFORE_CONSOLIDATION = SimMechanisms(True, True, True, True)  # every mechanism but tail consolidation (the timings before it)
 
 STATIONARY = {"stationary_8gpu", "cpu_quickstart"}
 
@@ -40,14 +43,14 @@ def scenarios() -> list[str]:
     return sorted(p.stem for p in (ROOT / "configs/sim").glob("*.yaml") if p.stem != "base")
 
 
-def timed(name: str, samples: bool, steps: int) -> tuple[float, float, float]:
+def timed(name: str, samples: bool, steps: int, mech: SimMechanisms = EVERY) -> tuple[float, float, float]:
     """Wall seconds, CPU seconds and the 1-minute load average at its end of one whole run of scenario ``name`` with
-    ``steps`` steps (sample level: every mechanism; no event log)."""
+    ``steps`` steps (sample level: with ``mech``, every mechanism by default; no event log)."""
     cfg = load_config(ROOT / f"configs/sim/{name}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = setup(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
     if samples:
-        run_samples(s, s.initial, SimMechanisms(True, True, True, True))
+        run_samples(s, s.initial, mech)
     else:
         run_dynamic(s, False)
     return time.perf_counter() - t0, time.process_time() - c0, os.getloadavg()[0]
@@ -95,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{100 * sm['fraction_of_bound']:>7.1f}% {fmt(allg):>9} "
                      f"{'-' if allb is None else f'{100 * allb:.1f}%':>8} "
                      f"{'-' if allt is None else f'{100 * allt:.1f}%':>7} "
-                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers"))
+                     + " ".join(f"{fmt(adds[k]['adds']) if k in adds else '-':>9}" for k in ("barrier", "continuous_rollout", "streaming_training", "gradient_helpers", "tail_consolidation"))
                      + f" {fmt(sm.get('all_mechanisms_gain_vs_best_static_samples')):>9} {sm['compare_wall_s']:>7.1f} {target}")
     preds = [(n, sc.get("all_mechanisms_by_predictor", {})) for n, sc in out["scenarios"].items()]
     if any(bp for _, bp in preds):
@@ -107,11 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         wall_step, _, _ = timed("scale_4096gpu", False, 1000)
         w512, c512, l512 = timed("scale_512gpu", True, 500)
         w4096, c4096, l4096 = timed("scale_4096gpu", True, 1000)
+        w512b, c512b, _ = timed("scale_512gpu", True, 500, BEFORE_CONSOLIDATION)
+        w4096b, c4096b, _ = timed("scale_4096gpu", True, 1000, BEFORE_CONSOLIDATION)
     print(f"{'scenario':<18} {'best':>10} {'dyn_step':>9} {'%bound':>8} {'dyn_all':>9} {'%bound':>8} {'%tight':>7} "
-          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
+          f"{'+barrier':>9} {'+contin.':>9} {'+stream':>9} {'+helpers':>9} {'+consol.':>9} {'vs_s_bst':>9} {'wall_s':>7} target")
     print("\n".join(lines))
     print("dyn_step: today's DynaResize (barrier, step level) vs the best static split; dyn_all: every mechanism (sample "
-          "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
+          "level); %bound: of the work-conserving bound; %tight: of the tight bound; +barrier/+contin./+stream/+helpers/+consol.: what each adds in turn; vs_s_bst: dyn_all vs the best split at sample level")
     if args.no_timing:
         print(json.dumps(out))
         return 0
@@ -119,11 +124,17 @@ def main(argv: list[str] | None = None) -> int:
           f"wall, {c4096:.1f} s CPU, load {l4096:.1f} (target 60 s: {'met' if w4096 <= 60 else 'MISSED'})")
     print(f"512 GPUs x 500 steps: sample-level (all mechanisms, whole run) {w512:.1f} s wall, {c512:.1f} s CPU, load "
           f"{l512:.1f} (target 10 s: {'met' if w512 <= 10 else 'MISSED'})")
+    print(f"without tail consolidation: 4096 x 1000 {w4096b:.1f} s wall, {c4096b:.1f} s CPU; 512 x 500 {w512b:.1f} s wall, "
+          f"{c512b:.1f} s CPU")
     out["sim_4096x1000_wall_s"] = round(wall_step, 3)
     out["sim_4096x1000_sample_level_s"] = round(w4096, 1)
     out["sim_4096x1000_sample_level_cpu_s"] = round(c4096, 1)
     out["sim_512x500_sample_level_s"] = round(w512, 2)
     out["sim_512x500_sample_level_cpu_s"] = round(c512, 2)
+    out["sim_4096x1000_sample_level_no_consolidation_s"] = round(w4096b, 1)
+    out["sim_4096x1000_sample_level_no_consolidation_cpu_s"] = round(c4096b, 1)
+    out["sim_512x500_sample_level_no_consolidation_s"] = round(w512b, 2)
+    out["sim_512x500_sample_level_no_consolidation_cpu_s"] = round(c512b, 2)
     out["timing_load_avg_1min"] = [round(l512, 2), round(l4096, 2)]  # at the end of the 512 and the 4096 run
     out["cpu_cores"] = os.cpu_count()
     print(json.dumps(out))

@@ -5,7 +5,7 @@ and what it does not (issue 28, item 2: the bound fractions).
     .venv/bin/python tools/diag_gap.py --scenarios paper_8gpu --steps 200
 
 Per scenario, one sample-level run from the configured split with continuous rollout, streaming training, gradient
-helpers and resizing (the bench's "all mechanisms" row), then its ``N x T`` GPU-seconds as
+helpers, tail consolidation and resizing (the bench's "all mechanisms" row), then its ``N x T`` GPU-seconds as
 
 - **rollout busy**: the rollout ranks' time with sequences in flight (``SampleRunResult.busy_rollout_gpu_s``), against
   the tight bound's rollout GPU-seconds (every token decoded at the concurrency its version's sequences allow, plus
@@ -32,8 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
-from dynaresize.sim.compare import run_samples, setup, tight_bound_of  # noqa: E402
-from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
+from dynaresize.sim.compare import SAMPLE_ROWS, run_samples, setup, tight_bound_of  # noqa: E402
 
 SCENARIOS = ["paper_8gpu", "stationary_8gpu", "scale_64gpu", "dapo_64gpu", "taskmix_64gpu"]
 
@@ -41,7 +40,7 @@ SCENARIOS = ["paper_8gpu", "stationary_8gpu", "scale_64gpu", "dapo_64gpu", "task
 def gap(name: str, steps: int) -> dict:
     cfg = load_config(ROOT / f"configs/sim/{name}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = setup(cfg)
-    run = run_samples(s, s.initial, SimMechanisms(True, True, True, True))
+    run = run_samples(s, s.initial, SAMPLE_ROWS[-1][2])  # every mechanism
     tb = tight_bound_of(s)
     N = cfg.cluster.gpus
     total = run.total_s * N
