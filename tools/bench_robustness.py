@@ -15,6 +15,7 @@ best static split, unless ``--no-step-level``).
     .venv/bin/python tools/bench_robustness.py                       # 24 cases x both predictors (~10 min)
     .venv/bin/python tools/bench_robustness.py --shares 1 0.5 0.25 0 --predictors capacity   # the tail shares
     .venv/bin/python tools/bench_robustness.py --gpus 8 --steps 100
+    .venv/bin/python tools/bench_robustness.py --predictors capacity --consolidation   # with tail consolidation too
 """
 
 from __future__ import annotations
@@ -54,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="tail shares to compare (default: the default; 1 0.5 0.25 0: the whole tail, half, a quarter, none)")
     ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
                     help="policy.predictor values to compare")
+    ap.add_argument("--consolidation", action="store_true",
+                    help="with tail consolidation too (the simulator's; the bench's all-mechanisms row has it)")
     ap.add_argument("--no-step-level", action="store_true",
                     help="skip the step-level row (the barrier schedule, the capacity policy, against the best static split)")
     args = ap.parse_args(argv)
+    mech = replace(BARRIER_FREE, tail_consolidation=True) if args.consolidation else BARRIER_FREE
     shares = list(dict.fromkeys(args.shares))
     rows_of = [(p, sh) for p in dict.fromkeys(args.predictors) for sh in shares]
     label = {k: f"{k[0]} {k[1]:g}" for k in rows_of}
@@ -66,15 +70,15 @@ def main(argv: list[str] | None = None) -> int:
         s = setup(stationary(g, m, seed, args.steps))
         split, best, static_wall = "-", 0.0, 0.0
         if rows_of:  # (``--predictors`` with none: the step-level row alone)
-            split, best = best_static_samples(s, BARRIER_FREE)
+            split, best = best_static_samples(s, mech)
             t0 = time.perf_counter()
-            run_samples(s, split, replace(BARRIER_FREE, resize=False))
+            run_samples(s, split, replace(mech, resize=False))
             static_wall = time.perf_counter() - t0
         cells = []
         for p, sh in rows_of:
             sp = replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": p})}))
             t0 = time.perf_counter()
-            dyn = run_samples(sp, s.initial, BARRIER_FREE, tail_share=sh)
+            dyn = run_samples(sp, s.initial, mech, tail_share=sh)
             extra_ms = 1000 * max(0.0, time.perf_counter() - t0 - static_wall) / args.steps
             loss = dyn.total_s / best - 1
             res[(p, sh)].append((loss, dyn.switches, extra_ms))
@@ -89,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{g:3d} GPUs, {m:5d} tokens, seed {seed}: best {str(split):>6} | " + " | ".join(cells), flush=True)
     print()
     print(f"{'predictor, tail share':>22} {'ok (<=2 sw, <=1%)':>18} {'worst loss':>11} {'most sw':>8} {'within 3%':>10} {'ms/decision':>12}")
-    out = {"cases": len(res[rows_of[0]]) if rows_of else len(step_level), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "rows": {}}
+    out = {"cases": len(res[rows_of[0]]) if rows_of else len(step_level), "steps": args.steps, "default_share": TAIL_SHARE_BARRIER_FREE, "mechanisms": mech.label, "rows": {}}
     for k in rows_of:
         rows = res[k]
         ok = sum(1 for loss, sw, _ in rows if loss <= 0.01 and sw <= 2)
