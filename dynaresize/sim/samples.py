@@ -164,8 +164,8 @@ class SamplePipeline:
         self.consolidate = consolidation_on(mechanisms)  # tail consolidation (sim-only: dynaresize.sim.mechanisms)
         rank_cls = MovableDecodeRank if self.consolidate else DecodeRank
         self.ranks = {r: rank_cls(r, self.w) for r in range(self.N)}
-        # consolidation's receivers: per version, the (drain time, plan stamp, rank) of the ranks decoding it, sorted,
-        # added at each admission; an entry whose stamp is not its rank's newest (re-planned since) is stale
+        # consolidation's receivers: per version, the (drain time with the tails on their way, stamp, rank) of the ranks
+        # decoding it, sorted, added at each admission and move; an entry whose stamp is not its rank's newest is stale
         self.drains: dict[int, list[tuple[float, int, int]]] = {}
         self.stamp = [0] * self.N
         self.incoming: dict[int, float] = {}  # rank -> the decode seconds moves on their way add to its iterations
@@ -400,7 +400,8 @@ class SamplePipeline:
                     acts = core.rank_ready(rank, cap)  # core.handle(RankReady(rank, cap))
                     if acts:
                         self.do(t, acts)
-            if self.consolidate and len(dr.rs) > dr.head and (crank.leaving or rank in waiting):
+            if (self.consolidate and len(dr.rs) > dr.head and (crank.leaving or rank in waiting) and dr.t0 <= t
+                    and not (in_flight and in_flight.get(rank))):  # (_consolidate's first tests, before the call)
                 self._consolidate(t, rank)  # its tail may move, so that it takes the next version's work now
             # self._schedule_rank(rank, t); an event due now with nothing else due now runs here at once (the heap
             # would pop it next: the same order)
@@ -485,6 +486,7 @@ class SamplePipeline:
         self._idle(rank, t)
         self.in_flight[dst] = self.in_flight.get(dst, 0) + n
         self.incoming[dst] = self.incoming.get(dst, 0.0) + delay
+        self._note_drain(dst, v)  # its entry keyed by its drain with the tails on their way
         self.res.moves += 1
         self.res.moved_sequences += n
         self.push(t + move_s, self.MOVE, dst, (moved, delay))
@@ -517,8 +519,8 @@ class SamplePipeline:
             return x.t_marks[-1] + incoming.get(r, 0.0)
 
         d_max, seen, i = d_src, 0, len(entries) - 1
-        while i >= 0 and seen < 8:  # the version's last ranks to drain: the list is sorted by their plans' drains,
-            d = live(i)             # the tails on their way to them are added (the latest of the last 8)
+        while i >= 0 and seen < 8:  # the version's last ranks to drain (the latest of the last 8 live entries)
+            d = live(i)
             if d is not None:
                 seen += 1
                 if d > d_max:
@@ -543,14 +545,15 @@ class SamplePipeline:
         return None
 
     def _note_drain(self, rank: int, version: int) -> None:
-        """``rank`` re-planned its decoding of ``version``: a receiver entry with its new drain time."""
+        """``rank`` re-planned its decoding of ``version``, or a tail is on its way to it: a receiver entry with its
+        new drain time (the tails on their way included)."""
         dr = self.ranks[rank]
         self.stamp[rank] += 1
         if dr.planned and len(dr.rs) > dr.head:
             entries = self.drains.get(version)
             if entries is None:
                 entries = self.drains[version] = []
-            insort(entries, (dr.t_marks[-1], self.stamp[rank], rank))
+            insort(entries, (dr.t_marks[-1] + self.incoming.get(rank, 0.0), self.stamp[rank], rank))
 
     def _moved_in(self, t: float, rank: int, moved: list, delay: float) -> None:
         """Sequences another rank decoded arrive with their KV cache and decode on here (no prefill)."""
