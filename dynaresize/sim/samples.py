@@ -454,9 +454,19 @@ class SamplePipeline:
         if (v is None or cr.role is not Role.ROLLOUT or cr.lost or not dr.planned or dr.t0 > t or rank in self.helping
                 or (self.in_flight and self.in_flight.get(rank))):
             return False
+        d_src = dr.t_marks[-1]
+        entries = self.drains.get(v)
+        stamp, ranks = self.stamp, self.ranks
+        while entries:  # the latest entry, once the stale ones after it are dropped
+            _, st, r = entries[-1]
+            x = ranks[r]
+            if st == stamp[r] and core.ranks[r].inflight_version == v and len(x.rs) > x.head:
+                break
+            entries.pop()
+        if not entries or entries[-1][0] < d_src:
+            return False  # no rank of its version drains later
         if not (cr.leaving or core.other_work(rank)):
             return False
-        d_src = dr.t_marks[-1]
         moving = dr.in_flight_at(t)
         n = sum(len(left) for _, left, _ in moving)
         if n == 0:
