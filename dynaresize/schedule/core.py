@@ -875,7 +875,8 @@ class PipelineScheduler:
     # A mechanism the runtime does not drive lives in a subclass, never here (dynaresize.sim.mechanisms: the gradient
     # helpers). These are the only places a subclass hooks in; each base version does nothing, so without a subclass
     # the core is exactly the state machine above. A subclass may read the core's state and call its steps
-    # (``_assign``, ``_try_train``, ``_maybe_step``, ``_start_switch``); it must keep the contract in the module
+    # (``_assign``, ``_try_train``, ``_maybe_step``, ``_start_switch``), and move groups in flight between rollout ranks
+    # of their version inside the core (tail consolidation's ``move_groups``); it must keep the contract in the module
     # docstring (its tests drive it through the same random-order world as the core's).
     def _occupied(self, rank: int) -> bool:
         """Whether rollout rank ``rank`` is busy with work other than generation (it takes no groups, and a resize
