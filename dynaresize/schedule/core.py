@@ -469,6 +469,7 @@ class PipelineScheduler:
             b.held[rank] = b.held.get(rank, 0) + len(got)
             r.inflight += len(got)
             r.inflight_version = v
+            r.newest = max(r.newest, v)  # it decodes with v now: it cannot go back to an older version
             r.capacity = 0 if len(got) == room else r.capacity - len(got)
             out.append(Validate(rank, v, got))
 

@@ -400,3 +400,26 @@ def test_the_last_rollout_rank_lost_while_the_other_one_leaves_for_training_rest
         assert ev, f"{want} is not possible here: {w.enabled()}"
         w.fire(ev[0])
     assert w.restarted and not core.finished
+
+
+def test_a_rank_that_validated_a_newer_version_is_not_handed_an_older_pass_back():
+    """A validation pass moves its rank on to its version like training work does: rank 2 validates version 1, then
+    rank 3 is lost with a group of version 0's pass; that group goes to a rank still on version 0 (rank 4), never
+    back to rank 2 (a rank decodes one version and cannot go back). The core handed it to rank 2 before: its
+    validation did not record the rank's newest version (found by the random-order property test)."""
+    cfg = SchedulerConfig(5, 2, (1,), staleness=1, mechanisms=Mechanisms(True, False, True), validations=((0, 2), (1, 1)))
+    core = PipelineScheduler(cfg)
+    core.start()
+    assert core.handle(RankReady(2, 1)) == [Validate(2, 0, (0,))]
+    assert core.handle(RankReady(3, 1)) == [Validate(3, 0, (1,))]
+    assert core.handle(RankReady(4, 1)) == [Assign(4, 0, (0,), 0)]
+    core.handle(GroupsDone(4, 0, (0,)))
+    core.handle(TrainChunkDone(0))
+    core.handle(OptimizerStepDone(0))
+    core.handle(ValidationDone(2, 0, (0,)))
+    core.handle(WeightsArrived(2, 1))
+    assert core.handle(RankReady(2, 1)) == [Validate(2, 1, (0,))]
+    core.handle(RankLost(3))
+    core.handle(ValidationDone(2, 1, (0,)))
+    assert core.handle(RankReady(2, 1)) == []  # version 0's returned group is not for it
+    assert core.handle(RankReady(4, 1)) == [Validate(4, 0, (1,))]  # rank 4 still decodes version 0
