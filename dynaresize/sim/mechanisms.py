@@ -463,10 +463,10 @@ class MovableDecodeRank(DecodeRank):
                 got[0].append(r)
         return [(self.gkey[g], rs, u) for g, (rs, u) in by_gid.items()]
 
-    def evict(self, t: float) -> list[tuple[tuple[int, int], list[float], float]]:
-        """Take every sequence still decoding at ``t`` off this GPU (what ``in_flight_at(t)`` lists). Groups that
-        ended by ``t`` stay, to be reported."""
-        out = self.in_flight_at(t)
+    def evict(self, t: float, listed: list | None = None) -> list[tuple[tuple[int, int], list[float], float]]:
+        """Take every sequence still decoding at ``t`` off this GPU (what ``in_flight_at(t)`` lists; ``listed``: that
+        list, where the caller has it already). Groups that ended by ``t`` stay, to be reported."""
+        out = self.in_flight_at(t) if listed is None else listed
         if not out:
             return out
         moved = {key for key, _, _ in out}

@@ -456,12 +456,7 @@ class SamplePipeline:
             return False
         d_src = dr.t_marks[-1]
         entries = self.drains.get(v)
-        stamp, ranks = self.stamp, self.ranks
-        while entries:  # the latest entry, once the stale ones after it are dropped
-            _, st, r = entries[-1]
-            x = ranks[r]
-            if st == stamp[r] and core.ranks[r].inflight_version == v and len(x.rs) > x.head:
-                break
+        while entries and self._stale(v, entries[-1]):  # the latest entry, once the stale ones after it are dropped
             entries.pop()
         if not entries or entries[-1][0] < d_src:
             return False  # no rank of its version drains later
@@ -484,7 +479,7 @@ class SamplePipeline:
         dst = self._receiver(v, rank, t, d_src, delay, n)
         if dst is None:
             return False
-        moved = dr.evict(t)
+        moved = dr.evict(t, moving)
         self.stamp[rank] += 1  # its entries among the receivers are stale
         by_batch: dict[int, list[int]] = {}
         for (b, g), _, _ in moved:
@@ -516,17 +511,15 @@ class SamplePipeline:
         entries = self.drains.get(v)
         if not entries:
             return None
-        stamp, ranks, crank, incoming = self.stamp, self.ranks, self.core.ranks, self.incoming
+        ranks, crank, incoming = self.ranks, self.core.ranks, self.incoming
 
         def live(i: int) -> float | None:
-            """Entry i's drain with the tails on their way, or None (stale: dropped) for a rank re-planned since,
-            moved on to another version, or drained."""
-            _, st, r = entries[i]
-            x = ranks[r]
-            if st != stamp[r] or crank[r].inflight_version != v or len(x.rs) == x.head:
+            """Entry i's drain with the tails on their way, or None for a stale entry (dropped)."""
+            if self._stale(v, entries[i]):
                 del entries[i]
                 return None
-            return x.t_marks[-1] + incoming.get(r, 0.0)
+            r = entries[i][2]
+            return ranks[r].t_marks[-1] + incoming.get(r, 0.0)
 
         d_max, seen, i = d_src, 0, len(entries) - 1
         while i >= 0 and seen < 8:  # the version's last ranks to drain (the latest of the last 8 live entries)
@@ -553,6 +546,13 @@ class SamplePipeline:
                 return r
             i -= 1
         return None
+
+    def _stale(self, v: int, entry: tuple[float, int, int]) -> bool:
+        """Whether a receiver entry of version ``v`` is stale: its rank re-planned since, moved on to another
+        version, or drained."""
+        _, st, r = entry
+        x = self.ranks[r]
+        return st != self.stamp[r] or self.core.ranks[r].inflight_version != v or len(x.rs) == x.head
 
     def _note_drain(self, rank: int, version: int) -> None:
         """``rank`` re-planned its decoding of ``version``, or a tail is on its way to it: a receiver entry with its

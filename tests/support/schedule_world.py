@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from dynaresize.policy import Topology
 from dynaresize.policy.types import Decision, Observation, PolicyState, ResizeAction
 from dynaresize.schedule import (
-    Assign, Decided, Extend, GroupsDone, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
+    Assign, Decided, DynamicSampling, Extend, GroupsDone, OptimizerStepDone, PipelineScheduler, RankLost, RankReady, Restart, Role,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, Validate,
     ValidationDone, WeightsArrived, version_of,
 )
@@ -308,3 +308,17 @@ def run_at_random(cfg: SchedulerConfig, seed: int, make_core=PipelineScheduler, 
         w.fire(ev[rnd.randrange(len(ev))])
     check_finished(w)
     return w
+
+
+def feature_config(n: int, steps: int, groups: int, staleness: int, mechanisms, feature: str) -> SchedulerConfig:
+    """A subclass's property test over every core feature ("plain", "resize", "validation", "sampling", "resume"): ``n`` ranks, half training, ``steps`` batches
+    of ``groups`` groups, with validation passes, dynamic sampling or a resume as ``feature`` says ("resize" and
+    "plain" add nothing here: the caller's script does the resizing)."""
+    kw: dict = {}
+    if feature == "validation":
+        kw["validations"] = ((0, 2), (steps, 1))
+    elif feature == "sampling":
+        kw["sampling"] = DynamicSampling(need=groups, round_groups=2, max_rounds=2)
+    elif feature == "resume":
+        steps, kw["resume_step"] = max(steps, 2), 1
+    return SchedulerConfig(n, n // 2, (groups,) * steps, staleness=staleness, mechanisms=mechanisms, **kw)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dynaresize.policy import Topology
 from dynaresize.policy.decode_rank import DecodeRank
 from dynaresize.schedule import (
-    Assign, DynamicSampling, GroupsDone, Mechanisms, RankReady, Role, ScheduleError, SchedulerConfig,
+    Assign, GroupsDone, Mechanisms, RankReady, Role, ScheduleError, SchedulerConfig,
 )
 from dynaresize.sim.compare import run_samples, setup
 from dynaresize.config.loader import load_config
@@ -24,7 +24,7 @@ from dynaresize.sim.mechanisms import (
     SimMechanisms, sim_scheduler,
 )
 from dynaresize.schedule import PipelineScheduler
-from tests.support.schedule_world import World, check_finished, run_world
+from tests.support.schedule_world import World, check_finished, feature_config, run_world
 from tests.unit.test_sim_mechanisms import FAST, HelperWorld
 
 pytestmark = pytest.mark.unit
@@ -173,15 +173,7 @@ def test_moves_keep_the_contract_with_every_core_feature(data, cont, stream, hel
     """Moves drawn at any point among the core's events, with any mechanism mix, the helpers or not, staleness, a
     resize script, validation passes, dynamic sampling or a resume, and a lost rank: every group generated once by
     ``version_of(batch)``, every batch trained as the static run trains it."""
-    kw: dict = {}
-    if feature == "validation":
-        kw["validations"] = ((0, 2), (steps, 1))
-    elif feature == "sampling":
-        kw["sampling"] = DynamicSampling(need=groups, round_groups=2, max_rounds=2)
-    elif feature == "resume":
-        steps, kw["resume_step"] = max(steps, 2), 1
-    mech = SimMechanisms(cont, stream, True, helpers, True)
-    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech, **kw)
+    cfg = feature_config(n, steps, groups, s, SimMechanisms(cont, stream, True, helpers, True), feature)
     make = ((lambda c, p: ConsolidatingHelpingScheduler(c, FAST, p)) if helpers
             else (lambda c, p: ConsolidatingScheduler(c, p)))
     w = run_world(cfg, data, slots, script=script if feature == "resize" else None, losses=losses,

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from dynaresize.policy.types import Observation
 from dynaresize.schedule import (
-    Assign, DynamicSampling, GroupsDone, RankLost, RankReady, Role, ScheduleError, SchedulerConfig, Step, StepMeasured, Switch,
+    Assign, GroupsDone, RankLost, RankReady, Role, ScheduleError, SchedulerConfig, Step, StepMeasured, Switch,
     Train, TrainChunkDone, Validate,
 )
 from dynaresize.sim.mechanisms import Help, HelpDone, HelperConfig, HelpingScheduler, SimMechanisms
-from tests.support.schedule_world import World, check_finished, run_at_random, run_world
+from tests.support.schedule_world import World, check_finished, feature_config, run_at_random, run_world
 
 pytestmark = pytest.mark.unit
 
@@ -143,14 +143,7 @@ MIXES = st.builds(SimMechanisms, st.booleans(), st.booleans(), st.just(True), st
 def test_helpers_keep_the_contract_with_every_core_feature(data, mech, n, steps, s, groups, slots, losses, feature, script):
     """What the core's property tests ran with helpers drawn on, before the helpers left the core: any mechanism mix,
     staleness, a resize script, validation passes, dynamic sampling or a resume, and a lost rank."""
-    kw: dict = {}
-    if feature == "validation":
-        kw["validations"] = ((0, 2), (steps, 1))
-    elif feature == "sampling":
-        kw["sampling"] = DynamicSampling(need=groups, round_groups=2, max_rounds=2)
-    elif feature == "resume":
-        steps, kw["resume_step"] = max(steps, 2), 1
-    cfg = SchedulerConfig(n, n // 2, (groups,) * steps, staleness=s, mechanisms=mech, **kw)
+    cfg = feature_config(n, steps, groups, s, mech, feature)
     w = run_world(cfg, data, slots, script=script if feature == "resize" else None, losses=losses, world=HelperWorld,
                   make_core=helping_core(FAST))
     check_finished(w)
