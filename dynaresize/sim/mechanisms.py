@@ -463,6 +463,33 @@ class MovableDecodeRank(DecodeRank):
                 got[0].append(r)
         return [(self.gkey[g], rs, u) for g, (rs, u) in by_gid.items()]
 
+    def tail_load(self, t: float) -> tuple[int, float]:
+        """What ``in_flight_at(t)`` lists, summed without the lists (most tails looked at do not move): its sequences,
+        and the decode they add to a receiver's iterations, the sum over its groups in plan order of ``u x`` the
+        group's tokens left (the same floating-point operations in the same order as summing that list)."""
+        self.advance(t)
+        head = self.head
+        n = len(self.rs) - head
+        if n == 0:
+            return 0, 0.0
+        if t < self.t0:
+            raise ValueError(f"rank {self.rank}: no eviction during a prefill pause (t={t}, the plan starts at {self.t0})")
+        d = self._done_iterations(t) if t > self.t0 else None
+        _, us, gs = self._ids()
+        per: dict[int, list[float]] = {}
+        for r, u, g in zip(self.rs[head:], us[head:], gs[head:]):
+            if d is not None:
+                r = max(r - d, _EPS)
+            got = per.get(g)
+            if got is None:
+                per[g] = [r, u]
+            else:
+                got[0] += r
+        delay = 0.0
+        for left, u in per.values():
+            delay += u * left
+        return n, delay
+
     def evict(self, t: float, listed: list | None = None) -> list[tuple[tuple[int, int], list[float], float]]:
         """Take every sequence still decoding at ``t`` off this GPU (what ``in_flight_at(t)`` lists; ``listed``: that
         list, where the caller has it already). Groups that ended by ``t`` stay, to be reported."""

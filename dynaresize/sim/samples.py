@@ -86,6 +86,12 @@ class _BatchInfo:
     tokens_generated: int
     tokens_trained: int
     tail_s: float
+    sorted_lengths: list[list[float] | None] = field(default_factory=list)  # per group, its lengths sorted (tail
+    # consolidation's KV bytes: made as it first needs them)
+
+    def __post_init__(self) -> None:
+        if not self.sorted_lengths:
+            self.sorted_lengths = [None] * self.groups
 
 
 @dataclass
@@ -456,28 +462,37 @@ class SamplePipeline:
             return False
         d_src = dr.t_marks[-1]
         entries = self.drains.get(v)
-        while entries and self._stale(v, entries[-1]):  # the latest entry, once the stale ones after it are dropped
+        stamp, ranks, crank = self.stamp, self.ranks, core.ranks
+        while entries:  # the latest entry, once the stale ones after it are dropped (self._stale, inlined)
+            _, st, r = entries[-1]
+            x = ranks[r]
+            if st == stamp[r] and crank[r].inflight_version == v and len(x.rs) != x.head:
+                break
             entries.pop()
         if not entries or entries[-1][0] < d_src:
             return False  # no rank of its version drains later
         if not (cr.leaving or core.other_work(rank)):
             return False
-        moving = dr.in_flight_at(t)
-        n = sum(len(left) for _, left, _ in moving)
+        n, delay = dr.tail_load(t)
         if n == 0:
             return False
-        delay = 0.0
-        kv_tokens = 0.0
-        for (b, g), left, u in moving:
-            bi = self._batch(b)
-            lens = sorted(bi.lengths[g])[-len(left):]  # a group's sequences decode together: the longest are left
-            kv_tokens += bi.prefill_list[g] * self.tab.sim.rollout.prefill_tokens_per_s + sum(lens) - sum(left)
-            delay += u * sum(left)
-        move_s = self.latency + kv_tokens * self.kv_move_s_per_token
-        if d_src - t < self.min_gain * move_s:
-            return False
+        # the receiver first: most attempts that get this far find none, and the KV bytes are then not needed (the
+        # search only drops stale entries, so the order of the two tests changes no decision)
         dst = self._receiver(v, rank, t, d_src, delay, n)
         if dst is None:
+            return False
+        moving = dr.in_flight_at(t)
+        kv_tokens = 0.0
+        prompt_rate = self.tab.sim.rollout.prefill_tokens_per_s
+        for (b, g), left, _ in moving:
+            bi = self._batch(b)
+            ordered = bi.sorted_lengths[g]
+            if ordered is None:
+                ordered = bi.sorted_lengths[g] = sorted(bi.lengths[g])
+            # a group's sequences decode together: the longest are left
+            kv_tokens += bi.prefill_list[g] * prompt_rate + sum(ordered[-len(left):]) - sum(left)
+        move_s = self.latency + kv_tokens * self.kv_move_s_per_token
+        if d_src - t < self.min_gain * move_s:
             return False
         moved = dr.evict(t, moving)
         self.stamp[rank] += 1  # its entries among the receivers are stale

@@ -48,6 +48,28 @@ def test_evicted_sequences_decode_on_another_gpu_to_the_same_token():
     assert b.pop_groups(0.2) == [(0, 0)]
 
 
+@given(st.lists(st.tuples(st.integers(1, 40), st.sampled_from([0.001, 0.0015, 0.002])), min_size=1, max_size=6),
+       st.floats(0.0, 0.5))
+@settings(max_examples=60, deadline=None)
+def test_the_tail_load_is_what_the_listed_tail_sums_to(admissions, t_frac):
+    """``tail_load`` (an attempt's first look) equals the sums over what ``in_flight_at`` lists, bit for bit: the
+    sequences, and sum over groups of u x the group's tokens left (the receiver test compares them exactly)."""
+    a = MovableDecodeRank(0, 0.01)
+    a.slots = 64
+    t = 0.0
+    for i, (length, u) in enumerate(admissions):  # groups of 2 with different u, admitted one after another
+        a.admit(t, [float(length), float(length + i + 1)], u, [(0, i)], 2, 0.0)
+        t += 0.004
+    t_end = a.t_marks[-1]
+    at = t + t_frac * (t_end - t)
+    listed = a.in_flight_at(at)
+    delay = 0.0
+    for _, left, u in listed:
+        delay += u * sum(left)
+    assert a.tail_load(at) == (sum(len(left) for _, left, _ in listed), delay)
+    assert a.tail_load(t_end + 1.0) == (0, 0.0)
+
+
 def test_a_group_that_ended_at_the_eviction_stays_to_be_reported():
     """Group (0, 0) ends at the instant of the eviction, before its rank event: it stays on its GPU, to be reported
     there; only group (0, 1)'s sequences leave."""
