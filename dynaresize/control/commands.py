@@ -600,15 +600,10 @@ class CommandReceiver:
         for h in self._held:
             if h.raw_ack is not None and not h.written:
                 pipe = self.r.pipeline(transaction=True)
-                if h.store:
-                    pipe.hset(self.keys.applied(self.rank), h.command_id, h.raw_ack)
-                akey = self.keys.ack(h.command_id)
-                pipe.xadd(akey, {"m": h.raw_ack})
-                pipe.expire(akey, self.cfg.ack_ttl_s)
+                self._ack_writes(pipe, h.command_id, h.raw_ack, h.store)
                 pipe.execute()
                 h.written = True
-                if h.command_id:
-                    self._last_ack = (h.command_id, time.monotonic())
+                self._acked(h.command_id)
         n = 0
         while n < len(self._held) and self._held[n].written:
             n += 1
@@ -750,20 +745,31 @@ class CommandReceiver:
             raw_ack = encode(ack, self.cfg.max_message_bytes)
         self._finish(at, command_id, raw_ack, store=False)
 
+    def _ack_writes(self, pipe, command_id: str, raw_ack: bytes, store: bool) -> None:
+        """An ack's writes, in the caller's MULTI: the stored result (``store``: the at-most-once record) and the ack
+        stream entry."""
+        if store:
+            pipe.hset(self.keys.applied(self.rank), command_id, raw_ack)
+        akey = self.keys.ack(command_id)
+        pipe.xadd(akey, {"m": raw_ack})
+        pipe.expire(akey, self.cfg.ack_ttl_s)
+
+    def _acked(self, command_id: str | None) -> None:
+        """An ack was written: the newest one and its time (a rank idle since then times the command that answers it)."""
+        if command_id:
+            self._last_ack = (command_id, time.monotonic())
+
     def _commit(self, at: tuple[bytes, bool], command_id: str | None, raw_ack: bytes | None, store: bool) -> None:
         """One MULTI: stored ack (at-most-once record), cursor, ack stream. Every part is safe to retry."""
         entry_id, broadcast = at
         pipe = self.r.pipeline(transaction=True)
-        if store and command_id:
-            pipe.hset(self.keys.applied(self.rank), command_id, raw_ack)
         pipe.set(self.keys.broadcast_cursor(self.rank) if broadcast else self.keys.cursor(self.rank), entry_id)
-        if raw_ack is not None and command_id:
-            akey = self.keys.ack(command_id)
-            pipe.xadd(akey, {"m": raw_ack})
-            pipe.expire(akey, self.cfg.ack_ttl_s)
+        acked = raw_ack is not None and bool(command_id)
+        if acked:
+            self._ack_writes(pipe, command_id, raw_ack, store)
         pipe.execute()
-        if raw_ack is not None and command_id:
-            self._last_ack = (command_id, time.monotonic())
+        if acked:
+            self._acked(command_id)
         if broadcast:
             self.bcursor = entry_id
         else:
