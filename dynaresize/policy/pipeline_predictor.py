@@ -161,14 +161,17 @@ class PipelinePredictor:
         def version_of(j: int) -> int:
             return max(0, j - s)
 
+        claim_seqs = G * w0.claim_groups
+        first = 0  # the oldest batch with groups never handed out (the cursors only rise)
+
         def schedule(r: int, t: float) -> None:
             dr = ranks[r]
             nxt = dr.next_group_time()
+            active = len(dr.rs) - dr.head  # (dr.active)
             if r not in waiting:
-                claim = max(1, min(dr.slots, G * w0.claim_groups))
-                free = dr.slots - dr.active
-                nxt = min(nxt, dr.claim_time(claim) if (free < claim and dr.active) else t)
-            elif dr.active:
+                claim = max(1, min(dr.slots, claim_seqs))
+                nxt = min(nxt, dr.claim_time(claim) if (dr.slots - active < claim and active) else t)
+            elif active:
                 nxt = min(nxt, dr.drain_time())
             token[r] += 1
             if nxt < math.inf:
@@ -176,10 +179,17 @@ class PipelinePredictor:
 
         def assign(r: int, t: float) -> None:
             """The core's hand-out: oldest batch first, one version per GPU, at most an even share in flight."""
+            nonlocal first
             dr = ranks[r]
             dr.advance(t)
-            cap = max(1 if dr.active == 0 else 0, (dr.slots - dr.active) // G)
-            j = next((i for i in range(K) if cursor[i] < ngroups[i]), K)
+            active = len(dr.rs) - dr.head  # (dr.active)
+            cap = max(1 if active == 0 else 0, (dr.slots - active) // G)
+            if cap <= 0:
+                waiting.discard(r)
+                return
+            while first < K and cursor[first] >= ngroups[first]:
+                first += 1
+            j = first
             last = min(K - 1, produced + s)
             while cap > 0 and j <= last:
                 v = version_of(j)
@@ -190,7 +200,7 @@ class PipelinePredictor:
                     gs = range(cursor[j], cursor[j] + n)
                     cursor[j] += n
                     x = wl[j]
-                    if dr.active == 0:
+                    if len(dr.rs) == dr.head:  # (dr.active == 0)
                         dr.slots = x.kv_slots
                     else:
                         dr.slots = min(dr.slots, x.kv_slots)
@@ -269,10 +279,11 @@ class PipelinePredictor:
                     if not held_n[r][j]:
                         del held_n[r][j]
                     ready[j].append(g)
-                if dr.active == 0:
+                active = len(dr.rs) - dr.head  # (dr.active)
+                if active == 0:
                     held_v[r] = None
-                free = dr.slots - dr.active
-                if (free // G > 0 or dr.active == 0) and (dr.active == 0 or free >= max(1, min(dr.slots, G * w0.claim_groups))):
+                free = dr.slots - active
+                if (free // G > 0 or active == 0) and (active == 0 or free >= max(1, min(dr.slots, claim_seqs))):
                     assign(r, t)
                 schedule(r, t)
                 if done:
