@@ -176,9 +176,10 @@ EXACT_TRAINERS = 256  # up to this many GPUs every trainer count is an option of
 TRAINER_GRID = 160  # above: geometric intervals of trainer counts, each priced at its ends (a lower bound over it)
 
 
-def train_options(work: float, n_gpus: int, sim: SimConfig) -> tuple[np.ndarray, np.ndarray]:
+def train_options(work: float, n_gpus: int, sim: SimConfig, helpers: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Every way the model can run one batch's training (``work`` single-GPU seconds of forward/backward), as a
-    lower bound on its (wall seconds, GPU-seconds) pair; each column one option, the first N the trainers alone.
+    lower bound on its (wall seconds, GPU-seconds) pair; each column one option, the first N the trainers alone
+    (``helpers=False``: only those, the options of a schedule without gradient helpers).
 
     n trainers alone (n = 1..N): wall = 2c + work / (n eff(n)) + o, GPU-s = work / eff(n) + n o (every trainer runs
     every chunk and the optimizer step; c the command latency, o ``step_overhead_s``). n trainers and gradient
@@ -201,7 +202,7 @@ def train_options(work: float, n_gpus: int, sim: SimConfig) -> tuple[np.ndarray,
     walls = [2 * c + work / (hi * e(hi)) + o]  # wall falls with n (n eff(n) rises), GPU-s rise with n
     gpus = [work / e(lo) + lo * o]
     ok = N - lo >= 1
-    if ok.any() and work > 0:
+    if helpers and ok.any() and work > 0:
         lo, hi = lo[ok], hi[ok]
         hr, hc = p.helper_rate, p.helper_cost_s
         A, B = 1.0 / (hi * e(hi)), 1.0 / ((N - lo) * hr)  # the trainers' and the helpers' seconds per work, at least
@@ -240,10 +241,16 @@ def decode_options(n_gpus: int, seqs: float, cap: float, w: float, u: float) -> 
 
 
 
-def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, sync_s: float = 0.0) -> TightBound:
+def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, sync_s: float = 0.0,
+                helpers: bool = True) -> TightBound:
     """The tight bound (docs/simulator.md, "The tight bound"): the training chain at its data-parallel efficiency
     weighed against the GPU-seconds, decode at the concurrency one version's sequences allow, and windows of work
     between the points of the latency chain.
+
+    ``helpers=False``: the bound of the schedules without gradient helpers (the runtime's: it has none), whose
+    batches train on trainers alone; the same proof over fewer training options, so never below the full one.
+    The helpers' options price a helper at ``helper_rate`` with no data-parallel loss (an ASSUMPTION of the
+    simulator's), and at 64 GPUs they are most of the distance between the two.
 
     ``sync_s``: the least weight-sync time of the schedules compared (a rollout rank decodes a new version only once
     it arrived). The control-plane latency
@@ -268,7 +275,7 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
         ph = table.physics(k)
         b = ph.batch
         work_t = ph.train_tokens_eff / t.tokens_per_gpu_s
-        walls, gpus = train_options(work_t, N, sim)
+        walls, gpus = train_options(work_t, N, sim, helpers)
         train[k] = float(gpus.min())  # = work + o: one trainer, eff(1) = 1
         tmin[k] = float(walls.min())  # T_k's training needs version k: it runs after T_{k-1}
         mixed += (ALPHA[:, None] * walls[None, :] + GAMMA[:, None] * gpus[None, :] / N).min(axis=1)

@@ -141,11 +141,12 @@ def oracle_total(s: Setup) -> float:
     return total
 
 
-def tight_bound_of(s: Setup):
+def tight_bound_of(s: Setup, helpers: bool = True):
     """The tight bound (:func:`dynaresize.sim.bound.tight_bound`) for ``s``: the least weight sync of the compared
-    cost models (the naive one may price it differently)."""
+    cost models (the naive one may price it differently); ``helpers=False``: of the schedules without gradient
+    helpers."""
     sync = min(s.costs.weight_sync_s(), s.naive_costs.weight_sync_s())
-    return tight_bound(s.table, s.cfg.sim, s.cfg.cluster.gpus, s.cfg.pipeline.staleness_bound, sync)
+    return tight_bound(s.table, s.cfg.sim, s.cfg.cluster.gpus, s.cfg.pipeline.staleness_bound, sync, helpers)
 
 
 def static_choices(s: Setup) -> list[Topology]:
@@ -164,6 +165,7 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
     ("dyn +cont+stream+helpers+consol", "tail_consolidation", SimMechanisms(True, True, True, True, True)),
 )
 ALL_MECHANISMS = SAMPLE_ROWS[-1][1]  # the summary key of the run with every mechanism
+RUNTIME_MECHANISMS = SAMPLE_ROWS[2][1]  # the run with the runtime's mechanisms (barrier-free: continuous + streaming)
 
 
 def with_predictor(s: Setup, predictor: str) -> Setup:
@@ -230,6 +232,9 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
     if samples:
         allm = mech_runs[ALL_MECHANISMS]
         sb, sc = extra[0], extra[1]
+        # the schedules without gradient helpers (the runtime's mechanisms) against the bound of such schedules
+        free = tight_bound_of(s, helpers=False)
+        runtime = mech_runs[RUNTIME_MECHANISMS]
         summary.update(
             samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower
             best_static_continuous_gain=best.total_s / sc.total_s - 1,
@@ -239,9 +244,13 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
             all_mechanisms_fraction_of_bound=bound.total_s / allm.total_s,
             all_mechanisms_fraction_of_tight_bound=tight.total_s / allm.total_s,
             all_mechanisms_switches=allm.switches,
+            tight_bound_without_helpers_s=free.total_s,
+            runtime_mechanisms_fraction_of_helper_free_tight_bound=free.total_s / runtime.total_s,
             mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
-                                  switches=r.switches, wall_s=r.wall_s, helps=r.helps)
-                        for key, r in mech_runs.items()},
+                                  fraction_of_tight_bound=tight.total_s / r.total_s, switches=r.switches, wall_s=r.wall_s,
+                                  helps=r.helps)
+                        | ({} if helpers_on(mech) else {"fraction_of_helper_free_tight_bound": free.total_s / r.total_s})
+                        for (_, key, mech), r in zip(SAMPLE_ROWS, mech_runs.values())},
         )
         summary["all_mechanisms_by_predictor"] = {
             p: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,

@@ -110,6 +110,21 @@ def test_train_options_by_hand():
     # 1 trainer + 1 helper: all on the helper 1 + (2 + 16) + 1 = 20 s; the kink wh = (8 - 2) / 3 = 2: 1 + 6 + 1 = 8 s,
     # 6 + 4 + 2 + 1 = 13 GPU-s
     assert walls[2:] == pytest.approx([10.0, 20.0, 8.0]) and gpus[2:] == pytest.approx([11.0, 19.0, 13.0])
+    # without helpers: the trainers alone
+    walls, gpus = train_options(8.0, 2, cfg.sim, helpers=False)
+    assert walls == pytest.approx([10.0, 7.0]) and gpus == pytest.approx([9.0, 12.0])
+
+
+def test_without_helpers_the_tight_bound_rises_where_helpers_beat_data_parallel_training():
+    """64 GPUs at 0.95 per doubling (eff(64) = 0.74) and helpers at 0.9 with no such loss: the helpers' options carry
+    the full bound well below the bound of the schedules without them; at eff 1 (no loss) the helpers add nothing."""
+    cfg = load_config(ROOT / "configs/sim/scale_64gpu.yaml", ["sim.steps=20"])
+    s = setup(cfg)
+    full, free = tight_bound_of(s), tight_bound_of(s, helpers=False)
+    assert free.total_s > 1.1 * full.total_s
+    flat = load_config(ROOT / "configs/sim/scale_64gpu.yaml", ["sim.steps=20", "sim.train.scaling_per_doubling=1.0"])
+    sf = setup(flat)
+    assert tight_bound_of(sf, helpers=False).total_s == pytest.approx(tight_bound_of(sf).total_s, rel=1e-9)
 
 
 def test_tight_bound_by_hand_and_against_the_work_bound():
@@ -177,6 +192,11 @@ def test_no_schedule_of_a_random_world_beats_either_bound(w):
     for r in runs:
         assert r.total_s >= tb.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < tight bound {tb.total_s:.4f} s ({tb.binding})"
         assert r.total_s >= b.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < bound {b.total_s:.4f} s ({b.binding})"
+    # the bound of the schedules without gradient helpers: never below the full one, never beaten by such a schedule
+    free = tight_bound(s.table, cfg.sim, N, stale, sync, helpers=False)
+    assert free.total_s >= tb.total_s * (1 - 1e-12)
+    for r in runs[1:] + ([] if m.gradient_helpers else runs[:1]):
+        assert r.total_s >= free.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < helper-free tight bound {free.total_s:.4f} s"
 
 
 def test_trainer_count_intervals_stay_below_every_count_and_close(monkeypatch):
