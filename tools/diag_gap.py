@@ -16,6 +16,12 @@ helpers, tail consolidation and resizing (the bench's "all mechanisms" row), the
   optimizer step;
 - **idle**: neither (a rollout rank waiting for a version or a claim, a trainer waiting for groups, switches).
 
+Beside it, the tight bound of the schedules without gradient helpers (``tight_bound(..., helpers=False)``:
+``no_helpers_s``, ``of tight/nh``): the full bound lets a batch train on helpers at the simulator's assumed
+``helper_rate`` with no data-parallel loss, and where that beats the trainers' efficiency (64 GPUs) most of the
+distance to it is training every schedule without helpers must pay. Not a bound of this run (it has helpers): above
+100% would mean the helpers took the run past any schedule of trainers alone.
+
 The tight bound itself lies above its work (``tight - work``, GPU-seconds): the chain of trainings and the rollout
 windows. So ``N x (run - tight) = rollout excess + train excess + idle - (N x tight - bound work)``. Prints a table,
 then ONE JSON line. Deterministic (the simulator has no randomness beyond the scenario's seed).
@@ -42,13 +48,15 @@ def gap(name: str, steps: int) -> dict:
     s = setup(cfg)
     run = run_samples(s, s.initial, SAMPLE_ROWS[-1][2])  # every mechanism
     tb = tight_bound_of(s)
+    free = tight_bound_of(s, helpers=False)
     N = cfg.cluster.gpus
     total = run.total_s * N
     roll_b, train_b = float(tb.rollout_gpu_s.sum()), float(tb.train_gpu_s.sum())
     idle = total - run.busy_rollout_gpu_s - run.busy_train_gpu_s
     return {
         "scenario": name, "gpus": N, "steps": steps, "run_s": round(run.total_s, 1), "tight_s": round(tb.total_s, 1),
-        "fraction_of_tight": round(tb.total_s / run.total_s, 4), "gap_gpu_s": round(total - tb.total_s * N),
+        "fraction_of_tight": round(tb.total_s / run.total_s, 4), "no_helpers_s": round(free.total_s, 1),
+        "fraction_of_tight_no_helpers": round(free.total_s / run.total_s, 4), "gap_gpu_s": round(total - tb.total_s * N),
         "rollout_busy": round(run.busy_rollout_gpu_s), "rollout_bound": round(roll_b),
         "rollout_excess": round(run.busy_rollout_gpu_s - roll_b),
         "train_busy": round(run.busy_train_gpu_s), "train_bound": round(train_b),
@@ -63,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args(argv)
     rows = []
-    print(f"{'scenario':>16} {'of tight':>9} {'gap':>9} | {'rollout busy / bound (excess)':>32} | "
+    print(f"{'scenario':>16} {'of tight':>9} {'tight/nh':>9} {'gap':>9} | {'rollout busy / bound (excess)':>32} | "
           f"{'train busy / bound (excess)':>30} | {'idle':>8} | {'tight - work':>12}   (GPU-seconds)")
     for name in args.scenarios:
         r = gap(name, args.steps)
         rows.append(r)
         share = (lambda x: f"{100 * x / r['gap_gpu_s']:.0f}%") if r["gap_gpu_s"] > 0 else (lambda x: "-")
-        print(f"{name:>16} {100 * r['fraction_of_tight']:>8.1f}% {r['gap_gpu_s']:>9} | "
+        print(f"{name:>16} {100 * r['fraction_of_tight']:>8.1f}% {100 * r['fraction_of_tight_no_helpers']:>8.1f}% {r['gap_gpu_s']:>9} | "
               f"{r['rollout_busy']:>9} / {r['rollout_bound']:>8} ({r['rollout_excess']:>7}, {share(r['rollout_excess']):>4}) | "
               f"{r['train_busy']:>9} / {r['train_bound']:>8} ({r['train_excess']:>6}, {share(r['train_excess']):>4}) | "
               f"{r['idle']:>8} | {r['bound_above_work']:>12}", flush=True)
