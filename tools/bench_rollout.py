@@ -182,7 +182,7 @@ def vllm_engine(module, root: Path, a: argparse.Namespace):
     (config.json, safetensors; no tokenizer: token ids in and out) for vLLM to load, the engine is built as a
     rank's (float32, the KV cache an explicit size), then warmed up with one command's worth of samples (its first
     steps take seconds) before any clock starts."""
-    from dynaresize.engines.rollout_torch import SamplingParams
+    from dynaresize.engines.protocol import SamplingParams
     from dynaresize.engines.rollout_vllm import VllmRollout, import_vllm
     from dynaresize.worker.config import VllmConfig
 

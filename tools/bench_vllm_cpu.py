@@ -50,7 +50,8 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from dynaresize.config.loader import load_config
-    from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
+    from dynaresize.engines.protocol import SamplingParams
+    from dynaresize.engines.rollout_torch import TorchRollout
     from dynaresize.models import ensure_model, load_model, load_tokenizer
     from dynaresize.models.hf import pad_token_id, stop_token_ids
     from dynaresize.worker.config import VllmConfig

@@ -20,7 +20,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
-from dynaresize.engines.rollout_torch import Generation, SamplingParams
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 48
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]  # sampled tokens (the stop token included when the response ended)
+    logprobs: list[float]  # logprob of each sampled token under the sampling distribution
+
+
+class RolloutError(RuntimeError):
+    """Bad rollout input (empty prompt, prompt too long) or an engine used in the wrong state."""
 
 
 @dataclass(frozen=True)

@@ -32,18 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 48
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-
-@dataclass(frozen=True)
-class Generation:
-    token_ids: list[int]  # sampled tokens (the stop token included when the response ended)
-    logprobs: list[float]  # logprob of each sampled token under the sampling distribution
+from dynaresize.engines.protocol import Finished, Generation, Request, RolloutError, SamplingParams
 
 
 def _cache_kw() -> str:
@@ -61,10 +50,6 @@ def _cache_of(out):
     return getattr(out, "cache", None) if _CACHE_KW == "cache" else out.past_key_values
 
 
-class RolloutError(RuntimeError):
-    """Bad rollout input (empty prompt, prompt too long) or an engine used in the wrong state."""
-
-
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Mask (to -inf) the tail outside the smallest set of tokens whose probability reaches ``top_p``."""
     if top_p >= 1.0:
@@ -78,10 +63,6 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 
-
-from dynaresize.engines import protocol as _protocol  # noqa: E402 - protocol imports Generation/SamplingParams above
-
-
 ADMIT_SHARE = 8  # admit when 1/8 of the slots are free (see TorchRollout.admit_min)
 
 
@@ -93,7 +74,7 @@ def _seeded(seed: int) -> torch.Generator:
 class _Row:
     """A running request: its own generator, what it sampled, the position id of its next token."""
 
-    req: "_protocol.Request"
+    req: Request
     gen: torch.Generator
     pos: int
     tokens: list[int] = field(default_factory=list)
@@ -165,7 +146,7 @@ class TorchRollout:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def add(self, requests: Sequence["_protocol.Request"]) -> None:
+    def add(self, requests: Sequence[Request]) -> None:
         for r in requests:
             if not r.prompt_ids:
                 raise RolloutError(f"request {r.key!r}: empty prompt")
@@ -191,7 +172,7 @@ class TorchRollout:
         return sorted(drop)
 
     @torch.no_grad()
-    def step(self) -> list["_protocol.Finished"]:
+    def step(self) -> list[Finished]:
         """One iteration: admit waiting requests into free slots (their prefill), sample one token of every running
         request, then one decode forward of those that did not end. Returns the requests that ended."""
         if self.asleep:
@@ -214,7 +195,7 @@ class TorchRollout:
             row.tokens.append(tok)
             row.logprobs.append(float(logp[i, tok]))
             if tok in self._eos or len(row.tokens) >= row.req.params.max_tokens:
-                finished.append(_protocol.Finished(row.req.key, Generation(row.tokens, row.logprobs)))
+                finished.append(Finished(row.req.key, Generation(row.tokens, row.logprobs)))
                 self._keys.discard(row.req.key)
                 self._cached_prompts[row.req.prompt_ids] -= 1
             else:
@@ -308,7 +289,7 @@ class TorchRollout:
         if self.running:
             raise RolloutError(f"generate() while {self.running} streamed requests run (drain or abort them first)")
         keys = [f"generate:{i}" for i in range(len(prompts))]
-        self.add([_protocol.Request(k, tuple(int(t) for t in p), int(s), params)
+        self.add([Request(k, tuple(int(t) for t in p), int(s), params)
                   for k, p, s in zip(keys, prompts, seeds)])
         got: dict[str, Generation] = {}
         while self.running:

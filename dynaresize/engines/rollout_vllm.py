@@ -46,8 +46,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from dynaresize.config.loader import ConfigError
-from dynaresize.engines.protocol import Finished, Request
-from dynaresize.engines.rollout_torch import Generation, RolloutError, SamplingParams
+from dynaresize.engines.protocol import Finished, Generation, Request, RolloutError, SamplingParams
 
 SEED_MASK = (1 << 63) - 1
 

@@ -65,8 +65,8 @@ from dynaresize.comm.transport import CommFetch, WeightSender
 from dynaresize.comm.weights import WeightSyncError, broadcast_weights, send_weights_p2p
 from dynaresize.contract.decode import DecodeSums
 from dynaresize.engines import reshard as R
-from dynaresize.engines.protocol import Request
-from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
+from dynaresize.engines.protocol import Request, SamplingParams
+from dynaresize.engines.rollout_torch import TorchRollout
 from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, ZeroTrainer, token_nll_loss, warm_backend
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager, StagingError

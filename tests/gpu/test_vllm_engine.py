@@ -14,7 +14,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (the 'gpu' extr
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
-from dynaresize.engines.rollout_torch import RolloutError, SamplingParams  # noqa: E402
+from dynaresize.engines.protocol import RolloutError, SamplingParams  # noqa: E402
 from dynaresize.engines.rollout_vllm import VllmRollout  # noqa: E402
 from dynaresize.worker.config import VllmConfig  # noqa: E402
 

@@ -30,7 +30,7 @@ else:
     pytest.importorskip("vllm", reason="vLLM's CPU build is published for Linux x86_64 only")
 
 from dynaresize.engines.protocol import Request  # noqa: E402
-from dynaresize.engines.rollout_torch import RolloutError, SamplingParams  # noqa: E402
+from dynaresize.engines.protocol import RolloutError, SamplingParams  # noqa: E402
 from dynaresize.engines.rollout_vllm import VllmRollout  # noqa: E402
 from dynaresize.worker.config import VllmConfig  # noqa: E402
 

@@ -22,7 +22,8 @@ from dynaresize.contract.workqueue import RolloutQueue, WorkItem
 from dynaresize.control.commands import CommandBus, CommandReceiver
 from dynaresize.control.registry import Registry
 from dynaresize.control.server import connect
-from dynaresize.engines.rollout_torch import SamplingParams, TorchRollout
+from dynaresize.engines.protocol import SamplingParams
+from dynaresize.engines.rollout_torch import TorchRollout
 from dynaresize.worker.local import TINY_MODEL, rollout_rank, tiny_qwen2
 from dynaresize.worker.main import RankHandler
 

@@ -25,7 +25,7 @@ import torch
 
 from dynaresize.comm import groups as G
 from dynaresize.engines import reshard as R
-from dynaresize.engines.rollout_torch import SamplingParams
+from dynaresize.engines.protocol import SamplingParams
 from dynaresize.engines.trainer_deepspeed import token_nll_loss
 from dynaresize.worker.core import Worker, WorkerError
 from dynaresize.worker.hooks import Handler, Hooks

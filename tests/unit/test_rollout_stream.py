@@ -15,9 +15,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dynaresize.engines.protocol import Request
-from dynaresize.engines.rollout_torch import (
-    _CACHE_KW, Generation, RolloutError, SamplingParams, TorchRollout, _cache_of, top_p_filter,
-)
+from dynaresize.engines.protocol import Generation, RolloutError, SamplingParams
+from dynaresize.engines.rollout_torch import _CACHE_KW, TorchRollout, _cache_of, top_p_filter
 
 pytestmark = pytest.mark.unit
 
