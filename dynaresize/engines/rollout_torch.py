@@ -62,7 +62,6 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
 
 
-
 ADMIT_SHARE = 8  # admit when 1/8 of the slots are free (see TorchRollout.admit_min)
 
 
