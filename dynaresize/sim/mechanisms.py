@@ -439,14 +439,13 @@ def sim_scheduler(cfg: SchedulerConfig, helpers: HelperConfig, policy: ResizePol
 class MovableDecodeRank(DecodeRank):
     """A rollout GPU whose sequences in flight can leave it (tail consolidation)."""
 
-    def in_flight_at(self, t: float) -> list[tuple[tuple[int, int], list[float], float]]:
-        """The sequences still decoding at ``t``, per group: ``((batch, group), tokens left of each of its sequences
-        still decoding, their per-iteration cost)``, in plan order. Not during an admission's prefill pause (the plan
-        must have started)."""
+    def _left(self, t: float) -> tuple[list[float], list[float], list[int]] | None:
+        """The sequences still decoding at ``t``, in plan order: the tokens each has left, its per-iteration cost and
+        its local group id; None if none is. Not during an admission's prefill pause (the plan must have started)."""
         self.advance(t)
         head = self.head
         if head == len(self.rs):
-            return []
+            return None
         if t < self.t0:
             raise ValueError(f"rank {self.rank}: no eviction during a prefill pause (t={t}, the plan starts at {self.t0})")
         left = self.rs[head:]
@@ -454,41 +453,41 @@ class MovableDecodeRank(DecodeRank):
             d = self._done_iterations(t)
             left = [max(r - d, _EPS) for r in left]
         _, us, gs = self._ids()
+        return left, us[head:], gs[head:]
+
+    def in_flight_at(self, t: float) -> list[tuple[tuple[int, int], list[float], float]]:
+        """The sequences still decoding at ``t``, per group: ``((batch, group), tokens left of each of its sequences
+        still decoding, their per-iteration cost)``, in plan order (``_left``, grouped)."""
+        got = self._left(t)
+        if got is None:
+            return []
         by_gid: dict[int, tuple[list[float], float]] = {}
-        for r, u, g in zip(left, us[head:], gs[head:]):
-            got = by_gid.get(g)
-            if got is None:
+        for r, u, g in zip(*got):
+            seqs = by_gid.get(g)
+            if seqs is None:
                 by_gid[g] = ([r], u)
             else:
-                got[0].append(r)
+                seqs[0].append(r)
         return [(self.gkey[g], rs, u) for g, (rs, u) in by_gid.items()]
 
     def tail_load(self, t: float) -> tuple[int, float]:
-        """What ``in_flight_at(t)`` lists, summed without the lists (most tails looked at do not move): its sequences,
-        and the decode they add to a receiver's iterations, the sum over its groups in plan order of ``u x`` the
-        group's tokens left (the same floating-point operations in the same order as summing that list)."""
-        self.advance(t)
-        head = self.head
-        n = len(self.rs) - head
-        if n == 0:
+        """What ``in_flight_at(t)`` lists, summed without the per-group lists (most tails looked at do not move): its
+        sequences, and the decode they add to a receiver's iterations, the sum over its groups in plan order of
+        ``u x`` the group's tokens left (the same floating-point operations in the same order as summing that list)."""
+        got = self._left(t)
+        if got is None:
             return 0, 0.0
-        if t < self.t0:
-            raise ValueError(f"rank {self.rank}: no eviction during a prefill pause (t={t}, the plan starts at {self.t0})")
-        d = self._done_iterations(t) if t > self.t0 else None
-        _, us, gs = self._ids()
         per: dict[int, list[float]] = {}
-        for r, u, g in zip(self.rs[head:], us[head:], gs[head:]):
-            if d is not None:
-                r = max(r - d, _EPS)
-            got = per.get(g)
-            if got is None:
+        for r, u, g in zip(*got):
+            acc = per.get(g)
+            if acc is None:
                 per[g] = [r, u]
             else:
-                got[0] += r
+                acc[0] += r
         delay = 0.0
         for left, u in per.values():
             delay += u * left
-        return n, delay
+        return len(got[0]), delay
 
     def evict(self, t: float, listed: list | None = None) -> list[tuple[tuple[int, int], list[float], float]]:
         """Take every sequence still decoding at ``t`` off this GPU (what ``in_flight_at(t)`` lists; ``listed``: that

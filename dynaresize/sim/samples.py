@@ -462,12 +462,7 @@ class SamplePipeline:
             return False
         d_src = dr.t_marks[-1]
         entries = self.drains.get(v)
-        stamp, ranks, crank = self.stamp, self.ranks, core.ranks
-        while entries:  # the latest entry, once the stale ones after it are dropped (self._stale, inlined)
-            _, st, r = entries[-1]
-            x = ranks[r]
-            if st == stamp[r] and crank[r].inflight_version == v and len(x.rs) != x.head:
-                break
+        while entries and self._stale(v, entries[-1]):  # the latest entry, once the stale ones after it are dropped
             entries.pop()
         if not entries or entries[-1][0] < d_src:
             return False  # no rank of its version drains later
