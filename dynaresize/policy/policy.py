@@ -83,7 +83,9 @@ class ResizePolicy:
 
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         cfg, cur = self.cfg, obs.topology
-        est = state.estimates if obs.mixed and state.estimates else self.model.update(state.estimates, obs)
+        if obs.mixed and state.estimates is None:  # nothing clean measured yet: nothing to predict from
+            return state, Decision(ResizeAction.HOLD, cur, "no clean step measured yet")
+        est = state.estimates if obs.mixed else self.model.update(state.estimates, obs)
         if self.pipeline is not None:  # the batches the pipeline predictor replays (a mixed step's batch too)
             trace = state.estimates.trace if state.estimates is not None else ()
             trace = (trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ()

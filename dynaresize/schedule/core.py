@@ -714,6 +714,10 @@ class PipelineScheduler:
             return
         cur = self.topology()
         obs = replace(obs, topology=cur, steps_left=steps_left)  # the payback horizon ends with the run
+        if self.mech.continuous_rollout and obs.step <= self.s:
+            # the pipeline's fill: batches 0..s are all made by version 0, so a rollout rank decodes several of them at
+            # once and each one's busy span counts their shared time: no step of the split's steady state
+            obs = replace(obs, mixed=True)
         self.policy_state, dec = self.policy.step(self.policy_state, obs)
         if not dec.resize or dec.target == cur or dec.target.total != cur.total:
             out.append(Decided(obs.step, dec))

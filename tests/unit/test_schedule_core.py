@@ -423,3 +423,32 @@ def test_a_rank_that_validated_a_newer_version_is_not_handed_an_older_pass_back(
     core.handle(ValidationDone(2, 1, (0,)))
     assert core.handle(RankReady(2, 1)) == []  # version 0's returned group is not for it
     assert core.handle(RankReady(4, 1)) == [Validate(4, 0, (1,))]  # rank 4 still decodes version 0
+
+
+class _Recorder:
+    """A fake resize policy with the real interface that records what it is shown and holds."""
+
+    def __init__(self):
+        self.seen: list[Observation] = []
+
+    def initial_state(self):
+        from dynaresize.policy.types import PolicyState
+        return PolicyState()
+
+    def step(self, state, obs):
+        from dynaresize.policy.types import Decision, ResizeAction
+        self.seen.append(obs)
+        return state, Decision(ResizeAction.HOLD, obs.topology, "recorded")
+
+
+@pytest.mark.parametrize("continuous,s", [(True, 1), (True, 2), (False, 1)])
+def test_the_pipeline_fill_is_shown_to_the_policy_as_mixed_with_continuous_rollout(continuous, s):
+    """With continuous rollout, batches 0..s are all made by version 0 and share the rollout ranks at the start: their
+    steps describe no split's steady state, so the policy is shown them as mixed; the barrier's are clean."""
+    rec = _Recorder()
+    cfg = SchedulerConfig(4, 2, (3,) * 6, staleness=s, mechanisms=Mechanisms(continuous, continuous, True))
+    core = PipelineScheduler(cfg, rec)
+    core.start()
+    for k in range(5):
+        core.handle(StepMeasured(Observation(k, Topology(2, 2), 10.0, 8.0), 5 - k, 1.0))
+    assert [o.mixed for o in rec.seen] == [continuous and k <= s for k in range(5)]

@@ -77,12 +77,15 @@ def test_claiming_ahead_hides_the_refill_latency_and_keeps_the_versions(mech):
 
 
 def test_latency_never_speeds_a_run_up_and_zero_is_the_old_model():
+    """On a held split (the policy's decisions may differ with the latency, so a resizing run may not be slower: that
+    is the policy, not the model), the barrier-free run with helpers and the barrier run each get slower with it."""
     base = ["sim.steps=12", "sim.write_events=false"]
     runs = {}
     for c in (0.0, 0.05, 0.5):
         s = setup(load_config(ROOT / "configs/sim/paper_8gpu.yaml", base + [f"sim.command_latency_s={c}"]))
-        runs[c] = [run_samples(s, s.initial, SimMechanisms(True, True, True, True)).total_s, run_static(s, s.initial).total_s]
-    assert runs[0.0] < runs[0.05] < runs[0.5]
+        runs[c] = [run_samples(s, s.initial, SimMechanisms(True, True, False, True)).total_s, run_static(s, s.initial).total_s]
+    for i in range(2):
+        assert runs[0.0][i] < runs[0.05][i] < runs[0.5][i]
 
 
 def _line(t: float, **data) -> str:
