@@ -5,7 +5,10 @@ GPUs training) it runs continuous rollout + streaming training + gradient helper
 (``SamplePipeline``'s ``tail_share``: the share of a batch's longest response that the policy's observation reports
 as a rollout tail; ``TAIL_SHARE_BARRIER_FREE`` is the default), and compares each run with the best static split with
 the same mechanisms (a local search over splits from the step-level best, shared by the shares). Each share runs
-once per ``policy.predictor`` (``--predictors``: capacity, pipeline), on the same workloads. The issue's target
+once per ``policy.predictor`` (``--predictors``: capacity, pipeline), the capacity predictor once per
+``policy.rollout_model`` (``--rollout-models``: work, decode), on the same workloads; ``--runtime-mechanisms`` runs
+without the simulator's gradient helpers (what the runtime has), against the best static split with the same. The
+issue's target
 (13, item 6; 28): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
 table, then ONE JSON line (``cases``; per row ``cases_within``, the cases within the target, and
 ``ms_per_decision``, the run's wall time per step beyond the static run's: what the policy costs; ``step_level``: the
@@ -13,9 +16,10 @@ same target for the step-level model on the same cases, the barrier schedule wit
 best static split, unless ``--no-step-level``).
 
     .venv/bin/python tools/bench_robustness.py                       # 24 cases x both predictors (~10 min)
-    .venv/bin/python tools/bench_robustness.py --shares 1 0.5 0.25 0 --predictors capacity   # the tail shares
+    .venv/bin/python tools/bench_robustness.py --shares 1 0.5 0.25 0 --predictors capacity --rollout-models work   # the tail shares
     .venv/bin/python tools/bench_robustness.py --gpus 8 --steps 100
     .venv/bin/python tools/bench_robustness.py --predictors capacity --consolidation   # with tail consolidation too
+    .venv/bin/python tools/bench_robustness.py --predictors capacity --runtime-mechanisms --no-step-level   # ~1 min
 """
 
 from __future__ import annotations
@@ -55,15 +59,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="tail shares to compare (default: the default; 1 0.5 0.25 0: the whole tail, half, a quarter, none)")
     ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
                     help="policy.predictor values to compare")
+    ap.add_argument("--rollout-models", nargs="*", default=["work", "decode"], choices=["work", "decode"],
+                    help="policy.rollout_model values the capacity predictor runs with, side by side")
+    ap.add_argument("--runtime-mechanisms", action="store_true",
+                    help="the runtime's own mechanisms (continuous rollout, streaming training) without the simulator's "
+                         "gradient helpers, against the best static split with the same")
     ap.add_argument("--consolidation", action="store_true",
                     help="with tail consolidation too (the simulator's; the bench's all-mechanisms row has it)")
     ap.add_argument("--no-step-level", action="store_true",
                     help="skip the step-level row (the barrier schedule, the capacity policy, against the best static split)")
     args = ap.parse_args(argv)
-    mech = replace(BARRIER_FREE, tail_consolidation=True) if args.consolidation else BARRIER_FREE
+    mech = replace(BARRIER_FREE, gradient_helpers=not args.runtime_mechanisms, tail_consolidation=args.consolidation)
     shares = list(dict.fromkeys(args.shares))
-    rows_of = [(p, sh) for p in dict.fromkeys(args.predictors) for sh in shares]
-    label = {k: f"{k[0]} {k[1]:g}" for k in rows_of}
+    rows_of = [(p, rm, sh) for p in dict.fromkeys(args.predictors)
+               for rm in (dict.fromkeys(args.rollout_models) if p == "capacity" else ("work",)) for sh in shares]
+    label = {k: f"{k[0]}{'/' + k[1] if k[1] != 'work' else ''} {k[2]:g}" for k in rows_of}
     res: dict[tuple, list[tuple[float, int, float]]] = {k: [] for k in rows_of}
     step_level: list[tuple[float, int]] = []  # (loss against the best static split, switches) per case
     for g, m, seed in itertools.product(args.gpus, args.means, args.seeds):
@@ -75,14 +85,14 @@ def main(argv: list[str] | None = None) -> int:
             run_samples(s, split, replace(mech, resize=False))
             static_wall = time.perf_counter() - t0
         cells = []
-        for p, sh in rows_of:
-            sp = replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": p})}))
+        for p, rm, sh in rows_of:
+            sp = replace(s, cfg=s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"predictor": p, "rollout_model": rm})}))
             t0 = time.perf_counter()
             dyn = run_samples(sp, s.initial, mech, tail_share=sh)
             extra_ms = 1000 * max(0.0, time.perf_counter() - t0 - static_wall) / args.steps
             loss = dyn.total_s / best - 1
-            res[(p, sh)].append((loss, dyn.switches, extra_ms))
-            cells.append(f"{label[(p, sh)]}: {dyn.switches} sw {100 * loss:+.2f}%{' MISS' if dyn.switches > 2 or loss > 0.01 else ''}")
+            res[(p, rm, sh)].append((loss, dyn.switches, extra_ms))
+            cells.append(f"{label[(p, rm, sh)]}: {dyn.switches} sw {100 * loss:+.2f}%{' MISS' if dyn.switches > 2 or loss > 0.01 else ''}")
         if not args.no_step_level:  # the step-level model (the barrier schedule) on the same case, its own best split
             s.table.sweep([c.n_rollout for c in s.candidates])
             best_step = min(run_static(s, c).total_s for c in s.candidates)
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         within3 = sum(1 for r in rows if r[0] <= 0.03)
         ms = sum(r[2] for r in rows) / len(rows)
         print(f"{label[k]:>22} {f'{ok} / {len(rows)}':>18} {100 * worst:>10.2f}% {most:>8} {f'{within3} / {len(rows)}':>10} {ms:>12.1f}")
-        out["rows"][label[k]] = {"predictor": k[0], "tail_share": k[1], "cases_within": ok, "worst_loss": round(worst, 4),
+        out["rows"][label[k]] = {"predictor": k[0], "rollout_model": k[1], "tail_share": k[2], "cases_within": ok, "worst_loss": round(worst, 4),
                                  "most_switches": most, "within_3pct": within3, "ms_per_decision": round(ms, 2)}
     if step_level:
         ok = sum(1 for loss, sw in step_level if loss <= 0.01 and sw <= 2)

@@ -493,8 +493,8 @@ class ContinuousSchedule:
 
     def workload(self, k: int, t: Tally, generated: list, n_train: int, step_s: float) -> PipelineWorkload | None:
         """Batch k as the policy's pipeline predictor replays it (:mod:`dynaresize.job.workload`), in the barrier-free
-        schedule with streaming training (as the simulator fills it) and with ``policy.predictor: pipeline`` (the
-        observation goes into ``schedule.jsonl`` with its lengths). Its decode model is fitted on the timed iterations
+        schedule with streaming training (as the simulator fills it) and with ``policy.predictor: pipeline`` or
+        ``policy.rollout_model: decode`` (the observation goes into ``schedule.jsonl`` with its lengths). Its decode model is fitted on the timed iterations
         of the last ``DECODE_WINDOW`` batches of this segment (one batch of short responses may hold too few; a
         takeover's replay observes the same acks, so it fits the same), logged as a metric either way."""
         mech = self.core_cfg.mechanisms
@@ -517,7 +517,8 @@ class ContinuousSchedule:
         if replies and not self.replaying:
             self.job.events.emit("metric", name="control.round_trip_s", value=round(latency, 6), step=k,
                                  samples=len(replies), of="train" if trains else "generate")
-        return wl if self.cfg.policy.predictor == "pipeline" else None  # (only its user carries it into schedule.jsonl)
+        pol = self.cfg.policy  # (only its users carry it into schedule.jsonl: the pipeline predictor, the decode profile)
+        return wl if pol.predictor == "pipeline" or pol.rollout_model == "decode" else None
 
     def judge(self, j: int, groups: tuple[int, ...]) -> tuple[bool, ...]:
         """Complete groups of batch ``j``: their reward failures reported (every generated sample, trained or not),

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dynaresize import atomic
+from dynaresize.policy.decode_profile import DecodeProfile
 from dynaresize.policy.types import Estimates, LeftSplit, PolicyState, Topology
 
 STATE_FILE = "coordinator.json"
@@ -58,7 +59,7 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
         return None
     est = d.get("estimates")
     return PolicyState(
-        estimates=Estimates(**{k: v for k, v in est.items() if k not in ("trace", "play")}) if est else None,
+        estimates=_estimates(est) if est else None,
         signal_dir=int(d.get("signal_dir", 0)),
         signal_count=int(d.get("signal_count", 0)),
         steps_since_resize=int(d.get("steps_since_resize", 10**9)),
@@ -71,6 +72,14 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
         resized_at=tuple(int(k) for k in d.get("resized_at", ())),
         forced_step=int(d.get("forced_step", -1)),
     )
+
+
+def _estimates(d: dict[str, Any]) -> Estimates:
+    est = {k: v for k, v in d.items() if k not in ("trace", "play", "decode")}
+    prof = d.get("decode")
+    if prof:
+        est["decode"] = DecodeProfile(**{**prof, "group_max": tuple(prof["group_max"])})
+    return Estimates(**est)
 
 
 def save_state(run_dir: Path, st: JobState) -> Path:

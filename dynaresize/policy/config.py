@@ -62,6 +62,18 @@ class PolicyConfig(Section):
     train_scaling_per_doubling: float = Field(
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"
     )
+    rollout_model: Literal["work", "decode"] = Field(
+        "work", description="predictor=capacity: a split's rollout stage as work / n_rollout (GPU-seconds measured on "
+        "one split) or from the observed batches' decode profile (decode: each GPU's busy span from its share's longest "
+        "response, its tokens and its KV slots, scaled by the ratio measured; dynaresize/policy/decode_profile.py), where "
+        "the observation carries its batch (the barrier-free schedule)"
+    )
+    decode_shape_alpha: float = Field(
+        0.1, gt=0, le=1, description="rollout_model=decode: EWMA weight of the profile's shape (each group's longest "
+        "response relative to the mean; a batch's few longest vary by tens of % from batch to batch), after a running "
+        "mean over the first observations; its level (tokens, decode costs) follows ewma_alpha (robustness, 24 cases: "
+        "0.05-0.1 within 1% on 21, 0.2 on 20 with up to 6 switches)"
+    )
     predictor: Literal["capacity", "pipeline"] = Field(
         "capacity", description="What predicts a split's period: capacity (rollout = tail + work / n_rollout, train = "
         "work / n_train) or pipeline (plays the split forward on the run's own recent batches with the simulator's "

@@ -67,7 +67,8 @@ class ResizePolicy:
         self.cfg = cfg
         self.costs = costs
         self.candidates = tuple(candidates)
-        self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior)
+        self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior,
+                                cfg.rollout_model == "decode", cfg.decode_shape_alpha)
         self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks) if cfg.predictor == "pipeline" else None
         ts = sorted({c.n_train for c in self.candidates})
         self._unit = min((b - a for a, b in zip(ts, ts[1:])), default=1)

@@ -23,7 +23,11 @@ from dataclasses import replace
 
 import numpy as np
 
+from dynaresize.policy.decode_profile import DecodeProfile
 from dynaresize.policy.types import Estimates, Observation, Topology
+
+
+RATIO_MIN_WEIGHT = 0.1  # the decode profile's measured ratio: a running mean down to this weight (as the policy's here-ratio)
 
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
@@ -65,8 +69,10 @@ class StageModel:
     """
 
     def __init__(self, alpha: float, scaling_per_doubling: float, tail_alpha: float | None = None, noise_alpha: float = 0.2,
-                 tail_cv_prior: float = 0.0):
+                 tail_cv_prior: float = 0.0, decode: bool = False, shape_alpha: float = 0.1):
         self.alpha = alpha
+        self.decode = decode  # rollout from the observed batches' decode profile where they are observed
+        self.shape_alpha = shape_alpha  # the profile's shape (longest responses relative to the mean): its EWMA weight
         self.tail_cv_prior = tail_cv_prior
         self.per_doubling = scaling_per_doubling
         self.tail_alpha = alpha if tail_alpha is None else tail_alpha
@@ -74,11 +80,16 @@ class StageModel:
 
     def measure(self, obs: Observation) -> Estimates:
         tail = max(0.0, min(obs.rollout_tail_s, obs.rollout_s))
+        profile = DecodeProfile.of(obs.workload) if self.decode and obs.workload is not None else None
+        modelled = profile.rollout_s(obs.topology.n_rollout) if profile is not None else 0.0
         return Estimates(
             rollout_work=(obs.rollout_s - tail) * obs.topology.n_rollout,
             rollout_tail=tail,
             train_work=obs.train_s * obs.topology.n_train * efficiency(obs.topology.n_train, self.per_doubling),
             sync=obs.weight_sync_s,
+            decode=profile if modelled > 0 else None,
+            rollout_ratio=(obs.rollout_s - tail) / modelled if modelled > 0 else 1.0,
+            ratio_rollout=obs.topology.n_rollout,
         )
 
     def update(self, old: Estimates | None, obs: Observation) -> Estimates:
@@ -89,6 +100,11 @@ class StageModel:
         a, ta, na = self.alpha, self.tail_alpha, self.noise_alpha
         d_tail = m.rollout_tail - old.rollout_tail
         d_train = m.train_work / old.train_work - 1.0 if old.train_work > 0 else 0.0
+        both = old.decode is not None and m.decode is not None
+        # the ratio is the profile's error on the split measured: a running mean from the move there (the model's
+        # error differs from split to split), down to RATIO_MIN_WEIGHT (a window for slow drift)
+        same = both and old.ratio_rollout == obs.topology.n_rollout
+        k = old.ratio_steps + 1 if same else 1
         return Estimates(
             rollout_work=ewma(old.rollout_work, m.rollout_work, a),
             rollout_tail=old.rollout_tail + ta * d_tail,
@@ -97,10 +113,20 @@ class StageModel:
             tail_var=(1 - na) * (old.tail_var + na * d_tail * d_tail),
             train_var=(1 - na) * (old.train_var + na * d_train * d_train),
             observations=n,
+            decode=old.decode.blend(m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
+            rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
+            ratio_rollout=obs.topology.n_rollout, ratio_steps=k,
         )
 
+    def bulk_s(self, est: Estimates, n_rollout: int) -> float:
+        """The rollout stage but its tail on ``n_rollout`` GPUs: the work over them, or with a decode profile its
+        busy span there times the ratio measured to it."""
+        if est.decode is not None:
+            return est.rollout_ratio * est.decode.rollout_s(n_rollout)
+        return est.rollout_work / n_rollout
+
     def rollout_s(self, est: Estimates, topo: Topology) -> float:
-        return est.rollout_tail + est.rollout_work / topo.n_rollout + est.sync
+        return est.rollout_tail + self.bulk_s(est, topo.n_rollout) + est.sync
 
     def train_s(self, est: Estimates, topo: Topology) -> float:
         return est.train_work / (topo.n_train * efficiency(topo.n_train, self.per_doubling))
@@ -120,7 +146,8 @@ class StageModel:
         nr = np.asarray(n_rollout, dtype=np.float64)
         nt = np.asarray(n_train, dtype=np.float64)
         eff = np.where(nt > 1, self.per_doubling ** np.log2(np.maximum(nt, 1)), 1.0)
-        r = (est.rollout_tail if tail is None else tail) + est.rollout_work / nr + est.sync
+        bulk = est.rollout_work / nr if est.decode is None else np.array([self.bulk_s(est, int(x)) for x in nr])
+        r = (est.rollout_tail if tail is None else tail) + bulk + est.sync
         t = est.train_work / (nt * eff)
         return expected_max(r, math.sqrt(max(0.0, est.tail_var)), t, t * math.sqrt(max(0.0, est.train_var)))
 

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dynaresize.events import SwitchOp
+
+if TYPE_CHECKING:
+    from dynaresize.policy.decode_profile import DecodeProfile
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -132,6 +136,10 @@ class Estimates:
     observations: int = 1  # observations the estimates were learned from
     trace: tuple[PipelineWorkload, ...] = ()  # the newest observed batches (oldest first), for the pipeline predictor
     play: tuple[PipelineWorkload, ...] = ()  # the batches it replays: ``trace`` carried forward along its drift
+    decode: DecodeProfile | None = None  # policy.rollout_model decode: the batches' decode profile (blended)
+    rollout_ratio: float = 1.0  # with ``decode``: measured rollout bulk / the profile's, on the split measured (EWMA)
+    ratio_rollout: int = 0  # with ``decode``: the rollout pool size the ratio was measured on
+    ratio_steps: int = 1  # with ``decode``: the ratio's observations on it
 
 
 @dataclass(frozen=True, slots=True)

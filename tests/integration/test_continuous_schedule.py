@@ -96,6 +96,25 @@ def test_continuous_schedule_keeps_rl_semantics_and_replays(tmp_path, model_cach
         assert logged == again, f"replaying {what}: {logged} != {again}"
 
 
+def test_the_capacity_predictors_decode_profile_runs_on_the_runtimes_batches(tmp_path, model_cache):
+    """``policy.rollout_model: decode`` with the default capacity predictor: the runtime fills each step's batch for it
+    (as for the pipeline predictor), the policy learns its profile from the clean steps (after the pipeline's fill,
+    batches 0 and 1), and a takeover's replay of the log makes the same decisions."""
+    from dynaresize.job.core_io import replay_log
+
+    run(tmp_path, model_cache, f"run.steps={STEPS}", f"run.seed={SEED}", "policy.rollout_model=decode", *CONTINUOUS)
+    rd = run_dir_of(tmp_path)
+    recs = schedule(rd)
+    measured = [r["event"]["observation"] for r in recs if (r.get("event") or {}).get("type") == "StepMeasured"]
+    assert all(o["workload"] is not None for o in measured[1:]), measured
+    reasons = [a["decision"]["reason"] for r in recs for a in r.get("actions", []) if a["type"] == "Decided"]
+    assert reasons[:2] == ["no clean step measured yet"] * 2 and len(reasons) == STEPS - 1, reasons  # the fill
+    est = json.loads((rd / "checkpoints" / "coordinator.json").read_text())["policy"]["estimates"]
+    assert est["decode"]["groups"] == 4 and est["decode"]["tokens"] > 0 and est["rollout_ratio"] > 0, est
+    for what, logged, again in replay_log(rd):
+        assert logged == again, f"replaying {what}: {logged} != {again}"
+
+
 def the_policy_saw_each_batch(rd: Path, recs: list[dict]) -> None:
     """``policy.predictor: pipeline``: each step's observation carries its batch (the pipeline predictor's workload,
     which the replay below feeds the policy again): every generated response's length, group by group, the rollout
