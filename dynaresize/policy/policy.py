@@ -84,14 +84,18 @@ class ResizePolicy:
 
     def step(self, state: PolicyState, obs: Observation) -> tuple[PolicyState, Decision]:
         cfg, cur = self.cfg, obs.topology
-        if obs.mixed and state.estimates is None:  # nothing clean measured yet: nothing to predict from
-            return state, Decision(ResizeAction.HOLD, cur, "no clean step measured yet")
-        est = state.estimates if obs.mixed else self.model.update(state.estimates, obs)
+        learned = state.estimates is not None and state.estimates.observations > 0
+        if obs.mixed and not learned:  # nothing clean measured yet: estimates that only carry the batch (observations 0)
+            est = replace(self.model.update(None, obs), observations=0)
+        else:  # (estimates with no observation are replaced by the first clean step's)
+            est = state.estimates if obs.mixed else self.model.update(state.estimates if learned else None, obs)
         if self.pipeline is not None:  # the batches the pipeline predictor replays (a mixed step's batch too)
             trace = state.estimates.trace if state.estimates is not None else ()
             trace = (trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ()
             lead = cfg.pipeline_lead_steps
             est = replace(est, trace=trace, play=trace if lead is None else extrapolate(trace, lead, cfg.pipeline_trend_z))
+        if est.observations == 0:
+            return replace(state, estimates=est), Decision(ResizeAction.HOLD, cur, "no clean step measured yet")
         state = replace(self._observe(state, obs), estimates=est, steps_since_resize=state.steps_since_resize + 1)
         imb, direction = self._imbalance(est, cur)
 
@@ -171,7 +175,7 @@ class ResizePolicy:
     def _observe(self, state: PolicyState, obs: Observation) -> PolicyState:
         """Track how far off the model is on the current split: measured period / the period it predicted before
         seeing this step (a running mean over the clean steps, the newest 10 weighing most)."""
-        if obs.mixed or state.estimates is None:
+        if obs.mixed or state.estimates is None or state.estimates.observations == 0:
             return state
         pred = self._period(state.estimates, obs.topology)
         if pred <= 0:

@@ -133,7 +133,7 @@ class Estimates:
     sync: float  # seconds
     tail_var: float = 0.0  # EWMA variance of the observed tail, s^2 (the step-to-step noise of the longest response)
     train_var: float = 0.0  # EWMA variance of the observed train work, relative (squared fraction)
-    observations: int = 1  # observations the estimates were learned from
+    observations: int = 1  # observations the estimates were learned from (0: none clean yet, they only carry batches)
     trace: tuple[PipelineWorkload, ...] = ()  # the newest observed batches (oldest first), for the pipeline predictor
     play: tuple[PipelineWorkload, ...] = ()  # the batches it replays: ``trace`` carried forward along its drift
     decode: DecodeProfile | None = None  # policy.rollout_model decode: the batches' decode profile (blended)

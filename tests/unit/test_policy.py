@@ -226,10 +226,12 @@ def test_always_returns_a_valid_topology(total, seq, greedy):
 
 
 def test_a_mixed_step_before_any_clean_one_holds_and_learns_nothing():
-    """The pipeline's fill comes first and is mixed: the policy holds without estimates, then learns from the first
-    clean step alone."""
+    """The pipeline's fill comes first and is mixed: the policy holds with estimates of no observation (they only
+    carry the batch, for the pipeline predictor), then learns from the first clean step alone."""
     p = policy(min_dwell_steps=0, consecutive_signals=1)
     s, d = p.step(p.initial_state(), obs(0, Topology(6, 2), 900, 10, mixed=True))
-    assert not d.resize and d.reason == "no clean step measured yet" and s.estimates is None
-    s, _ = p.step(s, obs(1, Topology(6, 2), 200, 100, tail=40))
-    assert s.estimates == p.step(p.initial_state(), obs(1, Topology(6, 2), 200, 100, tail=40))[0].estimates
+    assert not d.resize and d.reason == "no clean step measured yet" and s.estimates.observations == 0
+    s, d = p.step(s, obs(1, Topology(6, 2), 900, 10, mixed=True))
+    assert not d.resize and s.estimates.observations == 0 and s.here_ratio is None
+    s, _ = p.step(s, obs(2, Topology(6, 2), 200, 100, tail=40))
+    assert s.estimates == p.step(p.initial_state(), obs(2, Topology(6, 2), 200, 100, tail=40))[0].estimates
