@@ -75,7 +75,8 @@ def policy_from_dict(d: dict[str, Any] | None) -> PolicyState | None:
 
 
 def _estimates(d: dict[str, Any]) -> Estimates:
-    est = {k: v for k, v in d.items() if k not in ("trace", "play", "decode")}
+    est = {k: v for k, v in d.items() if k not in ("trace", "play", "decode", "ratios")}
+    est["ratios"] = tuple((int(n), float(r)) for n, r in d.get("ratios", ()))
     prof = d.get("decode")
     if prof:
         est["decode"] = DecodeProfile(**{**prof, "group_max": tuple(prof["group_max"])})

@@ -27,6 +27,7 @@ from dynaresize.policy.decode_profile import DecodeProfile
 from dynaresize.policy.types import Estimates, Observation, Topology
 
 
+RATIO_MIN_STEPS = 3  # a pool size's ratio is remembered once measured on this many steps (as the policy's memory)
 RATIO_MIN_WEIGHT = 0.1  # the decode profile's measured ratio: a running mean down to this weight (as the policy's here-ratio)
 
 
@@ -105,6 +106,9 @@ class StageModel:
         # error differs from split to split), down to RATIO_MIN_WEIGHT (a window for slow drift)
         same = both and old.ratio_rollout == obs.topology.n_rollout
         k = old.ratio_steps + 1 if same else 1
+        ratios = old.ratios  # the ratios of the pool sizes left, measured on at least RATIO_MIN_STEPS steps
+        if both and not same and old.ratio_steps >= RATIO_MIN_STEPS:
+            ratios = tuple(x for x in ratios if x[0] != old.ratio_rollout)[-3:] + ((old.ratio_rollout, old.rollout_ratio),)
         return Estimates(
             rollout_work=ewma(old.rollout_work, m.rollout_work, a),
             rollout_tail=old.rollout_tail + ta * d_tail,
@@ -115,14 +119,18 @@ class StageModel:
             observations=n,
             decode=old.decode.blend(m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
             rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
-            ratio_rollout=obs.topology.n_rollout, ratio_steps=k,
+            ratio_rollout=obs.topology.n_rollout, ratio_steps=k, ratios=ratios if both else (),
         )
 
     def bulk_s(self, est: Estimates, n_rollout: int) -> float:
         """The rollout stage but its tail on ``n_rollout`` GPUs: the work over them, or with a decode profile its
-        busy span there times the ratio measured to it."""
+        busy span there times the ratio measured to it (on that pool size when it was left after RATIO_MIN_STEPS
+        steps, else on the current one: the profile's error differs from size to size)."""
         if est.decode is not None:
-            return est.rollout_ratio * est.decode.rollout_s(n_rollout)
+            ratio = est.rollout_ratio
+            if n_rollout != est.ratio_rollout:
+                ratio = next((r for n, r in est.ratios if n == n_rollout), ratio)
+            return ratio * est.decode.rollout_s(n_rollout)
         return est.rollout_work / n_rollout
 
     def rollout_s(self, est: Estimates, topo: Topology) -> float:

@@ -140,6 +140,7 @@ class Estimates:
     rollout_ratio: float = 1.0  # with ``decode``: measured rollout bulk / the profile's, on the split measured (EWMA)
     ratio_rollout: int = 0  # with ``decode``: the rollout pool size the ratio was measured on
     ratio_steps: int = 1  # with ``decode``: the ratio's observations on it
+    ratios: tuple[tuple[int, float], ...] = ()  # with ``decode``: (rollout pool size, its ratio) of the sizes left
 
 
 @dataclass(frozen=True, slots=True)

@@ -139,7 +139,26 @@ def test_the_policy_state_with_a_profile_survives_coordinator_json():
     from dynaresize.policy.types import Estimates, PolicyState
 
     prof = DecodeProfile.of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
-    st = PolicyState(estimates=Estimates(10.0, 0.0, 20.0, 0.0, decode=prof, rollout_ratio=1.04, ratio_rollout=3, ratio_steps=5))
+    st = PolicyState(estimates=Estimates(10.0, 0.0, 20.0, 0.0, decode=prof, rollout_ratio=1.04, ratio_rollout=3, ratio_steps=5,
+                                           ratios=((2, 1.1), (4, 0.97))))
     back = policy_from_dict(json.loads(json.dumps(policy_to_dict(st))))
     assert back == st and isinstance(back.estimates.decode.group_max, tuple)
     assert math.isfinite(back.estimates.decode.rollout_s(2))
+
+
+def test_the_ratio_of_a_pool_size_left_predicts_it_again():
+    """The profile's error is measured per pool size: after 3 steps on 2 rollout GPUs (ratio 1.2) and a move to 3
+    (ratio 0.9), the prediction for 2 uses 1.2 again, for 4 (never measured) the current 0.9."""
+    from dynaresize.policy.predictor import StageModel
+    from dynaresize.policy.types import Observation
+
+    m = StageModel(0.5, 0.95, decode=True)
+    wl = _workload([1, 9, 4, 2, 30, 3, 7, 6])
+    prof = DecodeProfile.of(wl)
+    est = None
+    for k, (n, ratio) in enumerate([(2, 1.2)] * 3 + [(3, 0.9)] * 2):
+        o = Observation(k, Topology(8 - n, n), ratio * prof.rollout_s(n), 1.0, workload=wl)
+        est = m.update(est, o)
+    assert est.ratio_rollout == 3 and est.rollout_ratio == pytest.approx(0.9) and est.ratios == ((2, pytest.approx(1.2)),)
+    assert m.bulk_s(est, 2) == pytest.approx(1.2 * prof.rollout_s(2))
+    assert m.bulk_s(est, 4) == pytest.approx(0.9 * prof.rollout_s(4))
