@@ -13,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dynaresize import atomic
-from dynaresize.policy.decode_profile import DecodeProfile
-from dynaresize.policy.types import Estimates, LeftSplit, PolicyState, Topology
+from dynaresize.policy.types import DecodeProfile, Estimates, LeftSplit, PolicyState, Topology
 
 STATE_FILE = "coordinator.json"
 STATE_VERSION = 1

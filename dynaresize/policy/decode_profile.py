@@ -17,84 +17,74 @@ groups (an order statistic of their longest responses). Fewer GPUs hold more seq
 fixed cost once for all of them. The busy span's tail, the longest response of a share, shrinks with the share.
 Neither shows in ``work / n``.
 
-:class:`DecodeProfile` holds what the model needs, from an observed batch
-(:class:`~dynaresize.policy.types.PipelineWorkload`: its response lengths and decode model), blended from batch to
-batch. The policy scales it by the measured busy span over the model's on the split measured
+:class:`~dynaresize.policy.types.DecodeProfile` holds what the model needs, from an observed batch
+(:class:`~dynaresize.policy.types.PipelineWorkload`: its response lengths and decode model, :func:`profile_of`),
+blended from batch to batch (:func:`blend`); :func:`busy_span_s` is the model. The policy scales it by the measured busy span over the model's on the split measured
 (``Estimates.rollout_ratio``). Pure: no clock, no randomness.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
 
-from dynaresize.policy.types import PipelineWorkload
+from dynaresize.policy.types import DecodeProfile, PipelineWorkload
 
 PROFILE_POINTS = 256  # longest responses kept per batch (order statistics at even ranks beyond this many groups)
 
 
-@dataclass(frozen=True, slots=True)
-class DecodeProfile:
-    """A batch as the rollout model needs it (see the module's docstring)."""
+def profile_of(wl: PipelineWorkload) -> DecodeProfile | None:
+    """The profile of an observed batch; None when it has no group or no decode model."""
+    G = max(1, wl.group_size)
+    ng = len(wl.lengths) // G
+    if ng < 1 or wl.iteration_s + wl.seq_iteration_s <= 0:
+        return None
+    lens = np.asarray(wl.lengths[:ng * G], dtype=np.float64).reshape(ng, G)
+    gm = np.sort(lens.max(axis=1))
+    if ng > PROFILE_POINTS:  # order statistics at even ranks
+        gm = np.interp(np.linspace(0, ng - 1, PROFILE_POINTS), np.arange(ng), gm)
+    return DecodeProfile(float(wl.iteration_s), float(wl.seq_iteration_s), float(wl.prefill_s_per_group), max(1, int(wl.kv_slots)),
+                         ng, float(lens.sum()), tuple(float(x) for x in gm))
 
-    iteration_s: float  # fixed seconds per decode iteration of a GPU
-    seq_iteration_s: float  # seconds per decode iteration per active sequence
-    prefill_s_per_group: float
-    kv_slots: int  # sequences a GPU holds at once
-    groups: int  # groups per batch
-    tokens: float  # response tokens per batch
-    group_max: tuple[float, ...]  # each group's longest response, ascending (at most PROFILE_POINTS order statistics)
 
-    @classmethod
-    def of(cls, wl: PipelineWorkload) -> "DecodeProfile | None":
-        """The profile of an observed batch; None when it has no group or no decode model."""
-        G = max(1, wl.group_size)
-        ng = len(wl.lengths) // G
-        if ng < 1 or wl.iteration_s + wl.seq_iteration_s <= 0:
-            return None
-        lens = np.asarray(wl.lengths[:ng * G], dtype=np.float64).reshape(ng, G)
-        gm = np.sort(lens.max(axis=1))
-        if ng > PROFILE_POINTS:  # order statistics at even ranks
-            gm = np.interp(np.linspace(0, ng - 1, PROFILE_POINTS), np.arange(ng), gm)
-        return cls(float(wl.iteration_s), float(wl.seq_iteration_s), float(wl.prefill_s_per_group), max(1, int(wl.kv_slots)),
-                   ng, float(lens.sum()), tuple(float(x) for x in gm))
+def blend(old: DecodeProfile, new: DecodeProfile, alpha: float, shape_alpha: float) -> DecodeProfile:
+    """The EWMA of two profiles: the decode costs and the tokens (the level) with weight ``alpha`` on ``new``; the
+    longest responses relative to the mean tokens of a group (the shape), rank by rank, with ``shape_alpha``: a
+    batch's few longest responses vary by tens of % from batch to batch, while a drift (lengths growing over a
+    run) moves the level, not the shape. The batch's shape (groups, slots) is the newest."""
+    def mix(a: float, b: float, w: float) -> float:
+        return w * b + (1 - w) * a
+    tokens = mix(old.tokens, new.tokens, alpha)
+    gm = new.group_max
+    if len(gm) == len(old.group_max) and old.tokens > 0 and new.tokens > 0:
+        was, now, level = old.tokens / old.groups, new.tokens / new.groups, tokens / new.groups
+        gm = tuple(level * mix(a / was, b / now, shape_alpha) for a, b in zip(old.group_max, gm))
+    return replace(new, iteration_s=mix(old.iteration_s, new.iteration_s, alpha),
+                   seq_iteration_s=mix(old.seq_iteration_s, new.seq_iteration_s, alpha),
+                   prefill_s_per_group=mix(old.prefill_s_per_group, new.prefill_s_per_group, alpha), tokens=tokens, group_max=gm)
 
-    def blend(self, new: "DecodeProfile", alpha: float, shape_alpha: float) -> "DecodeProfile":
-        """The EWMA of two profiles: the decode costs and the tokens (the level) with weight ``alpha`` on ``new``; the
-        longest responses relative to the mean tokens of a group (the shape), rank by rank, with ``shape_alpha``: a
-        batch's few longest responses vary by tens of % from batch to batch, while a drift (lengths growing over a
-        run) moves the level, not the shape. The batch's shape (groups, slots) is the newest."""
-        def mix(a: float, b: float, w: float) -> float:
-            return w * b + (1 - w) * a
-        tokens = mix(self.tokens, new.tokens, alpha)
-        gm = new.group_max
-        if len(gm) == len(self.group_max) and self.tokens > 0 and new.tokens > 0:
-            was, now, level = self.tokens / self.groups, new.tokens / new.groups, tokens / new.groups
-            gm = tuple(level * mix(a / was, b / now, shape_alpha) for a, b in zip(self.group_max, gm))
-        return replace(new, iteration_s=mix(self.iteration_s, new.iteration_s, alpha),
-                       seq_iteration_s=mix(self.seq_iteration_s, new.seq_iteration_s, alpha),
-                       prefill_s_per_group=mix(self.prefill_s_per_group, new.prefill_s_per_group, alpha), tokens=tokens, group_max=gm)
 
-    def longest(self, c: int) -> float:
-        """E[the longest response of ``c`` groups drawn without replacement from the batch's]."""
-        if c <= 0:
-            return 0.0
-        table = _expected_max(self.group_max)
-        n = len(self.group_max)
-        k = c if n == self.groups else max(1, round(c * n / self.groups))  # (order statistics kept: the share scaled)
-        return float(table[min(n, k) - 1])
+def longest(p: DecodeProfile, c: int) -> float:
+    """E[the longest response of ``c`` groups drawn without replacement from the batch's]."""
+    if c <= 0:
+        return 0.0
+    table = _expected_max(p.group_max)
+    n = len(p.group_max)
+    k = c if n == p.groups else max(1, round(c * n / p.groups))  # (order statistics kept: the share scaled)
+    return float(table[min(n, k) - 1])
 
-    def rollout_s(self, n_rollout: int) -> float:
-        """Mean busy span of a rollout GPU on a batch with ``n_rollout`` GPUs (the module's model)."""
-        n = max(1, int(n_rollout))
-        c = -(-self.groups // n)
-        full, rest = divmod(self.groups, c)
-        m = (full * self.longest(c) + self.longest(rest)) / n
-        iterations = max(m, self.tokens / (n * self.kv_slots))
-        return self.iteration_s * iterations + (self.seq_iteration_s * self.tokens + self.prefill_s_per_group * self.groups) / n
+
+def busy_span_s(p: DecodeProfile, n_rollout: int) -> float:
+    """Mean busy span of a rollout GPU on a batch with ``n_rollout`` GPUs (the module's model)."""
+    n = max(1, int(n_rollout))
+    c = -(-p.groups // n)
+    full, rest = divmod(p.groups, c)
+    m = (full * longest(p, c) + longest(p, rest)) / n
+    iterations = max(m, p.tokens / (n * p.kv_slots))
+    return p.iteration_s * iterations + (p.seq_iteration_s * p.tokens + p.prefill_s_per_group * p.groups) / n
 
 
 @lru_cache(maxsize=16)

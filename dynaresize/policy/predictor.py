@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from dynaresize.policy.decode_profile import DecodeProfile
+from dynaresize.policy.decode_profile import blend, busy_span_s, profile_of
 from dynaresize.policy.types import Estimates, Observation, Topology
 
 
@@ -81,8 +81,8 @@ class StageModel:
 
     def measure(self, obs: Observation) -> Estimates:
         tail = max(0.0, min(obs.rollout_tail_s, obs.rollout_s))
-        profile = DecodeProfile.of(obs.workload) if self.decode and obs.workload is not None else None
-        modelled = profile.rollout_s(obs.topology.n_rollout) if profile is not None else 0.0
+        profile = profile_of(obs.workload) if self.decode and obs.workload is not None else None
+        modelled = busy_span_s(profile, obs.topology.n_rollout) if profile is not None else 0.0
         return Estimates(
             rollout_work=(obs.rollout_s - tail) * obs.topology.n_rollout,
             rollout_tail=tail,
@@ -117,7 +117,7 @@ class StageModel:
             tail_var=(1 - na) * (old.tail_var + na * d_tail * d_tail),
             train_var=(1 - na) * (old.train_var + na * d_train * d_train),
             observations=n,
-            decode=old.decode.blend(m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
+            decode=blend(old.decode, m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
             rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
             ratio_rollout=obs.topology.n_rollout, ratio_steps=k, ratios=ratios if both else (),
         )
@@ -130,7 +130,7 @@ class StageModel:
             ratio = est.rollout_ratio
             if n_rollout != est.ratio_rollout:
                 ratio = next((r for n, r in est.ratios if n == n_rollout), ratio)
-            return ratio * est.decode.rollout_s(n_rollout)
+            return ratio * busy_span_s(est.decode, n_rollout)
         return est.rollout_work / n_rollout
 
     def rollout_s(self, est: Estimates, topo: Topology) -> float:

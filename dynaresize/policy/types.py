@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from dynaresize.events import SwitchOp
-
-if TYPE_CHECKING:
-    from dynaresize.policy.decode_profile import DecodeProfile
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -121,6 +117,20 @@ class Decision:
     @property
     def resize(self) -> bool:
         return self.action is ResizeAction.RESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeProfile:
+    """What the capacity predictor's decode model needs of the observed batches (``policy.rollout_model: decode``;
+    the model and how a batch becomes one: :mod:`dynaresize.policy.decode_profile`)."""
+
+    iteration_s: float  # fixed seconds per decode iteration of a GPU
+    seq_iteration_s: float  # seconds per decode iteration per active sequence
+    prefill_s_per_group: float
+    kv_slots: int  # sequences a GPU holds at once
+    groups: int  # groups per batch
+    tokens: float  # response tokens per batch
+    group_max: tuple[float, ...]  # each group's longest response, ascending (at most PROFILE_POINTS order statistics)
 
 
 @dataclass(frozen=True, slots=True)

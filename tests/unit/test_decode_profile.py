@@ -14,7 +14,7 @@ import pytest
 from dynaresize.config.loader import load_config
 from dynaresize.policy import Topology
 from dynaresize.policy import policy as policy_mod
-from dynaresize.policy.decode_profile import PROFILE_POINTS, DecodeProfile, _expected_max
+from dynaresize.policy.decode_profile import PROFILE_POINTS, _expected_max, blend, busy_span_s, longest, profile_of
 from dynaresize.policy.types import PipelineWorkload
 from dynaresize.sim.compare import best_static_samples, run_samples, setup
 from dynaresize.sim.mechanisms import SimMechanisms
@@ -39,37 +39,37 @@ def test_the_expected_longest_of_a_subset_is_the_mean_over_every_subset():
 
 def test_the_profile_of_a_batch():
     # 4 groups of 2: their longest 9, 4, 30, 7 (ascending 4, 7, 9, 30); 12 tokens each on average
-    p = DecodeProfile.of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
+    p = profile_of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
     assert (p.groups, p.tokens, p.group_max, p.kv_slots) == (4, 62.0, (4.0, 7.0, 9.0, 30.0), 64)
     # 2 GPUs: a share of 2 groups each; iterations = E[longest of 2 of the 4 groups] = (7 + 9 + 30 x 3 + 9) / 6
     m = (7 + 9 + 9 + 30 + 30 + 30) / 6
-    assert p.rollout_s(2) == pytest.approx(0.01 * m + (0.001 * 62 + 0.02 * 4) / 2)
+    assert busy_span_s(p, 2) == pytest.approx(0.01 * m + (0.001 * 62 + 0.02 * 4) / 2)
     # 3 GPUs: ceil(4 / 3) = 2 groups on one, 2 on another, the third waits: the mean over 3
-    assert p.rollout_s(3) == pytest.approx(0.01 * 2 * m / 3 + (0.001 * 62 + 0.02 * 4) / 3)
+    assert busy_span_s(p, 3) == pytest.approx(0.01 * 2 * m / 3 + (0.001 * 62 + 0.02 * 4) / 3)
     # 1 GPU with 3 slots: the share does not fit, the tokens over the slots set the iterations (62 / 3 < 30: no)
-    assert replace(p, kv_slots=1).rollout_s(1) == pytest.approx(0.01 * 62 + 0.001 * 62 + 0.02 * 4)
-    assert DecodeProfile.of(_workload([1], G=2)) is None  # no whole group
-    assert DecodeProfile.of(_workload([1, 2], w=0.0, u=0.0)) is None  # no decode model
+    assert busy_span_s(replace(p, kv_slots=1), 1) == pytest.approx(0.01 * 62 + 0.001 * 62 + 0.02 * 4)
+    assert profile_of(_workload([1], G=2)) is None  # no whole group
+    assert profile_of(_workload([1, 2], w=0.0, u=0.0)) is None  # no decode model
 
 
 def test_a_large_batch_keeps_its_order_statistics_and_still_answers_for_a_share():
     lengths = [((k * 7919) % 1000) + 1 for k in range(2 * 1000)]
-    p = DecodeProfile.of(_workload(lengths))
+    p = profile_of(_workload(lengths))
     assert p.groups == 1000 and len(p.group_max) == PROFILE_POINTS
     assert p.group_max[0] == min(max(lengths[2 * g:2 * g + 2]) for g in range(1000))
     assert p.group_max[-1] == max(lengths)
-    assert p.longest(1000) == pytest.approx(max(lengths))  # the whole batch: its longest
-    assert p.longest(1) == pytest.approx(sum(p.group_max) / len(p.group_max))  # one group: the mean
+    assert longest(p, 1000) == pytest.approx(max(lengths))  # the whole batch: its longest
+    assert longest(p, 1) == pytest.approx(sum(p.group_max) / len(p.group_max))  # one group: the mean
 
 
 def test_blending_follows_the_level_fast_and_the_shape_slowly():
-    a = DecodeProfile.of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
-    doubled = DecodeProfile.of(_workload([2 * x for x in (1, 9, 4, 2, 30, 3, 7, 6)]))
-    b = a.blend(doubled, 0.5, 0.1)  # a drift: the same shape twice as long, the level moves halfway
+    a = profile_of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
+    doubled = profile_of(_workload([2 * x for x in (1, 9, 4, 2, 30, 3, 7, 6)]))
+    b = blend(a, doubled, 0.5, 0.1)  # a drift: the same shape twice as long, the level moves halfway
     assert b.tokens == pytest.approx(1.5 * a.tokens)
     assert b.group_max == pytest.approx(tuple(1.5 * x for x in a.group_max))
-    flat = DecodeProfile.of(_workload([12.4] * 8))  # the same tokens, no long response: the shape moves by 0.1
-    c = a.blend(flat, 0.5, 0.1)
+    flat = profile_of(_workload([12.4] * 8))  # the same tokens, no long response: the shape moves by 0.1
+    c = blend(a, flat, 0.5, 0.1)
     assert c.tokens == pytest.approx(0.5 * a.tokens + 0.5 * flat.tokens)
     assert c.group_max[-1] == pytest.approx((0.9 * 30 / (62 / 4) + 0.1 * 12.4 / (flat.tokens / 4)) * c.tokens / 4)
 
@@ -104,15 +104,15 @@ def test_one_split_predicts_the_busy_span_of_the_others(gpus, mean, measured_on,
         return list(seen)
 
     base = busy(measured_on)
-    ratio = sum(o.rollout_s / DecodeProfile.of(o.workload).rollout_s(measured_on) for o in base) / len(base)
+    ratio = sum(o.rollout_s / busy_span_s(profile_of(o.workload), measured_on) for o in base) / len(base)
     work = sum(o.rollout_s for o in base) / len(base) * measured_on
     worst_work = 0.0
     for n in predicted:
         obs = busy(n)
         measured = sum(o.rollout_s for o in obs) / len(obs)
         # the profile of the batches seen on the measured split (the same workload: batch j is the same on both)
-        prof = [DecodeProfile.of(o.workload) for o in base]
-        got = ratio * sum(p.rollout_s(n) for p in prof) / len(prof)
+        prof = [profile_of(o.workload) for o in base]
+        got = ratio * sum(busy_span_s(p, n) for p in prof) / len(prof)
         assert got == pytest.approx(measured, rel=0.03), (n, got, measured)
         worst_work = max(worst_work, abs(work / n / measured - 1))
     assert worst_work > 0.1  # what the profile adds: work / n is far off somewhere
@@ -138,12 +138,12 @@ def test_the_policy_state_with_a_profile_survives_coordinator_json():
     from dynaresize.job.state import policy_from_dict, policy_to_dict
     from dynaresize.policy.types import Estimates, PolicyState
 
-    prof = DecodeProfile.of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
+    prof = profile_of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
     st = PolicyState(estimates=Estimates(10.0, 0.0, 20.0, 0.0, decode=prof, rollout_ratio=1.04, ratio_rollout=3, ratio_steps=5,
                                            ratios=((2, 1.1), (4, 0.97))))
     back = policy_from_dict(json.loads(json.dumps(policy_to_dict(st))))
     assert back == st and isinstance(back.estimates.decode.group_max, tuple)
-    assert math.isfinite(back.estimates.decode.rollout_s(2))
+    assert math.isfinite(busy_span_s(back.estimates.decode, 2))
 
 
 def test_the_ratio_of_a_pool_size_left_predicts_it_again():
@@ -154,11 +154,11 @@ def test_the_ratio_of_a_pool_size_left_predicts_it_again():
 
     m = StageModel(0.5, 0.95, decode=True)
     wl = _workload([1, 9, 4, 2, 30, 3, 7, 6])
-    prof = DecodeProfile.of(wl)
+    prof = profile_of(wl)
     est = None
     for k, (n, ratio) in enumerate([(2, 1.2)] * 3 + [(3, 0.9)] * 2):
-        o = Observation(k, Topology(8 - n, n), ratio * prof.rollout_s(n), 1.0, workload=wl)
+        o = Observation(k, Topology(8 - n, n), ratio * busy_span_s(prof, n), 1.0, workload=wl)
         est = m.update(est, o)
     assert est.ratio_rollout == 3 and est.rollout_ratio == pytest.approx(0.9) and est.ratios == ((2, pytest.approx(1.2)),)
-    assert m.bulk_s(est, 2) == pytest.approx(1.2 * prof.rollout_s(2))
-    assert m.bulk_s(est, 4) == pytest.approx(0.9 * prof.rollout_s(4))
+    assert m.bulk_s(est, 2) == pytest.approx(1.2 * busy_span_s(prof, 2))
+    assert m.bulk_s(est, 4) == pytest.approx(0.9 * busy_span_s(prof, 4))
