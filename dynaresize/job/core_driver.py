@@ -494,9 +494,10 @@ class ContinuousSchedule:
     def workload(self, k: int, t: Tally, generated: list, n_train: int, step_s: float) -> PipelineWorkload | None:
         """Batch k as the policy's pipeline predictor replays it (:mod:`dynaresize.job.workload`), in the barrier-free
         schedule with streaming training (as the simulator fills it) and with ``policy.predictor: pipeline`` or
-        ``policy.rollout_model: decode`` (the observation goes into ``schedule.jsonl`` with its lengths). Its decode model is fitted on the timed iterations
-        of the last ``DECODE_WINDOW`` batches of this segment (one batch of short responses may hold too few; a
-        takeover's replay observes the same acks, so it fits the same), logged as a metric either way."""
+        ``policy.rollout_model: decode`` (the observation goes into ``schedule.jsonl`` with its lengths). Its decode
+        model is fitted on the timed iterations of the last ``DECODE_WINDOW`` batches of this segment (one batch of
+        short responses may hold too few; a takeover's replay observes the same acks, so it fits the same), logged as
+        a metric either way."""
         mech = self.core_cfg.mechanisms
         if not (mech.continuous_rollout and mech.streaming_training):
             return None

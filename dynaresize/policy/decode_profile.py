@@ -19,8 +19,8 @@ Neither shows in ``work / n``.
 
 :class:`~dynaresize.policy.types.DecodeProfile` holds what the model needs, from an observed batch
 (:class:`~dynaresize.policy.types.PipelineWorkload`: its response lengths and decode model, :func:`profile_of`),
-blended from batch to batch (:func:`blend`); :func:`busy_span_s` is the model. The policy scales it by the measured busy span over the model's on the split measured
-(``Estimates.rollout_ratio``). Pure: no clock, no randomness.
+blended from batch to batch (:func:`blend`); :func:`busy_span_s` is the model. The policy scales it by the measured
+busy span over the model's on the split measured (``Estimates.rollout_ratio``). Pure: no clock, no randomness.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ class Observation:
     weight_sync_s: float = 0.0  # trainer -> rollout weight sync before a rollout
     tokens_generated: int = 0
     tokens_trained: int = 0
-    mixed: bool = False  # the step overlapped a resize or the pipeline's fill: its times describe no single split's steady state (not used to learn)
+    # the step overlapped a resize or the pipeline's fill: its times describe no split's steady state (not learned)
+    mixed: bool = False
     steps_left: int | None = None  # steps still to train after the next decision takes effect (None: unknown)
     workload: PipelineWorkload | None = None  # the batch, for the pipeline predictor (None: capacity model only)
 
