@@ -19,14 +19,14 @@ Neither shows in ``work / n``.
 
 :class:`~dynaresize.policy.types.DecodeProfile` holds what the model needs, from an observed batch
 (:class:`~dynaresize.policy.types.PipelineWorkload`: its response lengths and decode model, :func:`profile_of`),
-blended from batch to batch (:func:`blend`); :func:`busy_span_s` is the model. The policy scales it by the measured
+blended from batch to batch (:func:`dynaresize.policy.predictor.blend`, with the policy's other EWMAs);
+:func:`busy_span_s` is the model. The policy scales it by the measured
 busy span over the model's on the split measured (``Estimates.rollout_ratio``). Pure: no clock, no randomness.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from functools import lru_cache
 
 import numpy as np
@@ -48,23 +48,6 @@ def profile_of(wl: PipelineWorkload) -> DecodeProfile | None:
         gm = np.interp(np.linspace(0, ng - 1, PROFILE_POINTS), np.arange(ng), gm)
     return DecodeProfile(float(wl.iteration_s), float(wl.seq_iteration_s), float(wl.prefill_s_per_group), max(1, int(wl.kv_slots)),
                          ng, float(lens.sum()), tuple(float(x) for x in gm))
-
-
-def blend(old: DecodeProfile, new: DecodeProfile, alpha: float, shape_alpha: float) -> DecodeProfile:
-    """The EWMA of two profiles: the decode costs and the tokens (the level) with weight ``alpha`` on ``new``; the
-    longest responses relative to the mean tokens of a group (the shape), rank by rank, with ``shape_alpha``: a
-    batch's few longest responses vary by tens of % from batch to batch, while a drift (lengths growing over a
-    run) moves the level, not the shape. The batch's shape (groups, slots) is the newest."""
-    def mix(a: float, b: float, w: float) -> float:
-        return w * b + (1 - w) * a
-    tokens = mix(old.tokens, new.tokens, alpha)
-    gm = new.group_max
-    if len(gm) == len(old.group_max) and old.tokens > 0 and new.tokens > 0:
-        was, now, level = old.tokens / old.groups, new.tokens / new.groups, tokens / new.groups
-        gm = tuple(level * mix(a / was, b / now, shape_alpha) for a, b in zip(old.group_max, gm))
-    return replace(new, iteration_s=mix(old.iteration_s, new.iteration_s, alpha),
-                   seq_iteration_s=mix(old.seq_iteration_s, new.seq_iteration_s, alpha),
-                   prefill_s_per_group=mix(old.prefill_s_per_group, new.prefill_s_per_group, alpha), tokens=tokens, group_max=gm)
 
 
 def longest(p: DecodeProfile, c: int) -> float:

@@ -23,8 +23,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from dynaresize.policy.decode_profile import blend, busy_span_s, profile_of
-from dynaresize.policy.types import Estimates, Observation, Topology
+from dynaresize.policy.decode_profile import busy_span_s, profile_of
+from dynaresize.policy.types import DecodeProfile, Estimates, Observation, Topology
 
 
 RATIO_MIN_STEPS = 3  # a pool size's ratio is remembered once measured on this many steps (as the policy's memory)
@@ -33,6 +33,21 @@ RATIO_MIN_WEIGHT = 0.1  # the decode profile's measured ratio: a running mean do
 
 def ewma(old: float | None, new: float, alpha: float) -> float:
     return new if old is None else alpha * new + (1 - alpha) * old
+
+
+def blend(old: DecodeProfile, new: DecodeProfile, alpha: float, shape_alpha: float) -> DecodeProfile:
+    """The EWMA of two decode profiles: the decode costs and the tokens (the level) with weight ``alpha`` on ``new``;
+    the longest responses relative to the mean tokens of a group (the shape), rank by rank, with ``shape_alpha``: a
+    batch's few longest responses vary by tens of % from batch to batch, while a drift (lengths growing over a
+    run) moves the level, not the shape. The batch's shape (groups, slots) is the newest."""
+    tokens = ewma(old.tokens, new.tokens, alpha)
+    gm = new.group_max
+    if len(gm) == len(old.group_max) and old.tokens > 0 and new.tokens > 0:
+        was, now, level = old.tokens / old.groups, new.tokens / new.groups, tokens / new.groups
+        gm = tuple(level * ewma(a / was, b / now, shape_alpha) for a, b in zip(old.group_max, gm))
+    return replace(new, iteration_s=ewma(old.iteration_s, new.iteration_s, alpha),
+                   seq_iteration_s=ewma(old.seq_iteration_s, new.seq_iteration_s, alpha),
+                   prefill_s_per_group=ewma(old.prefill_s_per_group, new.prefill_s_per_group, alpha), tokens=tokens, group_max=gm)
 
 
 def efficiency(n: int, per_doubling: float) -> float:

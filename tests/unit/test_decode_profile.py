@@ -14,7 +14,8 @@ import pytest
 from dynaresize.config.loader import load_config
 from dynaresize.policy import Topology
 from dynaresize.policy import policy as policy_mod
-from dynaresize.policy.decode_profile import PROFILE_POINTS, _expected_max, blend, busy_span_s, longest, profile_of
+from dynaresize.policy.decode_profile import PROFILE_POINTS, _expected_max, busy_span_s, longest, profile_of
+from dynaresize.policy.predictor import blend
 from dynaresize.policy.types import PipelineWorkload
 from dynaresize.sim.compare import best_static_samples, run_samples, setup
 from dynaresize.sim.mechanisms import SimMechanisms
