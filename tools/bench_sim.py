@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dynaresize.config.loader import load_config  # noqa: E402
+from dynaresize.config.loader import ConfigError, load_config  # noqa: E402
 from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.compare import SAMPLE_ROWS, compare, format_table, run_dynamic, run_samples, setup  # noqa: E402
 
@@ -69,15 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictors", nargs="*", default=["capacity", "pipeline"], choices=["capacity", "pipeline"],
                     help="policy.predictor values whose all-mechanisms run is compared side by side (the configured one's "
                          "is the table's main row)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every scenario (e.g. policy.rollout_model=decode)")
     args = ap.parse_args(argv)
+    try:  # a bad --set is named before any scenario runs
+        load_config(ROOT / "configs/sim/paper_8gpu.yaml", ["sim.write_events=false", *args.set])
+    except ConfigError as e:
+        ap.error(str(e))
     names = [] if args.timing_only else (args.scenarios or scenarios())
     out: dict = {"scenarios": {}}
     lines = []
     for name in names:
-        cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false"])
+        cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false", *args.set])
         capped = bool(args.steps_cap) and cfg.sim.steps > args.steps_cap
         if capped:
-            cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false", f"sim.steps={args.steps_cap}"])
+            cfg = load_config(ROOT / f"configs/sim/{name}.yaml", ["sim.write_events=false", f"sim.steps={args.steps_cap}", *args.set])
         samples = cfg.sim.rollout.model == "physics"
         r = compare(setup(cfg), samples=samples, predictors=tuple(args.predictors))
         sm = r["summary"]
