@@ -57,7 +57,8 @@ class PolicyConfig(Section):
     memory_tolerance: float = Field(
         0.1, ge=0, description="A split left before is predicted no faster than it was measured (corrected for the "
         "drift since), and is returned to when it measured faster than the current one, while the model's prediction "
-        "for it stays within this relative distance of the one when it was left (0: no memory)"
+        "for it stays within this relative distance of the one when it was left, or else the workload's size (tokens "
+        "generated and trained per step) does (0: no memory)"
     )
     train_scaling_per_doubling: float = Field(
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"

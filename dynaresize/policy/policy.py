@@ -20,10 +20,12 @@ tests/unit/test_policy.py and test_policy_noise.py):
 5. **minimum dwell**: a topology is kept at least ``min_dwell_steps`` steps.
 6. **best split**: predicted periods are E[max(rollout, train)] with the measured noise; a split left before (its
    error measured on >= 3 clean steps, and the model's prediction for it within ``memory_tolerance`` of the one when
-   it was left) is never predicted faster than the model's error there says. Candidates whose predicted saving per
-   step is within ``noise_z`` standard errors of that prediction are out; ``noise_z`` is multiplied by 1 + the
-   resizes of the last ``backoff_steps`` steps (back-off). Of the rest, the largest net gain horizon x saving - cost
-   (or the nearest to the current split within ``near_best_fraction`` of the best saving); hold if none.
+   it was left, or else the workload's size within it) is never predicted faster than the model's error there says
+   (or than its measured period, scaled by the workload's size, once the model has moved). Candidates whose
+   predicted saving per step is within ``noise_z`` standard errors of that prediction are out; ``noise_z`` is
+   multiplied by 1 + the resizes of the last ``backoff_steps`` steps (back-off). Of the rest, the largest net gain
+   horizon x saving - cost (or the nearest to the current split within ``near_best_fraction`` of the best saving);
+   hold if none.
 7. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (0: off).
 8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
@@ -189,18 +191,27 @@ class ResizePolicy:
         return replace(state, here_ratio=state.here_ratio + a * d, here_ratio_var=(1 - a) * (state.here_ratio_var + a * d * d),
                        here_steps=n)
 
-    def _memory(self, left: tuple[LeftSplit, ...], est: Estimates) -> dict[Topology, tuple[float, LeftSplit]]:
-        """Splits left whose memory is still valid -> (the model's period corrected by its error there, the memory)."""
+    def _memory(self, left: tuple[LeftSplit, ...], est: Estimates) -> dict[Topology, tuple[float, LeftSplit, bool]]:
+        """Splits left whose memory is still valid -> (their period as measured, carried to now; the memory; whether
+        it was carried by the workload's size).
+
+        While the model's prediction for the split stays within ``memory_tolerance`` of the one when it was left,
+        that prediction corrected by the model's error there. Once the model has moved (it re-learned its estimates on
+        another split: the capacity model's rollout work differs from split to split where decode waves differ) but
+        the workload has not (its size, ``Estimates.level``, within the tolerance of the one then), the period
+        measured there, scaled by the workload's size since. Expired when both have moved."""
         tol = self.cfg.memory_tolerance
-        out: dict[Topology, tuple[float, LeftSplit]] = {}
+        out: dict[Topology, tuple[float, LeftSplit, bool]] = {}
         if tol <= 0:
             return out
         for m in left:
-            if m.steps < MEMORY_MIN_STEPS:
+            if m.steps < MEMORY_MIN_STEPS or m.predicted_s <= 0:
                 continue
             pred = self._period(est, m.topology)
-            if m.predicted_s > 0 and abs(pred / m.predicted_s - 1.0) <= tol:
-                out[m.topology] = (pred * m.ratio, m)
+            if abs(pred / m.predicted_s - 1.0) <= tol:
+                out[m.topology] = (pred * m.ratio, m, False)
+            elif m.level > 0 and est.level > 0 and abs(est.level / m.level - 1.0) <= tol:
+                out[m.topology] = (m.predicted_s * m.ratio * est.level / m.level, m, True)
         return out
 
     def _noise(self, est: Estimates, now_fn, per_fn) -> np.ndarray | float:
@@ -301,10 +312,14 @@ class ResizePolicy:
         mem = self._memory((last,), est).get(last.topology)
         if mem is None or last.topology.total != cur.total:
             return None
-        then, m = mem
+        then, m, by_level = mem
         here = self._period(est, cur) * state.here_ratio
         floor = max(0.0, est.tail_var) / here ** 2 if here > 0 else 0.0  # a few steps do not show the noise: the tail's
-        noise = here * math.sqrt(max(state.here_ratio_var, floor) / state.here_steps + max(m.ratio_var, floor) / m.steps)
+        var = max(state.here_ratio_var, floor) / state.here_steps + max(m.ratio_var, floor) / m.steps
+        if by_level:  # carried by the workload's size: the level now and then, each an EWMA of noisy step sizes
+            na = self.cfg.noise_alpha
+            var += 2 * max(0.0, est.level_var) * na / (2 - na)
+        noise = here * math.sqrt(var)
         gain_s = here - then
         if gain_s <= max(self._z(state, step) * noise, cfg.min_relative_gain * here, 0.0):
             return None
@@ -319,7 +334,7 @@ class ResizePolicy:
                 imb: float, saving: float, step: int) -> tuple[PolicyState, Decision]:
         left = tuple(x for x in state.left if x.topology not in (cur, target))
         if state.here_ratio is not None and state.here_steps > 0:
-            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self._period(est, cur), state.here_steps),)
+            left = left + (LeftSplit(cur, state.here_ratio, state.here_ratio_var, self._period(est, cur), state.here_steps, est.level),)
         new_state = replace(
             state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=self.cfg.cooldown_steps,
             history=(state.history + (str(cur),))[-8:], here_ratio=None, here_ratio_var=0.0, here_steps=0, left=left[-4:],

@@ -106,6 +106,7 @@ class StageModel:
             decode=profile if modelled > 0 else None,
             rollout_ratio=(obs.rollout_s - tail) / modelled if modelled > 0 else 1.0,
             ratio_rollout=obs.topology.n_rollout,
+            level=float(obs.tokens_generated + obs.tokens_trained),
         )
 
     def update(self, old: Estimates | None, obs: Observation) -> Estimates:
@@ -116,6 +117,7 @@ class StageModel:
         a, ta, na = self.alpha, self.tail_alpha, self.noise_alpha
         d_tail = m.rollout_tail - old.rollout_tail
         d_train = m.train_work / old.train_work - 1.0 if old.train_work > 0 else 0.0
+        d_level = m.level / old.level - 1.0 if old.level > 0 and m.level > 0 else 0.0
         both = old.decode is not None and m.decode is not None
         # the ratio is the profile's error on the split measured: a running mean from the move there (the model's
         # error differs from split to split), down to RATIO_MIN_WEIGHT (a window for slow drift)
@@ -135,6 +137,9 @@ class StageModel:
             decode=blend(old.decode, m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
             rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
             ratio_rollout=obs.topology.n_rollout, ratio_steps=k, ratios=ratios if both else (),
+            # the workload's size: a running mean, then an EWMA as slow as the noise's (tokens vary by ~10% a step)
+            level=ewma(old.level, m.level, max(1.0 / n, na)) if old.level > 0 and m.level > 0 else m.level,
+            level_var=(1 - na) * (old.level_var + na * d_level * d_level),
         )
 
     def bulk_s(self, est: Estimates, n_rollout: int) -> float:

@@ -152,6 +152,8 @@ class Estimates:
     ratio_rollout: int = 0  # with ``decode``: the rollout pool size the ratio was measured on
     ratio_steps: int = 1  # with ``decode``: the ratio's observations on it
     ratios: tuple[tuple[int, float], ...] = ()  # with ``decode``: (rollout pool size, its ratio) of the sizes left
+    level: float = 0.0  # the workload's size, split-invariant: tokens generated + trained per step (EWMA; 0: unknown)
+    level_var: float = 0.0  # EWMA variance of the step's size relative to the level (squared fraction)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +163,9 @@ class LeftSplit:
     topology: Topology
     ratio: float  # mean of measured / predicted period over the clean steps spent there (the model's error there)
     ratio_var: float  # variance of that ratio from step to step
-    predicted_s: float  # the model's period for it when it was left (the memory expires when this moves too far)
+    predicted_s: float  # the model's period for it when it was left
     steps: int  # clean steps measured
+    level: float = 0.0  # the workload's size when it was left (Estimates.level; 0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
