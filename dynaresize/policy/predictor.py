@@ -27,7 +27,8 @@ from dynaresize.policy.decode_profile import busy_span_s, profile_of
 from dynaresize.policy.types import DecodeProfile, Estimates, Observation, Topology
 
 
-RATIO_MIN_STEPS = 3  # a pool size's ratio is remembered once measured on this many steps (as the policy's memory)
+RATIO_MIN_STEPS = 2  # a pool size's ratio is remembered once measured on this many steps (3, as the policy's memory,
+# left stationary_8gpu's first move unremembered after the pipeline's fill: 6:2 -> 5:3 -> 6:2 -> 5:3 with consolidation)
 RATIO_MIN_WEIGHT = 0.1  # the decode profile's measured ratio: a running mean down to this weight (as the policy's here-ratio)
 
 

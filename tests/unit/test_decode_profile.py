@@ -148,8 +148,9 @@ def test_the_policy_state_with_a_profile_survives_coordinator_json():
 
 
 def test_the_ratio_of_a_pool_size_left_predicts_it_again():
-    """The profile's error is measured per pool size: after 3 steps on 2 rollout GPUs (ratio 1.2) and a move to 3
-    (ratio 0.9), the prediction for 2 uses 1.2 again, for 4 (never measured) the current 0.9."""
+    """The profile's error is measured per pool size: after 2 steps on 2 rollout GPUs (ratio 1.2), 1 on 3 (ratio 0.8)
+    and a move to 5 (ratio 0.9), the prediction for 2 uses 1.2 again; for 3 (one step: not remembered) and 4 (never
+    measured) the current 0.9."""
     from dynaresize.policy.predictor import StageModel
     from dynaresize.policy.types import Observation
 
@@ -157,9 +158,10 @@ def test_the_ratio_of_a_pool_size_left_predicts_it_again():
     wl = _workload([1, 9, 4, 2, 30, 3, 7, 6])
     prof = profile_of(wl)
     est = None
-    for k, (n, ratio) in enumerate([(2, 1.2)] * 3 + [(3, 0.9)] * 2):
+    for k, (n, ratio) in enumerate([(2, 1.2)] * 2 + [(3, 0.8)] + [(5, 0.9)] * 2):
         o = Observation(k, Topology(8 - n, n), ratio * busy_span_s(prof, n), 1.0, workload=wl)
         est = m.update(est, o)
-    assert est.ratio_rollout == 3 and est.rollout_ratio == pytest.approx(0.9) and est.ratios == ((2, pytest.approx(1.2)),)
+    assert est.ratio_rollout == 5 and est.rollout_ratio == pytest.approx(0.9) and est.ratios == ((2, pytest.approx(1.2)),)
     assert m.bulk_s(est, 2) == pytest.approx(1.2 * busy_span_s(prof, 2))
+    assert m.bulk_s(est, 3) == pytest.approx(0.9 * busy_span_s(prof, 3))
     assert m.bulk_s(est, 4) == pytest.approx(0.9 * busy_span_s(prof, 4))
