@@ -64,7 +64,7 @@ class PolicyConfig(Section):
         0.95, gt=0.5, le=1, description="Policy's assumed data-parallel efficiency kept per doubling of trainers"
     )
     rollout_model: Literal["work", "decode"] = Field(
-        "work", description="predictor=capacity: a split's rollout stage as work / n_rollout (GPU-seconds measured on "
+        "decode", description="predictor=capacity: a split's rollout stage as work / n_rollout (GPU-seconds measured on "
         "one split) or from the observed batches' decode profile (decode: each GPU's busy span from its share's longest "
         "response, its tokens and its KV slots, scaled by the ratio measured; dynaresize/policy/decode_profile.py), where "
         "the observation carries its batch (the barrier-free schedule)"

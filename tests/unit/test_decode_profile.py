@@ -13,6 +13,7 @@ import pytest
 
 from dynaresize.config.loader import load_config
 from dynaresize.policy import Topology
+from dynaresize.policy.config import PolicyConfig
 from dynaresize.policy import policy as policy_mod
 from dynaresize.policy.decode_profile import PROFILE_POINTS, _expected_max, busy_span_s, longest, profile_of
 from dynaresize.policy.predictor import blend
@@ -124,11 +125,12 @@ def test_the_decode_profile_meets_the_target_where_the_work_model_misses():
     work model stops at 13:3 (+2.4%); the profile sees that 2 rollout GPUs decode the batch at twice the concurrency
     and reaches 14:2, the best static split, within 1%."""
     cfg = _stationary(16, 300, 1, 200)
-    s = setup(cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"enabled": True})}))
+    s = setup(cfg.model_copy(update={"policy": cfg.policy.model_copy(update={"enabled": True, "rollout_model": "work"})}))
     split, best = best_static_samples(s, RUNTIME)
     assert split == Topology(14, 2)
     work = run_samples(s, s.initial, RUNTIME)
     dec = setup(s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"rollout_model": "decode"})}))
+    assert PolicyConfig().rollout_model == "decode"  # the default
     got = run_samples(dec, dec.initial, RUNTIME)
     assert work.total_s > 1.01 * best
     assert got.switches <= 2 and got.total_s <= 1.01 * best, (got.switches, got.total_s / best)
