@@ -67,7 +67,9 @@ class PolicyConfig(Section):
         "decode", description="predictor=capacity: a split's rollout stage as work / n_rollout (GPU-seconds measured on "
         "one split) or from the observed batches' decode profile (decode: each GPU's busy span from its share's longest "
         "response, its tokens and its KV slots, scaled by the ratio measured; dynaresize/policy/decode_profile.py), where "
-        "the observation carries its batch (the barrier-free schedule)"
+        "the observation carries its batch (the barrier-free schedule; else work). decode is the default since stop 39: "
+        "24 stationary cases, the runtime's mechanisms, 22 within 1% and <= 2 switches against 17 with work, level on "
+        "the drifting scenarios (docs/simulator.md, 'The decode profile')"
     )
     decode_shape_alpha: float = Field(
         0.1, gt=0, le=1, description="rollout_model=decode: EWMA weight of the profile's shape (each group's longest "

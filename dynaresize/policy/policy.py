@@ -31,7 +31,8 @@ tests/unit/test_policy.py and test_policy_noise.py):
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
 
 Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
-(:mod:`dynaresize.policy.predictor`); ``pipeline`` plays each candidate forward on the run's recent batches
+(:mod:`dynaresize.policy.predictor`; its rollout from the batches' decode profile wherever the observation carries its
+batch, ``rollout_model: decode``, the default); ``pipeline`` plays each candidate forward on the run's recent batches
 (:mod:`dynaresize.policy.pipeline_predictor`) wherever the observation carries its batch (the barrier-free
 schedule), and then rule 3's imbalance is the predicted relative gain of the best candidate, against
 ``min_relative_gain``.
