@@ -6,7 +6,9 @@ GPUs training) it runs continuous rollout + streaming training + gradient helper
 as a rollout tail; ``TAIL_SHARE_BARRIER_FREE`` is the default), and compares each run with the best static split with
 the same mechanisms (a local search over splits from the step-level best, shared by the shares). Each share runs
 once per ``policy.predictor`` (``--predictors``: capacity, pipeline), the capacity predictor once per
-``policy.rollout_model`` (``--rollout-models``: work, decode), on the same workloads; ``--runtime-mechanisms`` runs
+``policy.rollout_model`` (``--rollout-models``: work, decode; decode is the default), the pipeline predictor with the
+default rollout model (its capacity model's part: the window, the first move's agreement), on the same workloads
+(rows ``capacity/work``, ``capacity/decode``, ``pipeline``, each with its tail share); ``--runtime-mechanisms`` runs
 without the simulator's gradient helpers (what the runtime has), against the best static split with the same. The
 issue's target
 (13, item 6; 28): at most 2 switches and within 1% of that split on every case. Prints one line per case, a summary
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dynaresize.config.loader import load_config  # noqa: E402
+from dynaresize.policy.config import PolicyConfig  # noqa: E402
 from dynaresize.sim.mechanisms import SimMechanisms  # noqa: E402
 from dynaresize.sim.compare import best_static_samples, run_dynamic, run_samples, run_static, setup  # noqa: E402
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE  # noqa: E402
@@ -71,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     mech = replace(BARRIER_FREE, gradient_helpers=not args.runtime_mechanisms, tail_consolidation=args.consolidation)
     shares = list(dict.fromkeys(args.shares))
+    default_rm = PolicyConfig().rollout_model  # the pipeline predictor runs with the default (its capacity model's part)
     rows_of = [(p, rm, sh) for p in dict.fromkeys(args.predictors)
-               for rm in (dict.fromkeys(args.rollout_models) if p == "capacity" else ("work",)) for sh in shares]
-    label = {k: f"{k[0]}{'/' + k[1] if k[1] != 'work' else ''} {k[2]:g}" for k in rows_of}
+               for rm in (dict.fromkeys(args.rollout_models) if p == "capacity" else (default_rm,)) for sh in shares]
+    label = {k: f"{k[0]}{'/' + k[1] if k[0] == 'capacity' else ''} {k[2]:g}" for k in rows_of}
     res: dict[tuple, list[tuple[float, int, float]]] = {k: [] for k in rows_of}
     step_level: list[tuple[float, int]] = []  # (loss against the best static split, switches) per case
     for g, m, seed in itertools.product(args.gpus, args.means, args.seeds):
