@@ -139,7 +139,7 @@ class StageModel:
             rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
             ratio_rollout=obs.topology.n_rollout, ratio_steps=k, ratios=ratios if both else (),
             # the workload's size: a running mean, then an EWMA as slow as the noise's (tokens vary by ~10% a step)
-            level=ewma(old.level, m.level, max(1.0 / n, na)) if old.level > 0 and m.level > 0 else m.level,
+            level=ewma(old.level, m.level, max(1.0 / n, na)) if old.level > 0 and m.level > 0 else (m.level or old.level),
             level_var=(1 - na) * (old.level_var + na * d_level * d_level),
         )
 
