@@ -63,7 +63,18 @@ def test_a_killed_coordinator_on_the_core_is_taken_over_without_restarting_a_ran
     a = run(tmp_path, model_cache, f"run.steps={STEPS}", f"run.seed={SEED}", "policy.forced_splits={2: 1, 4: 3}",
             *extra, "run.checkpoint_every=0", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", a)
-    wait_for(lambda: n_batches(rd) >= 2 and len(in_flight(rd)) >= 2, "two batches in flight after step 2", a)
+
+    def paused_with_two_in_flight() -> bool:
+        """The coordinator's session paused (SIGSTOP) with two batches in flight: the condition seen is the one it
+        is killed in (it could step a batch between a check and the kill), else resumed to try again."""
+        wait_for(lambda: n_batches(rd) >= 2 and len(in_flight(rd)) >= 2, "two batches in flight after step 2", a)
+        os.killpg(a.pid, signal.SIGSTOP)
+        if len(in_flight(rd)) >= 2:
+            return True
+        os.killpg(a.pid, signal.SIGCONT)
+        return False
+
+    wait_for(paused_with_two_in_flight, "the coordinator paused with two batches in flight", a)
     pids = {r: pid_of(rd, r) for r in range(4)}
     os.killpg(a.pid, signal.SIGKILL)  # the coordinator's own session (and its redis-server): the ranks live on
     a.communicate(timeout=60)
