@@ -54,10 +54,9 @@ def longest(p: DecodeProfile, c: int) -> float:
     """E[the longest response of ``c`` groups drawn without replacement from the batch's]."""
     if c <= 0:
         return 0.0
-    table = _expected_max(p.group_max)
     n = len(p.group_max)
     k = c if n == p.groups else max(1, round(c * n / p.groups))  # (order statistics kept: the share scaled)
-    return float(table[min(n, k) - 1])
+    return _expected_max_of(p.group_max, min(n, k))
 
 
 def busy_span_s(p: DecodeProfile, n_rollout: int) -> float:
@@ -70,15 +69,25 @@ def busy_span_s(p: DecodeProfile, n_rollout: int) -> float:
     return p.iteration_s * iterations + (p.seq_iteration_s * p.tokens + p.prefill_s_per_group * p.groups) / n
 
 
-@lru_cache(maxsize=16)
 def _expected_max(xs: tuple[float, ...]) -> np.ndarray:
-    """E[max of a c-subset] of the ascending values ``xs``, for c = 1..len(xs): P(max = x_i) = C(i-1, c-1) / C(N, c)."""
+    """E[max of a c-subset] of the ascending values ``xs``, for c = 1..len(xs) (:func:`_expected_max_of` for each)."""
+    return np.array([_expected_max_of(xs, c) for c in range(1, len(xs) + 1)])
+
+
+@lru_cache(maxsize=4096)
+def _expected_max_of(xs: tuple[float, ...], c: int) -> float:
+    """E[max of a c-subset] of the ascending values ``xs``: P(max = x_i) = C(i-1, c-1) / C(N, c). One ``c`` at a time:
+    a decision asks for a few shares of a profile that changes with every batch (the whole table is N^2)."""
     n = len(xs)
     x = np.asarray(xs, dtype=np.float64)
-    lf = np.array([math.lgamma(k + 1) for k in range(n + 1)])  # log k!
-    i = np.arange(1, n + 1)[None, :]
-    c = np.arange(1, n + 1)[:, None]
-    ok = i >= c
-    logp = np.where(ok, lf[np.maximum(i - 1, 0)] - lf[np.maximum(c - 1, 0)] - lf[np.maximum(i - c, 0)]
-                    - (lf[n] - lf[c] - lf[np.maximum(n - c, 0)]), -np.inf)
-    return (np.exp(logp) * x[None, :]).sum(axis=1)
+    lf = _log_factorials(n)
+    i = np.arange(1, n + 1)
+    logp = np.where(i >= c, lf[np.maximum(i - 1, 0)] - lf[c - 1] - lf[np.maximum(i - c, 0)] - (lf[n] - lf[c] - lf[n - c]),
+                    -np.inf)
+    return float((np.exp(logp) * x).sum())
+
+
+@lru_cache(maxsize=8)
+def _log_factorials(n: int) -> np.ndarray:
+    """log k! for k = 0..n."""
+    return np.array([math.lgamma(k + 1) for k in range(n + 1)])
