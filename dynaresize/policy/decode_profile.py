@@ -56,7 +56,18 @@ def longest(p: DecodeProfile, c: int) -> float:
         return 0.0
     n = len(p.group_max)
     k = c if n == p.groups else max(1, round(c * n / p.groups))  # (order statistics kept: the share scaled)
-    return _expected_max_of(p.group_max, min(n, k))
+    global _last
+    xs, memo = _last
+    if xs is not p.group_max:  # (a decision asks for many shares of one profile: no hash of its values each time)
+        xs, memo = _last = p.group_max, {}
+    k = min(n, k)
+    got = memo.get(k)
+    if got is None:
+        got = memo[k] = _expected_max_of(xs, k)
+    return got
+
+
+_last: tuple[tuple[float, ...], dict[int, float]] = ((), {})  # the last profile's shares asked (a cache by identity)
 
 
 def busy_span_s(p: DecodeProfile, n_rollout: int) -> float:
