@@ -9,7 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,27 +53,32 @@ def test_redis_errors_reach_a_user_without_lua_internals():
     assert redis_error_text("WRONGTYPE Operation against a key holding the wrong kind of value").startswith("WRONGTYPE")
 
 
-def test_quiet_switches_off_the_libraries_progress_bars(tmp_path):
-    """``dynaresize run --quiet`` builds a model without transformers' "Writing model shards" bar (a real
-    save_pretrained of a tiny model, in a fresh process, with and without the switch)."""
+def test_quiet_switches_off_the_libraries_progress_bars():
+    """``dynaresize run --quiet`` switches off the bars of transformers and huggingface_hub: their own tqdm wrappers,
+    which every bar of theirs goes through (a model's download, "Writing model shards"), in a fresh process, without
+    the switch, with it before the libraries are imported, and with it after (switched off where they are loaded)."""
     script = """
 import sys
-if sys.argv[1] == "quiet":
-    from dynaresize.job.cli import quiet_progress
+from dynaresize.job.cli import quiet_progress
+if sys.argv[1] == "before":
     quiet_progress()
-import transformers
-cfg = transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)
-transformers.GPT2LMHeadModel(cfg).save_pretrained(sys.argv[2])
+from transformers.utils import logging as hf_logging
+from huggingface_hub.utils import tqdm as hub_tqdm
+if sys.argv[1] == "after":
+    quiet_progress()
+for _ in hf_logging.tqdm(range(3), desc="transformers-bar"):
+    pass
+for _ in hub_tqdm(range(3), desc="hub-bar"):
+    pass
 """
     outs = {}
-    for mode in ("loud", "quiet"):
-        p = subprocess.run([sys.executable, "-c", script, mode, str(tmp_path / mode)], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+    for mode in ("loud", "before", "after"):
+        p = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         outs[mode] = p.stdout + p.stderr
-    if "Writing model shards" not in outs["loud"]:
-        pytest.skip("this transformers version shows no bar while it saves a model")
-    assert "Writing model shards" not in outs["quiet"]
+    assert "transformers-bar" in outs["loud"] and "hub-bar" in outs["loud"]  # the probe shows bars without the switch
+    for mode in ("before", "after"):
+        assert "transformers-bar" not in outs[mode] and "hub-bar" not in outs[mode], (mode, outs[mode][-500:])
 
 
 def test_the_job_id_is_per_run_directory_never_the_name_alone(tmp_path):
