@@ -64,6 +64,19 @@ def test_a_large_batch_keeps_its_order_statistics_and_still_answers_for_a_share(
     assert longest(p, 1) == pytest.approx(sum(p.group_max) / len(p.group_max))  # one group: the mean
 
 
+def test_a_share_asked_of_two_profiles_in_turn_is_each_ones_own():
+    # the shares are memoised by the profile's identity: profiles asked in turn (a decision's blended profile, an
+    # observed batch's) never answer for each other
+    a = profile_of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
+    b = profile_of(_workload([2 * x for x in (1, 9, 4, 2, 30, 3, 7, 6)]))
+    table_a, table_b = _expected_max(a.group_max), _expected_max(b.group_max)
+    for _ in range(2):
+        for c in (1, 2, 4, 3):
+            assert longest(a, c) == table_a[c - 1] and longest(b, c) == table_b[c - 1] == 2 * table_a[c - 1]
+    same = replace(a, group_max=tuple(list(a.group_max)))  # equal values, another tuple
+    assert [longest(same, c) for c in (1, 2, 3, 4)] == list(table_a)
+
+
 def test_blending_follows_the_level_fast_and_the_shape_slowly():
     a = profile_of(_workload([1, 9, 4, 2, 30, 3, 7, 6]))
     doubled = profile_of(_workload([2 * x for x in (1, 9, 4, 2, 30, 3, 7, 6)]))
