@@ -84,6 +84,19 @@ class PolicyConfig(Section):
         "observation carries its batch, i.e. the barrier-free schedule, else capacity). docs/simulator.md, 'A predictor "
         "of the barrier-free pipeline'"
     )
+    play_check: bool = Field(
+        True, description="predictor=capacity: a move the capacity model proposes is checked by playing the barrier-free "
+        "pipeline forward on the run's recent batches (the pipeline predictor's play): the current split against the "
+        "splits within pipeline_window units of the proposed one; the move goes to the best that plays faster (another "
+        "than the proposed one: beyond the noise), else the policy holds. Only where the observations carry their batches "
+        "(the barrier-free schedule); plays only when a move is proposed. docs/simulator.md, 'The play check'"
+    )
+    play_check_budget: int = Field(
+        1_000_000, ge=1, description="play_check: the sequences decoded across one check's plays (a play decodes every "
+        "sequence of its batches: ~21 batches): the current and the proposed split, then the splits nearest the proposed "
+        "one while the budget lasts; no check where those two plays alone exceed it (64 GPUs, 4,096 sequences a batch: "
+        "10 plays; 512 GPUs, 8,192: 5; 4096 GPUs, 32,768: none)"
+    )
     pipeline_trace_steps: int = Field(8, ge=1, description="predictor=pipeline: recent batches replayed (4 -> 8 smoothed the played period: 8 GPUs at 3000 tokens 3 switches +2.3% -> 1 switch -0.1%)")
     pipeline_lead_steps: float | None = Field(
         1.0, ge=0, description="predictor=pipeline: the batches are replayed as the run will be this many batches after "

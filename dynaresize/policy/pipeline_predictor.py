@@ -115,6 +115,12 @@ class PipelinePredictor:
             self.plays += 1
         return got
 
+    def play_size(self, trace: Sequence[PipelineWorkload]) -> int:
+        """The sequences one play of ``trace`` decodes (its cost grows with them)."""
+        n = len(trace)
+        K = self.warmup + max(n, self.min_measured) + self.lookahead
+        return sum(len(trace[(j - self.warmup) % n].lengths) for j in range(K)) if n else 0
+
     # --- the forward play (pure) -------------------------------------------------------------------------------------
     def _play(self, trace: tuple[PipelineWorkload, ...], topo: Topology) -> tuple[float, ...]:
         if not trace:

@@ -29,6 +29,10 @@ tests/unit/test_policy.py and test_policy_noise.py):
 7. **minimum gain**: the predicted step time must drop by at least ``min_relative_gain`` (0: off).
 8. **payback**: horizon x saving per step must exceed switch cost x ``payback_margin``; the horizon is
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
+9. **play check** (``play_check``; the capacity predictor, where the observations carry their batches): the move
+   is played forward on the run's recent batches with the pipeline predictor's play, with the splits near it; it
+   goes to the best that plays faster than the current split (another than the one chosen: beyond the noise), else
+   the policy holds (:meth:`ResizePolicy._check_by_play`).
 
 Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
 (:mod:`dynaresize.policy.predictor`; its rollout from the batches' decode profile wherever the observation carries its
@@ -73,6 +77,9 @@ class ResizePolicy:
         self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior,
                                 cfg.rollout_model == "decode", cfg.decode_shape_alpha)
         self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks) if cfg.predictor == "pipeline" else None
+        # the capacity predictor's moves checked by the same play (rule 9), where the observations carry their batches
+        self.checker = (PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks)
+                        if cfg.predictor == "capacity" and cfg.play_check else None)
         ts = sorted({c.n_train for c in self.candidates})
         self._unit = min((b - a for a, b in zip(ts, ts[1:])), default=1)
         self._state = self.initial_state()
@@ -92,11 +99,12 @@ class ResizePolicy:
             est = replace(self.model.update(None, obs), observations=0)
         else:  # (estimates with no observation are replaced by the first clean step's)
             est = state.estimates if obs.mixed else self.model.update(state.estimates if learned else None, obs)
-        if self.pipeline is not None:  # the batches the pipeline predictor replays (a mixed step's batch too)
+        if self.pipeline is not None or self.checker is not None:  # the batches a play replays (a mixed step's too)
             trace = state.estimates.trace if state.estimates is not None else ()
             trace = (trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ()
-            lead = cfg.pipeline_lead_steps
-            est = replace(est, trace=trace, play=trace if lead is None else extrapolate(trace, lead, cfg.pipeline_trend_z))
+            # the pipeline predictor plays at every step: its batches extrapolated once here; the check (rule 9) only
+            # when a move is proposed: extrapolated then (_replayed)
+            est = replace(est, trace=trace, play=self._replayed(trace) if self.pipeline is not None else ())
         if est.observations == 0:
             return replace(state, estimates=est), Decision(ResizeAction.HOLD, cur, "no clean step measured yet")
         state = replace(self._observe(state, obs), estimates=est, steps_since_resize=state.steps_since_resize + 1)
@@ -129,7 +137,18 @@ class ResizePolicy:
         if isinstance(pick, str):
             return hold(pick, state)
         target, gain_s, cost = pick
-        now = self._period(est, cur)
+        if self.checker is not None and est.trace and 2 * self.checker.play_size(est.trace) <= cfg.play_check_budget:
+            # rule 9: the move checked by playing it forward (where two plays fit the budget)
+            again = state.vetoes + 1 if state.vetoed == target else 1  # (a resize resets it: the same split then)
+            if again > 1 and obs.step - state.vetoed_at < cfg.pipeline_trace_steps * 2 ** (again - 2):
+                return hold(f"play check: {target} played no faster at step {state.vetoed_at} (played again once the "
+                            f"batches replayed have turned over, each time twice as late)", state)
+            checked = self._check_by_play(state, est, cur, target, horizon, obs.step)
+            if isinstance(checked, str):
+                return hold(checked, replace(state, vetoed=target, vetoed_at=obs.step, vetoes=again))
+            target, gain_s, cost, now = checked
+        else:
+            now = self._period(est, cur)
         saving = gain_s * horizon
         gain = gain_s / now if now > 0 else 0.0
         if gain < cfg.min_relative_gain:
@@ -229,35 +248,26 @@ class ResizePolicy:
             total = total + ((now_fn(est=e_hi) - per_fn(est=e_hi)) - (now_fn(est=e_lo) - per_fn(est=e_lo))) ** 2 / 4
         return np.sqrt(total)
 
-    def _played_noise(self, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+    @staticmethod
+    def _played_noise(pp: PipelinePredictor, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
         """Standard error of the played gain per step, from its spread over the replayed batches (paired steps)."""
         play = est.play or est.trace
-        n = min(len(play), len(self.pipeline.step_times(play, cur)))  # distinct batches (a short trace is cycled)
+        n = min(len(play), len(pp.step_times(play, cur)))  # distinct batches (a short trace is cycled)
         if n < 2:
             return np.full(len(cands), np.inf)  # one batch: no spread to judge a gain by
-        now = np.array(self.pipeline.step_times(play, cur)[:n])
-        d = now[None, :] - np.array([self.pipeline.step_times(play, c)[:n] for c in cands])
+        now = np.array(pp.step_times(play, cur)[:n])
+        d = now[None, :] - np.array([pp.step_times(play, c)[:n] for c in cands])
         e = d - d.mean(axis=1, keepdims=True)
         var = (e * e).sum(axis=1) / (n - 1)
         # Student's t over n - 1 degrees of freedom, as a multiple of the normal's: the spread of a few batches is
         # itself uncertain (2 batches: x 6.5, 4: x 1.6, 8: x 1.2)
         return np.sqrt(var / n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
 
-    def _z(self, state: PolicyState, step: int) -> float:
-        """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
-        cfg = self.cfg
-        recent = sum(1 for k in state.resized_at if step - k <= cfg.backoff_steps) if cfg.backoff_steps > 0 else 0
-        return cfg.noise_z * (1 + recent)
-
-    def _choose(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[Topology, float, float] | str:
-        cfg, m = self.cfg, self.model
-        cands = [c for c in self.candidates if c != cur and c.total == cur.total]
-        if self._piped(est):
-            cands = self._window(est, cur, cands)
-        if not cands:
-            return "no faster split predicted"
-        nr = np.array([c.n_rollout for c in cands])
-        nt = np.array([c.n_train for c in cands])
+    def _capacity_fns(self, est: Estimates, cur: Topology, cands: Sequence[Topology]):
+        """The capacity model's period of ``cur`` and of each of ``cands``, as functions of the estimates and the tail
+        (for :meth:`_noise`'s sensitivities)."""
+        m = self.model
+        nr, nt = np.array([c.n_rollout for c in cands]), np.array([c.n_train for c in cands])
         cr, ct = np.array([cur.n_rollout]), np.array([cur.n_train])
 
         def now_fn(est=est, tail=None):
@@ -266,6 +276,23 @@ class ResizePolicy:
         def per_fn(est=est, tail=None):
             return m.periods(est, nr, nt, tail)
 
+        return now_fn, per_fn
+
+    def _z(self, state: PolicyState, step: int) -> float:
+        """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
+        cfg = self.cfg
+        recent = sum(1 for k in state.resized_at if step - k <= cfg.backoff_steps) if cfg.backoff_steps > 0 else 0
+        return cfg.noise_z * (1 + recent)
+
+    def _choose(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[Topology, float, float] | str:
+        cfg = self.cfg
+        cands = [c for c in self.candidates if c != cur and c.total == cur.total]
+        if self._piped(est):
+            cands = self._window(est, cur, cands)
+        if not cands:
+            return "no faster split predicted"
+        nt = np.array([c.n_train for c in cands])
+        now_fn, per_fn = self._capacity_fns(est, cur, cands)
         now, per = now_fn(), per_fn()
         cap_gain = now - per  # the capacity model's
         if self._piped(est):  # the pipeline's periods
@@ -279,7 +306,7 @@ class ResizePolicy:
         if cfg.noise_z > 0 and ok.any():
             z = self._z(state, step)
             if self._piped(est):  # the played gain's own spread: step i replays the same batch on both splits
-                played = self._played_noise(est, cur, cands)
+                played = self._played_noise(self.pipeline, est, cur, cands)
                 if cfg.pipeline_noise == "max":  # and the capacity model's sensitivity to its estimates
                     ok &= gain > z * np.maximum(played, self._noise(est, now_fn, per_fn))
                 elif cfg.pipeline_noise == "agree" and not state.resized_at:
@@ -301,6 +328,56 @@ class ResizePolicy:
         dist = np.abs(nt[elig] - cur.n_train)
         i = int(elig[np.lexsort((-gain[elig], dist))[0]])
         return cands[i], float(gain[i]), float(costs[i])
+
+    def _replayed(self, trace: tuple) -> tuple:
+        """The batches a play replays: the recent ones as the run will be ``pipeline_lead_steps`` batches on."""
+        lead = self.cfg.pipeline_lead_steps
+        return trace if lead is None else extrapolate(trace, lead, self.cfg.pipeline_trend_z)
+
+    def _check_by_play(self, state: PolicyState, est: Estimates, cur: Topology, target: Topology, horizon: int,
+                       step: int) -> tuple[Topology, float, float, float] | str:
+        """Rule 9: the move to ``target`` the capacity model chose, checked by playing the barrier-free pipeline forward
+        on the run's recent batches (the pipeline predictor's play, :mod:`dynaresize.policy.pipeline_predictor`):
+        ``cur`` and the splits within ``pipeline_window`` units of ``target`` are played (the nearest to ``target``
+        first, as many as ``play_check_budget`` sequences decoded allow; ``target`` always: the caller checks only
+        where the two plays fit). ``target`` must play faster
+        than ``cur``; another split must play faster beyond the played gain's spread over the batches (``noise_z``, the
+        back-off's), or, on the first move, pass the capacity model's own noise test for it (a few batches cannot show
+        a gain of a few % beyond their spread); each by ``min_relative_gain`` at least and never faster than measured
+        where it was left (rule 6's memory). The largest net gain wins (returned with the played period of ``cur``);
+        hold if none passes. Plays only when a move is proposed; a move held is played again once the batches
+        replayed have turned over (``pipeline_trace_steps``), then after twice as many steps each time it is held
+        again (``PolicyState.vetoed``)."""
+        cfg, pp = self.cfg, self.checker
+        play = self._replayed(est.trace)
+        est = replace(est, play=play)  # (for _played_noise)
+        lim = cfg.pipeline_window * self._unit
+        cands = [c for c in self.candidates if c != cur and c.total == cur.total and abs(c.n_train - target.n_train) <= lim]
+        room = cfg.play_check_budget // max(1, pp.play_size(play)) - 1  # plays besides cur's (>= 1: step's test)
+        if len(cands) > room:  # the proposed split, then the nearest to it while the budget lasts
+            keep = set(sorted(cands, key=lambda c: (abs(c.n_train - target.n_train), c.n_train))[:room])
+            cands = [c for c in cands if c in keep]
+        now = pp.period_s(play, cur)
+        per = np.array([pp.period_s(play, c) for c in cands])
+        memory = self._memory(state.left, est)
+        for i, c in enumerate(cands):
+            if c in memory:  # never predicted faster than it was measured
+                per[i] = max(per[i], memory[c][0])
+        gain = now - per
+        z = self._z(state, step)
+        sure = gain > z * self._played_noise(pp, est, cur, cands)
+        if not state.resized_at:
+            now_fn, per_fn = self._capacity_fns(est, cur, cands)
+            cap_gain = now_fn() - per_fn()
+            sure |= (cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn))
+        proposed = np.array([c == target for c in cands])
+        ok = (sure | proposed) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
+        if not ok.any():
+            return f"play check: {target} does not play faster than {cur} (nor a split near it beyond the noise)"
+        costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
+        net = np.where(ok, gain * horizon - (costs if cfg.payback_check else 0.0), -np.inf)
+        best = int(np.argmax(net))
+        return cands[best], float(gain[best]), float(costs[best]), now
 
     def _revert(self, state: PolicyState, est: Estimates, cur: Topology, horizon: int, step: int) -> tuple[PolicyState, Decision] | None:
         """Prediction-error guard: within payback_horizon_steps of a move, go back to the split just left when, each
@@ -339,7 +416,7 @@ class ResizePolicy:
         new_state = replace(
             state, signal_count=0, signal_dir=0, steps_since_resize=0, cooldown_left=self.cfg.cooldown_steps,
             history=(state.history + (str(cur),))[-8:], here_ratio=None, here_ratio_var=0.0, here_steps=0, left=left[-4:],
-            resized_at=(state.resized_at + (step,))[-4:],
+            resized_at=(state.resized_at + (step,))[-4:], vetoed=None, vetoed_at=-1, vetoes=0,
         )
         plan = self.costs.plan(cur, target)
         return new_state, Decision(ResizeAction.RESIZE, target, reason, plan, cost, imb, saving)

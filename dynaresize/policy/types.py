@@ -184,3 +184,6 @@ class PolicyState:
     left: tuple[LeftSplit, ...] = field(default=())  # splits left (newest last, at most 4), for the memory guard
     resized_at: tuple[int, ...] = field(default=())  # steps of the latest resizes (at most 4), for the back-off
     forced_step: int = -1  # the last step of policy.forced_splits that came due (the runtime's PlannedPolicy)
+    vetoed: Topology | None = None  # the last move the play check held (rule 9), not played again for a while
+    vetoed_at: int = -1  # the step it was last held at
+    vetoes: int = 0  # how many times in a row it was held
