@@ -240,9 +240,10 @@ def test_known_miss_of_the_one_percent_target_at_sample_level():
 
 
 def _decisions(s, mech, **policy):
+    """The run, and its decisions' reasons by step."""
     s.cfg = s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update=policy)})
     run = run_samples(s, s.initial, mech, log=True)
-    return run, [e.data["reason"] for e in run.events if e.type is EventType.DECISION]
+    return run, {e["step"]: e["reason"] for e in run.events if e.type is EventType.DECISION}
 
 
 def test_the_play_check_holds_a_move_the_capacity_model_gets_wrong():
@@ -253,10 +254,28 @@ def test_the_play_check_holds_a_move_the_capacity_model_gets_wrong():
     _, best = best_static_samples(s, BARRIER_FREE)
     unchecked, reasons = _decisions(s, BARRIER_FREE, play_check=False)
     assert unchecked.switches == 2 and unchecked.total_s > 1.01 * best
-    assert not any(r.startswith("play check") for r in reasons)
+    assert not any(r.startswith("play check") for r in reasons.values())
     checked, reasons = _decisions(s, BARRIER_FREE, play_check=True)
     assert checked.switches == 1 and checked.total_s <= 1.01 * best, checked.topologies[-1]
-    assert any(r.startswith("play check: 10:6 does not play faster than 9:7") for r in reasons)
+    assert any(r.startswith("play check: 10:6 does not play faster than 9:7") for r in reasons.values())
+    w = s.cfg.sim.workload
+    play = (11 + 8 + 2) * w.prompts_per_step * w.responses_per_prompt  # a play's batches (warm-up, measured, behind)
+    over, reasons = _decisions(s, BARRIER_FREE, play_check=True, play_check_budget=2 * play - 1)
+    assert over.switches == 2 and not any(r.startswith("play check") for r in reasons.values())  # two plays too many
+    _, reasons = _decisions(s, BARRIER_FREE, play_check=True, play_check_budget=2 * play)
+    assert any(r.startswith("play check: 10:6 does not play faster than 9:7") for r in reasons.values())
+
+
+def test_a_move_the_play_check_held_is_played_again_after_the_batches_turned_over_then_twice_as_late():
+    """32 GPUs at 1000 tokens, seed 1: on 17:15 (the best) the capacity model proposes 22:10 at every step from step 8;
+    the play holds it at step 8, plays it again at 16 (pipeline_trace_steps = 8 later), then at 32 (16 later); the
+    steps between hold without playing."""
+    s = setup(stationary(32, 1000, 1, 42))
+    _, reasons = _decisions(s, BARRIER_FREE)
+    played = [k for k, r in reasons.items() if r.startswith("play check: 22:10 does not play faster than 17:15")]
+    remembered = [k for k, r in reasons.items() if r.startswith("play check: 22:10 played no faster")]
+    assert played == [8, 16, 32], [reasons.get(k) for k in range(8, 34)]
+    assert remembered == [k for k in range(9, max(reasons) + 1) if k not in (16, 32)]
 
 
 def test_the_simulator_runs_no_play_check_with_tail_consolidation_which_no_play_models():
@@ -265,6 +284,6 @@ def test_the_simulator_runs_no_play_check_with_tail_consolidation_which_no_play_
     with the same policy settings and no consolidation it checks (seed 0: the hold of the test above)."""
     s = setup(stationary(16, 6000, 0, 30))
     _, reasons = _decisions(s, SimMechanisms(True, True, True, True, True), play_check=True)
-    assert not any(r.startswith("play check") for r in reasons)
+    assert not any(r.startswith("play check") for r in reasons.values())
     _, reasons = _decisions(s, BARRIER_FREE, play_check=True)
-    assert any(r.startswith("play check") for r in reasons)
+    assert any(r.startswith("play check") for r in reasons.values())
