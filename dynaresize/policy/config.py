@@ -97,14 +97,14 @@ class PolicyConfig(Section):
         "one while the budget lasts; no check where those two plays alone exceed it (64 GPUs, 4,096 sequences a batch: "
         "10 plays; 512 GPUs, 8,192: 5; 4096 GPUs, 32,768: none)"
     )
-    pipeline_trace_steps: int = Field(8, ge=1, description="predictor=pipeline: recent batches replayed (4 -> 8 smoothed the played period: 8 GPUs at 3000 tokens 3 switches +2.3% -> 1 switch -0.1%)")
+    pipeline_trace_steps: int = Field(8, ge=1, description="predictor=pipeline and play_check: recent batches replayed (4 -> 8 smoothed the played period: 8 GPUs at 3000 tokens 3 switches +2.3% -> 1 switch -0.1%)")
     pipeline_lead_steps: float | None = Field(
-        1.0, ge=0, description="predictor=pipeline: the batches are replayed as the run will be this many batches after "
+        1.0, ge=0, description="predictor=pipeline and play_check: the batches are replayed as the run will be this many batches after "
         "the newest, along the linear trend of their mean response length, training per group, per-sequence decode cost "
         "and KV slots where that trend is significant (pipeline_trend_z); null: replayed as observed"
     )
     pipeline_trend_z: float = Field(
-        2.0, ge=0, description="predictor=pipeline: a trend is followed only when its slope is more than this many "
+        2.0, ge=0, description="predictor=pipeline and play_check: a trend is followed only when its slope is more than this many "
         "standard errors from flat"
     )
     pipeline_noise: Literal["agree", "played", "max"] = Field(
@@ -115,7 +115,8 @@ class PolicyConfig(Section):
     )
     pipeline_window: int = Field(
         4, ge=0, description="predictor=pipeline: candidates within this many units of the current split or of the "
-        "capacity model's best are played forward (0: every candidate)"
+        "capacity model's best are played forward; play_check: within this many units of the proposed split (0: every "
+        "candidate; the check's within its budget)"
     )
     forced_splits: dict[int, int] = Field(
         default_factory=dict,

@@ -351,7 +351,7 @@ class ResizePolicy:
         cfg, pp = self.cfg, self.checker
         play = self._replayed(est.trace)
         est = replace(est, play=play)  # (for _played_noise)
-        lim = cfg.pipeline_window * self._unit
+        lim = cfg.pipeline_window * self._unit if cfg.pipeline_window > 0 else math.inf
         cands = [c for c in self.candidates if c != cur and c.total == cur.total and abs(c.n_train - target.n_train) <= lim]
         room = cfg.play_check_budget // max(1, pp.play_size(play)) - 1  # plays besides cur's (>= 1: step's test)
         if len(cands) > room:  # the proposed split, then the nearest to it while the budget lasts
