@@ -427,4 +427,5 @@ def greedy_config(cfg: PolicyConfig) -> PolicyConfig:
     return cfg.model_copy(update=dict(
         imbalance_threshold=0.0, consecutive_signals=1, min_dwell_steps=0, cooldown_steps=0, payback_check=False,
         min_relative_gain=0.0, noise_z=0.0, near_best_fraction=1.0, memory_tolerance=0.0, backoff_steps=0,
+        play_check=False,
     ))
