@@ -94,7 +94,7 @@ class PolicyConfig(Section):
     play_check_budget: int = Field(
         1_000_000, ge=1, description="play_check: the sequences decoded across one check's plays (a play decodes every "
         "sequence of its batches: ~21 batches): the current and the proposed split, then the splits nearest the proposed "
-        "one while the budget lasts; no check where those two plays alone exceed it (64 GPUs, 4,096 sequences a batch: "
+        "one while the budget lasts; no check where those two plays alone exceed it (64 GPUs, 2,048 sequences a batch: "
         "10 plays; 512 GPUs, 8,192: 5; 4096 GPUs, 32,768: none)"
     )
     pipeline_trace_steps: int = Field(8, ge=1, description="predictor=pipeline and play_check: recent batches replayed (4 -> 8 smoothed the played period: 8 GPUs at 3000 tokens 3 switches +2.3% -> 1 switch -0.1%)")
