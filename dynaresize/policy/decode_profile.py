@@ -80,11 +80,6 @@ def busy_span_s(p: DecodeProfile, n_rollout: int) -> float:
     return p.iteration_s * iterations + (p.seq_iteration_s * p.tokens + p.prefill_s_per_group * p.groups) / n
 
 
-def _expected_max(xs: tuple[float, ...]) -> np.ndarray:
-    """E[max of a c-subset] of the ascending values ``xs``, for c = 1..len(xs) (:func:`_expected_max_of` for each)."""
-    return np.array([_expected_max_of(xs, c) for c in range(1, len(xs) + 1)])
-
-
 @lru_cache(maxsize=4096)
 def _expected_max_of(xs: tuple[float, ...], c: int) -> float:
     """E[max of a c-subset] of the ascending values ``xs``: P(max = x_i) = C(i-1, c-1) / C(N, c). One ``c`` at a time:

@@ -249,9 +249,9 @@ class ResizePolicy:
         return np.sqrt(total)
 
     @staticmethod
-    def _played_noise(pp: PipelinePredictor, est: Estimates, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
-        """Standard error of the played gain per step, from its spread over the replayed batches (paired steps)."""
-        play = est.play or est.trace
+    def _played_noise(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """Standard error of the played gain per step, from its spread over the replayed batches ``play`` (paired
+        steps)."""
         n = min(len(play), len(pp.step_times(play, cur)))  # distinct batches (a short trace is cycled)
         if n < 2:
             return np.full(len(cands), np.inf)  # one batch: no spread to judge a gain by
@@ -278,6 +278,25 @@ class ResizePolicy:
 
         return now_fn, per_fn
 
+    def _capacity_sure(self, est: Estimates, cap_gain: np.ndarray, z: float, now_fn, per_fn) -> np.ndarray:
+        """Where the capacity model's own gain passes its noise test (``pipeline_noise: agree`` and the check's
+        first move: a few batches cannot show a gain of a few % beyond their spread)."""
+        return (cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn))
+
+    def _floored(self, state: PolicyState, est: Estimates, cands: Sequence[Topology], per: np.ndarray) -> np.ndarray:
+        """``per`` with each split left never predicted faster than it was measured there (rule 6's memory)."""
+        memory = self._memory(state.left, est)
+        for i, c in enumerate(cands):
+            if c in memory:
+                per[i] = max(per[i], memory[c][0])
+        return per
+
+    def _net(self, cur: Topology, cands: Sequence[Topology], ok: np.ndarray, gain: np.ndarray,
+             horizon: int) -> tuple[np.ndarray, np.ndarray]:
+        """The switch cost of each split passing (``ok``) and its net gain over ``horizon`` (-inf where not)."""
+        costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
+        return costs, np.where(ok, gain * horizon - (costs if self.cfg.payback_check else 0.0), -np.inf)
+
     def _z(self, state: PolicyState, step: int) -> float:
         """noise_z, raised by the back-off: (1 + resizes in the last backoff_steps steps) x noise_z."""
         cfg = self.cfg
@@ -297,30 +316,25 @@ class ResizePolicy:
         cap_gain = now - per  # the capacity model's
         if self._piped(est):  # the pipeline's periods
             now, per = self._period(est, cur), np.array([self._period(est, c) for c in cands])
-        memory = self._memory(state.left, est)
-        for i, c in enumerate(cands):
-            if c in memory:  # never predicted faster than it was measured
-                per[i] = max(per[i], memory[c][0])
-        gain = now - per
+        gain = now - self._floored(state, est, cands, per)
         ok = gain > 0
         if cfg.noise_z > 0 and ok.any():
             z = self._z(state, step)
             if self._piped(est):  # the played gain's own spread: step i replays the same batch on both splits
-                played = self._played_noise(self.pipeline, est, cur, cands)
+                played = self._played_noise(self.pipeline, est.play or est.trace, cur, cands)
                 if cfg.pipeline_noise == "max":  # and the capacity model's sensitivity to its estimates
                     ok &= gain > z * np.maximum(played, self._noise(est, now_fn, per_fn))
                 elif cfg.pipeline_noise == "agree" and not state.resized_at:
                     # or, on the way from the configured start split (no resize yet), the capacity model passes its own
                     # test for the same split (a few batches cannot show a gain of a few % beyond their spread)
-                    ok &= (gain > z * played) | ((cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn)))
+                    ok &= (gain > z * played) | self._capacity_sure(est, cap_gain, z, now_fn, per_fn)
                 else:
                     ok &= gain > z * played
             else:
                 ok &= gain > z * self._noise(est, now_fn, per_fn)
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
-        costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
-        net = np.where(ok, gain * horizon - (costs if cfg.payback_check else 0.0), -np.inf)
+        costs, net = self._net(cur, cands, ok, gain, horizon)
         best = int(np.argmax(net))  # ties: the first, i.e. the fewest trainers (candidates are sorted)
         elig = np.flatnonzero(ok & (gain >= cfg.near_best_fraction * gain[best]) & (net >= 0 if cfg.payback_check else ok))
         if len(elig) == 0:
@@ -350,7 +364,6 @@ class ResizePolicy:
         again (``PolicyState.vetoed``)."""
         cfg, pp = self.cfg, self.checker
         play = self._replayed(est.trace)
-        est = replace(est, play=play)  # (for _played_noise)
         lim = cfg.pipeline_window * self._unit if cfg.pipeline_window > 0 else math.inf
         cands = [c for c in self.candidates if c != cur and c.total == cur.total and abs(c.n_train - target.n_train) <= lim]
         room = cfg.play_check_budget // max(1, pp.play_size(play)) - 1  # plays besides cur's (>= 1: step's test)
@@ -358,24 +371,17 @@ class ResizePolicy:
             keep = set(sorted(cands, key=lambda c: (abs(c.n_train - target.n_train), c.n_train))[:room])
             cands = [c for c in cands if c in keep]
         now = pp.period_s(play, cur)
-        per = np.array([pp.period_s(play, c) for c in cands])
-        memory = self._memory(state.left, est)
-        for i, c in enumerate(cands):
-            if c in memory:  # never predicted faster than it was measured
-                per[i] = max(per[i], memory[c][0])
-        gain = now - per
+        gain = now - self._floored(state, est, cands, np.array([pp.period_s(play, c) for c in cands]))
         z = self._z(state, step)
-        sure = gain > z * self._played_noise(pp, est, cur, cands)
+        sure = gain > z * self._played_noise(pp, play, cur, cands)
         if not state.resized_at:
             now_fn, per_fn = self._capacity_fns(est, cur, cands)
-            cap_gain = now_fn() - per_fn()
-            sure |= (cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn))
+            sure |= self._capacity_sure(est, now_fn() - per_fn(), z, now_fn, per_fn)
         proposed = np.array([c == target for c in cands])
         ok = (sure | proposed) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
         if not ok.any():
             return f"play check: {target} does not play faster than {cur} (nor a split near it beyond the noise)"
-        costs = np.array([self.costs.critical_cost_s(cur, c) if ok[i] else 0.0 for i, c in enumerate(cands)])
-        net = np.where(ok, gain * horizon - (costs if cfg.payback_check else 0.0), -np.inf)
+        costs, net = self._net(cur, cands, ok, gain, horizon)
         best = int(np.argmax(net))
         return cands[best], float(gain[best]), float(costs[best]), now
 
