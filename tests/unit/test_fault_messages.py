@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,9 +72,13 @@ for _ in hf_logging.tqdm(range(3), desc="transformers-bar"):
 for _ in hub_tqdm(range(3), desc="hub-bar"):
     pass
 """
+    # The switch is an environment variable: a test that ran ``main([..., "--quiet"])`` in this worker has set it here,
+    # and the machine may set it (or tqdm's own TQDM_DISABLE). The probe starts from an environment without either.
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS" and not k.startswith("TQDM_")}
     outs = {}
     for mode in ("loud", "before", "after"):
-        p = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = subprocess.run([sys.executable, "-c", script, mode], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           env=env)
         assert p.returncode == 0, p.stderr[-3000:]
         outs[mode] = p.stdout + p.stderr
     assert "transformers-bar" in outs["loud"] and "hub-bar" in outs["loud"]  # the probe shows bars without the switch
