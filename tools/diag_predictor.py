@@ -35,7 +35,7 @@ from dynaresize.policy.pipeline_predictor import PipelinePredictor  # noqa: E402
 from dynaresize.policy.types import Topology  # noqa: E402
 from dynaresize.sim import samples as S  # noqa: E402
 from dynaresize.sim.compare import best_static_samples, run_samples, setup  # noqa: E402
-from dynaresize.sim.mechanisms import HelperPlay, SimMechanisms, helpers_on  # noqa: E402
+from dynaresize.sim.mechanisms import HelperPlay, SimMechanisms, play_hooks  # noqa: E402
 
 
 def scenario(a, extra: list[str]):
@@ -81,7 +81,7 @@ def exact(a) -> None:
         topo = Topology(n, N - n)
         run_samples(s, topo, mech)
         K = max(cap.ends) + 1
-        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, warmup_steps=0, hooks=HelperPlay if helpers_on(mech) else None)
+        pp = PipelinePredictor(s.cfg.policy.train_scaling_per_doubling, warmup_steps=0, hooks=play_hooks(mech))
         st = pp.step_times(tuple(cap.wls[j] for j in range(K - 1)), topo)
         pe = np.cumsum(st[1:])  # play ends relative to ends[0]
         se = np.array([cap.ends[k] - cap.ends[0] for k in range(1, K - 1)])

@@ -19,8 +19,9 @@ are the run's own recent ones (:class:`~dynaresize.policy.types.PipelineWorkload
 mean step time once the pipeline has filled. Not modelled: switches, preemption.
 
 Mechanisms only the simulator runs are played by the simulator's own plug-in (:class:`PlayHooks`, passed as
-``PipelinePredictor(hooks=...)``): the gradient helpers' is ``dynaresize.sim.mechanisms.HelperPlay``, which the
-simulator gives its policy when it runs them. Without it a batch with ``helper_rate > 0`` is refused.
+``PipelinePredictor(hooks=...)``): the gradient helpers' is ``dynaresize.sim.mechanisms.HelperPlay``, tail
+consolidation's ``ConsolidationPlay`` (both: ``ConsolidationHelperPlay``), which the simulator gives its policy when it
+runs them. Without it a batch with ``helper_rate > 0`` or ``consolidation_min_gain > 0`` is refused.
 
 Pure and deterministic: the same workloads and split give the same period (no clock, no randomness); results are
 memoised by their inputs.
@@ -43,14 +44,25 @@ PLAY_EPS = 1e-9  # a version counts as arrived this close to its time
 class PlayHooks:
     """A mechanism only the simulator runs, inside the forward play (its extension points; the base does nothing).
     ``start`` is called once per play with the play's state (:class:`PlayState`); the others where the play would
-    act for the mechanism: a drained GPU left waiting, the size of a training chunk, a chunk just started (before it
-    is timed), whether batch ``k``'s optimizer step must wait, and an event of a kind of its own (``kind >= 4``)."""
+    act for the mechanism: a drained GPU left waiting, a GPU left waiting with sequences still decoding (its tail),
+    the sequences on their way to a GPU (it takes no work meanwhile), the size of a training chunk, a chunk just
+    started (before it is timed), whether batch ``k``'s optimizer step must wait, and an event of a kind of its own
+    (``kind >= 4``). ``rank_class``: the decode model of the play's GPUs (a subclass of DecodeRank)."""
+
+    rank_class: type[DecodeRank] = DecodeRank
+    moves_tails = False  # whether ``tail`` and ``incoming`` do anything (the play skips them otherwise)
 
     def start(self, st: "PlayState") -> "PlayHooks":
         return self
 
     def drained(self, r: int, t: float) -> None:
         pass
+
+    def tail(self, r: int, t: float) -> None:
+        pass
+
+    def incoming(self, r: int) -> int:
+        return 0
 
     def chunk_size(self, k: int, take: int) -> int:
         return take
@@ -70,11 +82,13 @@ class PlayState:
     GPUs' decode state (``ranks``, ``token``: the current event of each), the groups ``ready`` to train and
     ``trained`` per batch, ``version_at`` (when a version reaches the GPUs), the trainers' ``rate`` (GPU-equivalents),
     the command latency ``c``, ``ngroups`` per batch, ``waiting`` (GPUs with free slots and nothing to take), ``produced()`` (versions made),
-    ``trainers_started[k]``, and ``push(t, kind, key)`` (an event) and ``then(r, t)`` (a GPU back from the
-    mechanism: it takes work, and its next event is scheduled) and ``maybe_step(t, k)``."""
+    ``trainers_started[k]``, ``held_v`` (the version each GPU decodes with, None: drained) and ``held_n`` (per GPU,
+    batch -> its groups in flight there), ``cursor`` (per batch, its next group never handed out), the staleness
+    ``s``, and ``push(t, kind, key)`` (an event) and ``then(r, t)`` (a GPU back from the mechanism: it takes work,
+    and its next event is scheduled) and ``maybe_step(t, k)``."""
 
     __slots__ = ("wl", "K", "ngroups", "ranks", "token", "ready", "trained", "version_at", "rate", "c", "waiting", "produced",
-                 "trainers_started", "push", "then", "maybe_step")
+                 "trainers_started", "held_v", "held_n", "cursor", "s", "push", "then", "maybe_step")
 
     def __init__(self, **kw) -> None:
         for k, v in kw.items():
@@ -134,10 +148,13 @@ class PipelinePredictor:
         if self.hooks is None and any(x.helper_rate > 0 for x in trace):
             raise ValueError("the batches have gradient helpers (a simulator-only mechanism): the simulator plays them "
                              "with PipelinePredictor(hooks=dynaresize.sim.mechanisms.HelperPlay)")
+        if not (self.hooks is not None and self.hooks.moves_tails) and any(x.consolidation_min_gain > 0 for x in trace):
+            raise ValueError("the batches have tail consolidation (a simulator-only mechanism): the simulator plays it "
+                             "with PipelinePredictor(hooks=dynaresize.sim.mechanisms.ConsolidationPlay)")
         s, c, sync, G = max(1, w0.staleness), w0.command_latency_s, w0.sync_s, w0.group_size
         n_r, n_t = topo.n_rollout, topo.n_train
         rate = n_t * efficiency(n_t, self.per_doubling)
-        ranks = [DecodeRank(r, w0.iteration_s) for r in range(n_r)]
+        ranks = [(DecodeRank if self.hooks is None else self.hooks.rank_class)(r, w0.iteration_s) for r in range(n_r)]
         for dr in ranks:
             dr.slots = wl[0].kv_slots
         held_v: list[int | None] = [None] * n_r  # the version a GPU decodes with (None: drained)
@@ -174,7 +191,9 @@ class PipelinePredictor:
             dr = ranks[r]
             nxt = dr.next_group_time()
             active = len(dr.rs) - dr.head  # (dr.active)
-            if r not in waiting:
+            if moves and hook.incoming(r):
+                pass  # it claims nothing until the sequences on their way arrive
+            elif r not in waiting:
                 claim = max(1, min(dr.slots, claim_seqs))
                 nxt = min(nxt, dr.claim_time(claim) if (dr.slots - active < claim and active) else t)
             elif active:
@@ -188,6 +207,9 @@ class PipelinePredictor:
             nonlocal first
             dr = ranks[r]
             dr.advance(t)
+            if moves and hook.incoming(r):  # sequences on their way to it: it takes no work until they arrive
+                waiting.discard(r)
+                return
             active = len(dr.rs) - dr.head  # (dr.active)
             cap = max(1 if active == 0 else 0, (dr.slots - active) // G)
             if cap <= 0:
@@ -262,11 +284,12 @@ class PipelinePredictor:
             schedule(r, t)
 
         hook = None
+        moves = self.hooks is not None and self.hooks.moves_tails
         if self.hooks is not None:
             hook = self.hooks().start(PlayState(
                 wl=wl, K=K, ngroups=ngroups, ranks=ranks, token=token, ready=ready, trained=trained, version_at=version_at, rate=rate,
-                c=c, waiting=waiting, produced=lambda: produced, trainers_started=trainers_started, push=push, then=then,
-                maybe_step=maybe_step))
+                c=c, waiting=waiting, produced=lambda: produced, trainers_started=trainers_started, held_v=held_v,
+                held_n=held_n, cursor=cursor, s=s, push=push, then=then, maybe_step=maybe_step))
         for r in range(n_r):
             assign(r, 0.0)
         for r in range(n_r):
@@ -286,12 +309,14 @@ class PipelinePredictor:
                         del held_n[r][j]
                     ready[j].append(g)
                 active = len(dr.rs) - dr.head  # (dr.active)
-                if active == 0:
+                if active == 0 and not (moves and hook.incoming(r)):
                     held_v[r] = None
                 free = dr.slots - active
                 if (free // G > 0 or active == 0) and (active == 0 or free >= max(1, min(dr.slots, claim_seqs))):
                     assign(r, t)
                 schedule(r, t)
+                if moves and active and r in waiting:  # a tail left waiting: the mechanism may move it
+                    hook.tail(r, t)
                 if done:
                     try_train(t)
             elif kind == 1:  # a training chunk done

@@ -68,7 +68,7 @@ class ResizePolicy:
     def __init__(self, cfg: PolicyConfig, costs: SwitchCostModel, candidates: Sequence[Topology],
                  pipeline_hooks: type[PlayHooks] | None = None):
         """``pipeline_hooks``: a simulator-only mechanism the pipeline predictor plays (the simulator's gradient
-        helpers, ``dynaresize.sim.mechanisms.HelperPlay``); the runtime has none."""
+        helpers or tail consolidation: ``dynaresize.sim.mechanisms.play_hooks``); the runtime has none."""
         if not candidates:
             raise ValueError("ResizePolicy needs at least one candidate topology")
         self.cfg = cfg

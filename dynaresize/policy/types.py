@@ -56,6 +56,11 @@ class PipelineWorkload:
     helper_margin: float = 1.5  # a help must save more than its cost times this
     train_chunks: int = 8  # with helpers, a training chunk takes at most 1/train_chunks of the batch (micro-chunks)
     train_queue: int = 1  # training commands the trainers hold at once, run in order (2: no round trip between two)
+    # tail consolidation (simulator only, played by sim.mechanisms.ConsolidationPlay): a move must save this many times
+    # its time (0: none), the KV cache's seconds per token moved, prompt tokens per prefill second (a group's prompt KV)
+    consolidation_min_gain: float = 0.0
+    kv_move_s_per_token: float = 0.0
+    prefill_tokens_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

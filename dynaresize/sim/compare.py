@@ -30,7 +30,7 @@ from dynaresize.policy.config import OptimizationsConfig
 from dynaresize.schedule import Mechanisms
 from dynaresize.sim.bound import bound_total, tight_bound
 from dynaresize.sim.engine import Pipeline, RunResult, StaticController
-from dynaresize.sim.mechanisms import HelperPlay, SimMechanisms, consolidation_on, helpers_on
+from dynaresize.sim.mechanisms import SimMechanisms, helpers_on, play_hooks
 from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE, SamplePipeline, SampleRunResult, SampleSettings
 from dynaresize.sim.stages import StageTable
 
@@ -80,11 +80,8 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
     """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy
     (``tail_share``: see :data:`~dynaresize.sim.samples.TAIL_SHARE_BARRIER_FREE`)."""
     p = s.cfg.sim.pipeline
-    hooks = HelperPlay if helpers_on(mech) else None  # the policy's pipeline predictor plays the helpers it runs
-    pcfg = s.cfg.policy
-    if consolidation_on(mech) and pcfg.play_check:  # no play models tail consolidation: its check would veto the moves
-        pcfg = pcfg.model_copy(update={"play_check": False})  # consolidation makes pay (docs/simulator.md, "The play check")
-    policy = ResizePolicy(pcfg, s.costs, s.candidates, pipeline_hooks=hooks) if mech.resize else None
+    hooks = play_hooks(mech)  # the policy's pipeline predictor plays the simulator-only mechanisms it runs
+    policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates, pipeline_hooks=hooks) if mech.resize else None
     name = name or f"{'dyn' if mech.resize else 'static ' + str(topo)} {mech.label} (samples)"
     settings = SampleSettings(s.cfg.pipeline.staleness_bound, log, s.cfg.switching.costs.deferred_overlap_fraction,
                               p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,

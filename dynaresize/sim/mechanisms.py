@@ -39,6 +39,7 @@ from dynaresize.schedule import Mechanisms, PipelineScheduler, Role, ScheduleErr
 
 
 HELP_DONE = 4  # the pipeline play's event kind of a help done (the play's own kinds are 0-3)
+TAIL_MOVED = 5  # the pipeline play's event kind of a moved tail arriving at its receiver
 
 
 def help_share(total: float, trate: float, rate: float, cost: float, margin: float) -> float:
@@ -273,10 +274,11 @@ class HelperPlay(PlayHooks):
     by more than (margin - 1) x the cost; the trainers take micro-chunks (1/``train_chunks`` of the batch) so that
     helpers who fall idle meanwhile can take the rest; the optimizer step waits for the helps."""
 
-    __slots__ = ("st", "helping", "open")
+    __slots__ = ("st", "helping", "open", "memo")
 
     def start(self, st: PlayState) -> "HelperPlay":
         self.st = st
+        self.memo: tuple = (None, None)  # _help's last key and answer
         self.helping: dict[int, int] = {}  # rollout GPU -> the batch in training it computes gradients of
         self.open = [0] * st.K  # per batch: helps not finished
         return self
@@ -308,27 +310,47 @@ class HelperPlay(PlayHooks):
         self.st.maybe_step(t, k)
         self.st.then(key, t)
 
-    def _offer(self, r: int, t: float) -> None:
+    def _help(self, t: float) -> tuple[int, list[int], float] | None:
+        """The help a GPU holding the training version would take now, as the core prices it: the batch in training,
+        its ready groups chosen (newest first) and their compute; None if no help pays. The price is memoised by the
+        ready groups (tail consolidation asks at many rank events in a row)."""
         st = self.st
         k = st.produced()
         x = st.wl[k] if k < st.K else None
         ready = st.ready
-        if (x is None or x.helper_rate <= 0 or not st.trainers_started[k] or not ready[k] or r in self.helping
+        if (x is None or x.helper_rate <= 0 or not st.trainers_started[k] or not ready[k]
                 or st.version_at[k] > t + PLAY_EPS):
-            return
+            return None
+        key = (k, tuple(ready[k]))
+        if key == self.memo[0]:
+            return self.memo[1]
+        got = self._price(k, x)
+        self.memo = (key, got)
+        return got
+
+    def _price(self, k: int, x) -> tuple[int, list[int], float] | None:
+        st = self.st
+        ready = st.ready
         tpg, rate = x.train_s_per_group, st.rate
         total = sum(tpg[g] for g in ready[k])
-        h, hc = x.helper_rate, x.helper_cost_s
-        share = help_share(total, rate, h, hc, x.helper_margin)
+        share = help_share(total, rate, x.helper_rate, x.helper_cost_s, x.helper_margin)
         if share <= 0:
-            return
+            return None
         chosen, acc = [], 0.0
         for g in reversed(ready[k]):
             if acc + tpg[g] <= share:
                 chosen.append(g)
                 acc += tpg[g]
-        if not chosen:
+        return (k, chosen, acc) if chosen else None
+
+    def _offer(self, r: int, t: float) -> None:
+        st = self.st
+        got = None if r in self.helping else self._help(t)
+        if got is None:
             return
+        k, chosen, acc = got
+        x, ready = st.wl[k], st.ready
+        h, hc = x.helper_rate, x.helper_cost_s
         ready[k] = [g for g in ready[k] if g not in set(chosen)]
         st.trained[k] += len(chosen)
         self.open[k] += 1
@@ -501,3 +523,150 @@ class MovableDecodeRank(DecodeRank):
         self.planned, self.rs, self.an, self.us, self.gs, self.fresh, self.u_same = False, [], [], [], [], None, None
         self.t_marks, self.cost, self.head, self.groups, self.gptr = [], [], 0, ended, 0
         return out
+
+
+class ConsolidationPlay(PlayHooks):
+    """Tail consolidation in the policy's pipeline predictor (:mod:`dynaresize.policy.pipeline_predictor`): the
+    simulator's policy plays it when the simulator runs it (``ConsolidationHelperPlay`` with the gradient helpers), so
+    that the play check and the pipeline predictor see the moves it makes. As the simulator decides a move
+    (``SamplePipeline._consolidate``): a GPU left waiting with sequences still decoding, while work of another
+    version it holds waits (:meth:`_other_work`), hands them with their KV cache to the latest-draining GPU decoding
+    the same version that has the free slots, drains no sooner, and with their decode added (and the tails already on
+    their way to it) still drains no later than the version's last GPU; when the tail would have lasted
+    ``consolidation_min_gain`` x the move's time (the command latency plus each group's prompt and generated tokens at
+    ``kv_move_s_per_token``). The sequences decode on at the receiver after the move; it takes no work meanwhile. A
+    play, not the simulator: the receiver is the best over every GPU of the version (the simulator searches its
+    latest-draining ones), and the prompt's KV is the batch's mean."""
+
+    rank_class = MovableDecodeRank
+    moves_tails = True
+
+    def start(self, st: PlayState) -> "ConsolidationPlay":
+        super().start(st)
+        self.st = st
+        self.coming: dict[int, tuple[int, float]] = {}  # GPU -> sequences on their way to it, the decode they add
+        self.moving: dict[int, tuple[int, list]] = {}  # a move on its way -> its receiver and what it carries
+        self.moves = 0
+        return self
+
+    def incoming(self, r: int) -> int:
+        got = self.coming.get(r)
+        return got[0] if got else 0
+
+    def _other_work(self, r: int, t: float) -> bool:
+        """Whether GPU ``r``, once drained, could take groups of another version that has reached it (the first batch of
+        such a version with groups never handed out within its even share), as the core's ``other_work``."""
+        st = self.st
+        v, n_r, s = st.held_v[r], len(st.ranks), st.s
+        k = st.produced()
+        for j in range(k, min(st.K - 1, k + s) + 1):
+            vj = max(0, j - s)
+            if (vj != v and st.version_at[vj] <= t + PLAY_EPS and st.cursor[j] < st.ngroups[j]
+                    and -(-st.ngroups[j] // n_r) > st.held_n[r].get(j, 0)):
+                return True
+        return False
+
+    def tail(self, r: int, t: float) -> None:
+        st = self.st
+        dr = st.ranks[r]
+        v = st.held_v[r]
+        helping, coming, ranks, held_v = getattr(self, "helping", ()), self.coming, st.ranks, st.held_v
+        n = len(dr.rs) - dr.head
+        if v is None or not n or not dr.planned or dr.t0 > t or r in helping or r in coming or not self._other_work(r, t):
+            return  # (most attempts end at the last test: nothing else waits for the GPU)
+        d_src = d_max = dr.t_marks[-1]
+        cands = []  # the version's other GPUs that drain no sooner and have the slots: (drain, GPU)
+        for q in range(len(ranks)):
+            if held_v[q] != v or q == r:
+                continue
+            y = ranks[q]
+            a = len(y.rs) - y.head
+            if not a:
+                continue
+            got = coming.get(q)
+            d = y.t_marks[-1] + (got[1] if got else 0.0)  # its drain with the tails on their way
+            if d > d_max:
+                d_max = d
+            if d >= d_src and y.t0 <= t and q not in helping and y.slots - a - (got[0] if got else 0) >= n:
+                cands.append((d, q))
+        if not cands:
+            return
+        delay = self._delay(dr, t)
+        best = max((c for c in cands if c[0] + delay <= d_max), default=None)  # the latest-draining that still fits
+        if best is None:
+            return
+        dst = best[1]
+        moving = dr.in_flight_at(t)
+        kv_tokens = 0.0
+        for (j, g), left, _ in moving:
+            x = st.wl[j]
+            G = x.group_size
+            ordered = sorted(x.lengths[g * G:(g + 1) * G])
+            kv_tokens += x.prefill_s_per_group * x.prefill_tokens_per_s + sum(ordered[-len(left):]) - sum(left)
+        x = st.wl[moving[0][0][0]]
+        move_s = st.c + kv_tokens * x.kv_move_s_per_token
+        if d_src - t < x.consolidation_min_gain * move_s:
+            return
+        moved = dr.evict(t, moving)
+        src_n, dst_n = st.held_n[r], st.held_n[dst]
+        for (j, _), _, _ in moved:
+            src_n[j] -= 1
+            if not src_n[j]:
+                del src_n[j]
+            dst_n[j] = dst_n.get(j, 0) + 1
+        if not src_n:
+            st.held_v[r] = None
+        got = self.coming.get(dst, (0, 0.0))
+        self.coming[dst] = (got[0] + n, got[1] + delay)
+        self.moves += 1
+        self.moving[self.moves] = (dst, moved, n, delay)
+        st.push(t + move_s, TAIL_MOVED, self.moves)
+        st.then(r, t)
+
+    @staticmethod
+    def _delay(dr: MovableDecodeRank, t: float) -> float:
+        """The decode a tail adds to its receiver's iterations: the sum of its sequences' per-iteration cost x tokens
+        left (``tail_load``'s, summed in one pass: the play needs not the simulator's order of additions)."""
+        head = dr.head
+        d = dr._done_iterations(t) if t > dr.t0 else 0.0
+        if dr.u_same is not None:
+            return dr.u_same * max(0.0, sum(dr.rs[head:]) - (len(dr.rs) - head) * d)
+        _, us, _ = dr._ids()
+        return sum(u * max(r - d, 0.0) for r, u in zip(dr.rs[head:], us[head:]))
+
+    def event(self, kind: int, key: int, t: float) -> None:
+        if kind != TAIL_MOVED:
+            super().event(kind, key, t)
+            return
+        st = self.st
+        dst, moved, n, delay = self.moving.pop(key)
+        got = self.coming[dst]
+        if got[0] == n:
+            del self.coming[dst]
+        else:
+            self.coming[dst] = (got[0] - n, got[1] - delay)
+        y = st.ranks[dst]
+        by_u: dict[float, list] = {}
+        for item in moved:
+            by_u.setdefault(item[2], []).append(item)
+        G = st.wl[moved[0][0][0]].group_size
+        for u, items in by_u.items():
+            y.admit(t, [x for _, left, _ in items for x in left], u, [key for key, _, _ in items], G, 0.0,
+                    [len(left) for _, left, _ in items])
+        st.then(dst, t)
+
+
+class ConsolidationHelperPlay(ConsolidationPlay, HelperPlay):
+    """Tail consolidation and the gradient helpers in the play: a GPU's tail may also move so that it helps the
+    trainers (as ``ConsolidatingHelpingScheduler.other_work``)."""
+
+    def _other_work(self, r: int, t: float) -> bool:
+        return super()._other_work(r, t) or (self.st.held_v[r] is not None and self._help(t) is not None)
+
+
+def play_hooks(mech: Mechanisms) -> type[PlayHooks] | None:
+    """The simulator-only mechanisms of ``mech`` as the policy's pipeline predictor plays them (None: none)."""
+    helpers, consolidation = helpers_on(mech), consolidation_on(mech)
+    if consolidation:
+        return ConsolidationHelperPlay if helpers else ConsolidationPlay
+    return HelperPlay if helpers else None

@@ -773,7 +773,8 @@ class SamplePipeline:
             float(bi.prefill_s.mean()) if len(bi.prefill_s) else 0.0, tuple(bi.train_per_group.tolist()),
             self.train_cfg.step_overhead_s, self.sync_s, self.latency, self.s, self.claim_groups, self.stream_min,
             self.helper_rate if self.helpers else 0.0, self.helper_cost_s, self.helper_cfg.margin,
-            self.helper_cfg.train_chunks, self.core.cfg.train_queue)
+            self.helper_cfg.train_chunks, self.core.cfg.train_queue,
+            self.min_gain if self.consolidate else 0.0, self.kv_move_s_per_token, self.tab.sim.rollout.prefill_tokens_per_s)
 
     # --- switches -------------------------------------------------------------------------------------------------
     def _decided(self, t: float, step: int, dec, sid: int | None) -> None:

@@ -174,3 +174,39 @@ def test_extrapolate_follows_a_drift_and_leaves_a_stationary_trace_as_observed()
         assert mean(w.lengths) == pytest.approx(target, rel=0.06)
     assert extrapolate(grown, 1.0) == out  # pure
     assert extrapolate(grown[:3], 1.0) == grown[:3]  # too few batches for a trend
+
+
+def test_the_play_of_tail_consolidation_predicts_the_simulators_period_where_a_play_without_it_cannot():
+    """16 GPUs at 6000 tokens (seed 1), tail consolidation with the helpers, static 10:6: played on the run's own
+    batches with the simulator's consolidation play (``play_hooks``: ConsolidationHelperPlay) the period is within 3%
+    of the simulated one; the same batches played without it (HelperPlay, the batches' consolidation switched off)
+    miss it by more than 5% (the moved tails' time, which no other play sees). A play that does not move tails refuses
+    batches that had consolidation."""
+    from dynaresize.sim.mechanisms import ConsolidationHelperPlay, play_hooks
+
+    mech = SimMechanisms(True, True, False, True, True)  # + tail consolidation; no resizing
+    assert play_hooks(mech) is ConsolidationHelperPlay and play_hooks(MECH) is HelperPlay
+    cfg = load_config(ROOT / "configs/sim/stationary_8gpu.yaml", [
+        "sim.write_events=false", "cluster.gpus=16", "cluster.initial_train=12", "sim.workload.response_tokens_start=6000",
+        "sim.workload.response_tokens_end=6000", "run.seed=1"])
+    split = Topology(10, 6)
+    runs = {}
+    for steps in (20, 60):
+        s = setup(cfg.model_copy(update={"sim": cfg.sim.model_copy(update={"steps": steps})}))
+        runs[steps] = run_samples(s, split, mech)
+    assert runs[60].moves > 0
+    measured = (runs[60].total_s - runs[20].total_s) / 40
+    p = cfg.sim.pipeline
+    pipe = SamplePipeline("t", s.table, split, mech, s.costs, None,
+                          SampleSettings(cfg.pipeline.staleness_bound, False, 0.9, p.claim_groups, p.stream_chunks,
+                                         helper_rate=p.helper_rate, helper_cost_s=p.helper_cost_s,
+                                         kv_move_gbps=p.kv_move_gbps, consolidation_min_gain=p.consolidation_min_gain))
+    trace = tuple(pipe._workload(pipe._batch(j)) for j in range(20, 36))
+    assert all(w.consolidation_min_gain == p.consolidation_min_gain and w.kv_move_s_per_token > 0 for w in trace)
+    per_doubling = cfg.policy.train_scaling_per_doubling
+    played = PipelinePredictor(per_doubling, hooks=ConsolidationHelperPlay).period_s(trace, split)
+    assert played == pytest.approx(measured, rel=0.03)
+    plain = tuple(replace(w, consolidation_min_gain=0.0) for w in trace)
+    assert PipelinePredictor(per_doubling, hooks=HelperPlay).period_s(plain, split) > 1.05 * measured
+    with pytest.raises(ValueError, match="tail consolidation"):
+        PipelinePredictor(per_doubling, hooks=HelperPlay).period_s(trace, split)

@@ -278,12 +278,19 @@ def test_a_move_the_play_check_held_is_played_again_after_the_batches_turned_ove
     assert remembered == [k for k in range(9, max(reasons) + 1) if k not in (16, 32)]
 
 
-def test_the_simulator_runs_no_play_check_with_tail_consolidation_which_no_play_models():
-    """With tail consolidation the simulator turns the check off (the play would veto the moves consolidation makes
-    pay: 16 GPUs at 6000 tokens, seed 1, held on 9:7 for 170 steps where 10:6 is best with consolidation, +5.3%);
-    with the same policy settings and no consolidation it checks (seed 0: the hold of the test above)."""
-    s = setup(stationary(16, 6000, 0, 30))
-    _, reasons = _decisions(s, SimMechanisms(True, True, True, True, True), play_check=True)
+def test_with_tail_consolidation_the_play_check_plays_it_and_takes_the_best_split():
+    """32 GPUs at 6000 tokens, seed 0, every mechanism with tail consolidation: unchecked, the capacity model moves
+    24:8 -> 18:14 (+2.5% against the best static split, 17:15). The check plays consolidation too
+    (``sim.mechanisms.ConsolidationHelperPlay``): it takes 17:15 (a neighbour that plays faster beyond the noise) and
+    holds the capacity model's later proposals of 18:14: one switch, within 1%. (Before the consolidation play the
+    simulator turned the check off under consolidation: a play without it vetoed the moves consolidation makes pay.)"""
+    s = setup(stationary(32, 6000, 0, 200))
+    mech = SimMechanisms(True, True, True, True, True)
+    best = run_samples(s, Topology(17, 15), replace(mech, resize=False)).total_s
+    unchecked, reasons = _decisions(s, mech, play_check=False)
+    assert unchecked.topologies[-1] == "18:14" and unchecked.total_s > 1.01 * best
     assert not any(r.startswith("play check") for r in reasons.values())
-    _, reasons = _decisions(s, BARRIER_FREE, play_check=True)
-    assert any(r.startswith("play check") for r in reasons.values())
+    checked, reasons = _decisions(s, mech, play_check=True)
+    assert checked.switches == 1 and checked.topologies[-1] == "17:15", checked.topologies[-1]
+    assert checked.total_s <= 1.01 * best
+    assert any(r.startswith("play check: 18:14 does not play faster than 17:15") for r in reasons.values())
