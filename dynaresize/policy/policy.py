@@ -64,6 +64,13 @@ MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is
 _T975 = (math.inf, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120)
 
 
+
+def _beyond(gain, z: float, noise):
+    """Whether ``gain`` lies beyond ``z`` standard errors ``noise`` (elementwise). ``z = 0`` (the noise tests off) asks
+    only for a gain, also where the noise is unknown (infinite: one batch), which ``0 x inf`` would make NaN."""
+    return gain > (z * noise if z > 0 else 0.0)
+
+
 class ResizePolicy:
     def __init__(self, cfg: PolicyConfig, costs: SwitchCostModel, candidates: Sequence[Topology],
                  pipeline_hooks: type[PlayHooks] | None = None):
@@ -281,7 +288,7 @@ class ResizePolicy:
     def _capacity_sure(self, est: Estimates, cap_gain: np.ndarray, z: float, now_fn, per_fn) -> np.ndarray:
         """Where the capacity model's own gain passes its noise test (``pipeline_noise: agree`` and the check's
         first move: a few batches cannot show a gain of a few % beyond their spread)."""
-        return (cap_gain > 0) & (cap_gain > z * self._noise(est, now_fn, per_fn))
+        return (cap_gain > 0) & _beyond(cap_gain, z, self._noise(est, now_fn, per_fn))
 
     def _floored(self, state: PolicyState, est: Estimates, cands: Sequence[Topology], per: np.ndarray) -> np.ndarray:
         """``per`` with each split left never predicted faster than it was measured there (rule 6's memory)."""
@@ -323,15 +330,15 @@ class ResizePolicy:
             if self._piped(est):  # the played gain's own spread: step i replays the same batch on both splits
                 played = self._played_noise(self.pipeline, est.play or est.trace, cur, cands)
                 if cfg.pipeline_noise == "max":  # and the capacity model's sensitivity to its estimates
-                    ok &= gain > z * np.maximum(played, self._noise(est, now_fn, per_fn))
+                    ok &= _beyond(gain, z, np.maximum(played, self._noise(est, now_fn, per_fn)))
                 elif cfg.pipeline_noise == "agree" and not state.resized_at:
                     # or, on the way from the configured start split (no resize yet), the capacity model passes its own
                     # test for the same split (a few batches cannot show a gain of a few % beyond their spread)
-                    ok &= (gain > z * played) | self._capacity_sure(est, cap_gain, z, now_fn, per_fn)
+                    ok &= _beyond(gain, z, played) | self._capacity_sure(est, cap_gain, z, now_fn, per_fn)
                 else:
-                    ok &= gain > z * played
+                    ok &= _beyond(gain, z, played)
             else:
-                ok &= gain > z * self._noise(est, now_fn, per_fn)
+                ok &= _beyond(gain, z, self._noise(est, now_fn, per_fn))
         if not ok.any():
             return "no faster split predicted" if not (gain > 0).any() else "predicted gains within the noise"
         costs, net = self._net(cur, cands, ok, gain, horizon)
@@ -373,7 +380,7 @@ class ResizePolicy:
         now = pp.period_s(play, cur)
         gain = now - self._floored(state, est, cands, np.array([pp.period_s(play, c) for c in cands]))
         z = self._z(state, step)
-        sure = gain > z * self._played_noise(pp, play, cur, cands)
+        sure = _beyond(gain, z, self._played_noise(pp, play, cur, cands))
         if not state.resized_at:
             now_fn, per_fn = self._capacity_fns(est, cur, cands)
             sure |= self._capacity_sure(est, now_fn() - per_fn(), z, now_fn, per_fn)

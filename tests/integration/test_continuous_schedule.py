@@ -14,6 +14,7 @@ on CPU, GRPO, the scheduler core driving the coordinator.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,45 @@ def test_the_capacity_predictors_decode_profile_runs_on_the_runtimes_batches(tmp
     assert est["decode"]["groups"] == 4 and est["decode"]["tokens"] > 0 and est["rollout_ratio"] > 0, est
     for what, logged, again in replay_log(rd):
         assert logged == again, f"replaying {what}: {logged} != {again}"
+    the_play_check_plays_the_runtimes_batches(rd, recs)
+
+
+def the_play_check_plays_the_runtimes_batches(rd: Path, recs: list[dict]) -> None:
+    """The play check (``policy.play_check``, on by default; rule 9 of the policy) plays the batches the runtime
+    logged: the run's policy, fed the run's own observations, keeps their batches (``Estimates.trace``), and a move
+    to either end of the splits, checked on them, is played forward (the current split, the proposed one and the
+    splits near it) and either let through with a played gain or held with the check's reason; with ``noise_z=0``
+    also on a single batch, whose spread is unknown (that once made ``0 x inf`` = NaN)."""
+    from dataclasses import replace
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.emulation.model import switch_cost_model
+    from dynaresize.policy import ResizePolicy, Topology
+    from dynaresize.schedule.codec import decode
+
+    cfg = load_config(rd / "config.yaml", ["policy.noise_z=0"])
+    assert cfg.policy.play_check and cfg.policy.predictor == "capacity"
+    n, t0 = cfg.cluster.gpus, cfg.cluster.initial_train
+    policy = ResizePolicy(cfg.policy, switch_cost_model(cfg), [Topology(t, n - t) for t in range(1, n)])
+    state = policy.initial_state()
+    for r in recs:
+        if (r.get("event") or {}).get("type") == "StepMeasured":
+            state, _ = policy.step(state, decode(r["event"]["observation"]))
+    est = state.estimates
+    assert est is not None and len(est.trace) >= 2
+    cur = Topology(t0, n - t0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for trace in (est.trace[:1], est.trace):
+            for target in (Topology(1, n - 1), Topology(n - 1, 1)):
+                got = policy._check_by_play(state, replace(est, trace=trace), cur, target, 10, STEPS)
+                if isinstance(got, str):
+                    assert got.startswith(f"play check: {target} does not play faster than {cur}"), got
+                else:
+                    to, gain, _, now = got
+                    assert to != cur and 0 < gain < now, got
+    assert policy.checker.plays >= 2 * (n - 1)  # per trace: the current split and the others near the proposed one
+
 
 
 def the_policy_saw_each_batch(rd: Path, recs: list[dict]) -> None:
