@@ -19,6 +19,7 @@ from dynaresize.events import EventType
 from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.types import LeftSplit
+from dynaresize.policy.pipeline_predictor import PipelinePredictor
 from dynaresize.policy.predictor import StageModel, expected_max
 from dynaresize.sim.mechanisms import SimMechanisms
 from dynaresize.sim.compare import best_static_samples, run_dynamic, run_samples, run_static, setup
@@ -259,7 +260,8 @@ def test_the_play_check_holds_a_move_the_capacity_model_gets_wrong():
     assert checked.switches == 1 and checked.total_s <= 1.01 * best, checked.topologies[-1]
     assert any(r.startswith("play check: 10:6 does not play faster than 9:7") for r in reasons.values())
     w = s.cfg.sim.workload
-    play = (11 + 8 + 2) * w.prompts_per_step * w.responses_per_prompt  # a play's batches (warm-up, measured, behind)
+    pp = PipelinePredictor(0.95)  # a play's batches: warm-up, measured (pipeline_trace_steps), behind
+    play = (pp.warmup + s.cfg.policy.pipeline_trace_steps + pp.lookahead) * w.prompts_per_step * w.responses_per_prompt
     over, reasons = _decisions(s, BARRIER_FREE, play_check=True, play_check_budget=2 * play - 1)
     assert over.switches == 2 and not any(r.startswith("play check") for r in reasons.values())  # two plays too many
     _, reasons = _decisions(s, BARRIER_FREE, play_check=True, play_check_budget=2 * play)
