@@ -64,7 +64,6 @@ MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is
 _T975 = (math.inf, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120)
 
 
-
 def _beyond(gain, z: float, noise):
     """Whether ``gain`` lies beyond ``z`` standard errors ``noise`` (elementwise). ``z = 0`` (the noise tests off) asks
     only for a gain, also where the noise is unknown (infinite: one batch), which ``0 x inf`` would make NaN."""

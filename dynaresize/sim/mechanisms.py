@@ -524,6 +524,32 @@ class MovableDecodeRank(DecodeRank):
         self.t_marks, self.cost, self.head, self.groups, self.gptr = [], [], 0, ended, 0
         return out
 
+    def admit_moved(self, t: float, moved: list, group_size: int) -> None:
+        """Sequences another GPU decoded (what its ``evict`` returned) arrive with their KV cache and decode on here:
+        no prefill; one admission per per-iteration cost."""
+        by_u: dict[float, list] = {}
+        for item in moved:
+            by_u.setdefault(item[2], []).append(item)
+        for u, items in by_u.items():
+            self.admit(t, [x for _, left, _ in items for x in left], u, [key for key, _, _ in items], group_size, 0.0,
+                       [len(left) for _, left, _ in items])
+
+    def tail_decode(self, t: float) -> float:
+        """``tail_load(t)``'s decode, summed in one pass (the pipeline play's; the simulator keeps ``tail_load``'s order
+        of additions): the per-iteration cost x tokens left of every sequence still decoding."""
+        head = self.head
+        d = self._done_iterations(t) if t > self.t0 else 0.0
+        if self.u_same is not None:
+            return self.u_same * max(0.0, sum(self.rs[head:]) - (len(self.rs) - head) * d)
+        _, us, _ = self._ids()
+        return sum(u * max(r - d, 0.0) for r, u in zip(self.rs[head:], us[head:]))
+
+
+def moved_kv_tokens(prompt_tokens: float, ordered: list[float], left: list[float]) -> float:
+    """The KV cache a moved group carries, in tokens: its prompt and what its sequences still decoding generated (a
+    group's sequences decode together, so the longest of its ``ordered`` lengths are the ones ``left``)."""
+    return prompt_tokens + sum(ordered[-len(left):]) - sum(left)
+
 
 class ConsolidationPlay(PlayHooks):
     """Tail consolidation in the policy's pipeline predictor (:mod:`dynaresize.policy.pipeline_predictor`): the
@@ -591,7 +617,7 @@ class ConsolidationPlay(PlayHooks):
                 cands.append((d, q))
         if not cands:
             return
-        delay = self._delay(dr, t)
+        delay = dr.tail_decode(t)
         best = max((c for c in cands if c[0] + delay <= d_max), default=None)  # the latest-draining that still fits
         if best is None:
             return
@@ -601,8 +627,8 @@ class ConsolidationPlay(PlayHooks):
         for (j, g), left, _ in moving:
             x = st.wl[j]
             G = x.group_size
-            ordered = sorted(x.lengths[g * G:(g + 1) * G])
-            kv_tokens += x.prefill_s_per_group * x.prefill_tokens_per_s + sum(ordered[-len(left):]) - sum(left)
+            kv_tokens += moved_kv_tokens(x.prefill_s_per_group * x.prefill_tokens_per_s,
+                                         sorted(x.lengths[g * G:(g + 1) * G]), left)
         x = st.wl[moving[0][0][0]]
         move_s = st.c + kv_tokens * x.kv_move_s_per_token
         if d_src - t < x.consolidation_min_gain * move_s:
@@ -623,17 +649,6 @@ class ConsolidationPlay(PlayHooks):
         st.push(t + move_s, TAIL_MOVED, self.moves)
         st.then(r, t)
 
-    @staticmethod
-    def _delay(dr: MovableDecodeRank, t: float) -> float:
-        """The decode a tail adds to its receiver's iterations: the sum of its sequences' per-iteration cost x tokens
-        left (``tail_load``'s, summed in one pass: the play needs not the simulator's order of additions)."""
-        head = dr.head
-        d = dr._done_iterations(t) if t > dr.t0 else 0.0
-        if dr.u_same is not None:
-            return dr.u_same * max(0.0, sum(dr.rs[head:]) - (len(dr.rs) - head) * d)
-        _, us, _ = dr._ids()
-        return sum(u * max(r - d, 0.0) for r, u in zip(dr.rs[head:], us[head:]))
-
     def event(self, kind: int, key: int, t: float) -> None:
         if kind != TAIL_MOVED:
             super().event(kind, key, t)
@@ -645,14 +660,7 @@ class ConsolidationPlay(PlayHooks):
             del self.coming[dst]
         else:
             self.coming[dst] = (got[0] - n, got[1] - delay)
-        y = st.ranks[dst]
-        by_u: dict[float, list] = {}
-        for item in moved:
-            by_u.setdefault(item[2], []).append(item)
-        G = st.wl[moved[0][0][0]].group_size
-        for u, items in by_u.items():
-            y.admit(t, [x for _, left, _ in items for x in left], u, [key for key, _, _ in items], G, 0.0,
-                    [len(left) for _, left, _ in items])
+        st.ranks[dst].admit_moved(t, moved, st.wl[moved[0][0][0]].group_size)
         st.then(dst, t)
 
 

@@ -55,7 +55,7 @@ from dynaresize.schedule import (
 )
 from dynaresize.sim.engine import RunResult
 from dynaresize.sim.mechanisms import (
-    Help, HelpDone, HelperConfig, MovableDecodeRank, consolidation_on, helpers_on, sim_scheduler,
+    Help, HelpDone, HelperConfig, MovableDecodeRank, consolidation_on, helpers_on, moved_kv_tokens, sim_scheduler,
 )
 from dynaresize.sim.stages import StageTable
 
@@ -484,8 +484,7 @@ class SamplePipeline:
             ordered = bi.sorted_lengths[g]
             if ordered is None:
                 ordered = bi.sorted_lengths[g] = sorted(bi.lengths[g])
-            # a group's sequences decode together: the longest are left
-            kv_tokens += bi.prefill_list[g] * prompt_rate + sum(ordered[-len(left):]) - sum(left)
+            kv_tokens += moved_kv_tokens(bi.prefill_list[g] * prompt_rate, ordered, left)
         move_s = self.latency + kv_tokens * self.kv_move_s_per_token
         if d_src - t < self.min_gain * move_s:
             return False
@@ -583,12 +582,7 @@ class SamplePipeline:
         dr = self.ranks[rank]
         if len(dr.rs) == dr.head:
             self.busy_start.setdefault(rank, t)
-        by_u: dict[float, list] = {}
-        for item in moved:
-            by_u.setdefault(item[2], []).append(item)
-        for u, items in by_u.items():
-            dr.admit(t, [x for _, left, _ in items for x in left], u, [key for key, _, _ in items], self.G, 0.0,
-                     [len(left) for _, left, _ in items])
+        dr.admit_moved(t, moved, self.G)
         for (b, _), _, _ in moved:
             by_rank = self.rank_batch.setdefault(b, {})
             if rank not in by_rank:
