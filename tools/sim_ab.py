@@ -41,14 +41,14 @@ def extract_old(commit: str, into: Path) -> None:
         p.write_text(word.sub("dynaresize_old", p.read_text()))
 
 
-def runner(pkg: str, scenario: str, steps: int):
+def runner(pkg: str, scenario: str, steps: int, consolidation: bool = False):
     loader = importlib.import_module(pkg + ".config.loader")
     comp = importlib.import_module(pkg + ".sim.compare")
     sched = importlib.import_module(pkg + ".schedule")
     cfg = loader.load_config(ROOT / f"configs/sim/{scenario}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = comp.setup(cfg)
     try:  # the gradient helpers' flag moved to the simulator's own mechanisms (issue 25)
-        mech = importlib.import_module(pkg + ".sim.mechanisms").SimMechanisms(True, True, True, True)
+        mech = importlib.import_module(pkg + ".sim.mechanisms").SimMechanisms(True, True, True, True, consolidation)
     except ModuleNotFoundError:
         mech = sched.Mechanisms(True, True, True, True)
     return lambda: comp.run_samples(s, s.initial, mech)

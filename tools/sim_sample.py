@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--interval", type=float, default=0.0007, help="seconds between two samples")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--consolidation", action="store_true", help="tail consolidation on too")
     args = ap.parse_args(argv)
-    run = sim_ab.runner("dynaresize", args.scenario, args.steps)
+    run = sim_ab.runner("dynaresize", args.scenario, args.steps, args.consolidation)
     main_id = threading.main_thread().ident
     own: collections.Counter = collections.Counter()
     incl: collections.Counter = collections.Counter()
