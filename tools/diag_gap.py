@@ -16,11 +16,16 @@ helpers, tail consolidation and resizing (the bench's "all mechanisms" row), the
   optimizer step;
 - **idle**: neither (a rollout rank waiting for a version or a claim, a trainer waiting for groups, switches).
 
-Beside it, the tight bound of the schedules without gradient helpers (``tight_bound(..., helpers=False)``:
+Beside it, the tight bound of the schedules without gradient helpers (``tight_bound(..., helper_share=0)``:
 ``no_helpers_s``, ``of tight/nh``): the full bound lets a batch train on helpers at the simulator's assumed
 ``helper_rate`` with no data-parallel loss, and where that beats the trainers' efficiency (64 GPUs) most of the
 distance to it is training every schedule without helpers must pay. Not a bound of this run (it has helpers): above
 100% would mean the helpers took the run past any schedule of trainers alone.
+
+How much training the helpers would have to take: ``--helper-shares`` (default 0 0.1 0.2 0.3 0.5 1) prints, per share
+``h``, the most any schedule whose helpers take at most ``h`` of every batch's training can reach of the full tight
+bound (``tight_bound(..., helper_share=h)``: such a schedule takes at least that bound), beside the share the run's
+helpers took (``SampleRunResult.helped_work_s / train_work_s``).
 
 The tight bound itself lies above its work (``tight - work``, GPU-seconds): the chain of trainings and the rollout
 windows. So ``N x (run - tight) = rollout excess + train excess + idle - (N x tight - bound work)``. Prints a table,
@@ -43,12 +48,12 @@ from dynaresize.sim.compare import SAMPLE_ROWS, run_samples, setup, tight_bound_
 SCENARIOS = ["paper_8gpu", "stationary_8gpu", "scale_64gpu", "dapo_64gpu", "taskmix_64gpu"]
 
 
-def gap(name: str, steps: int) -> dict:
+def gap(name: str, steps: int, shares: tuple[float, ...] = ()) -> dict:
     cfg = load_config(ROOT / f"configs/sim/{name}.yaml", [f"sim.steps={steps}", "sim.write_events=false"])
     s = setup(cfg)
     run = run_samples(s, s.initial, SAMPLE_ROWS[-1][2])  # every mechanism
     tb = tight_bound_of(s)
-    free = tight_bound_of(s, helpers=False)
+    free = tight_bound_of(s, helper_share=0)
     N = cfg.cluster.gpus
     total = run.total_s * N
     roll_b, train_b = float(tb.rollout_gpu_s.sum()), float(tb.train_gpu_s.sum())
@@ -62,6 +67,8 @@ def gap(name: str, steps: int) -> dict:
         "train_busy": round(run.busy_train_gpu_s), "train_bound": round(train_b),
         "train_excess": round(run.busy_train_gpu_s - train_b), "idle": round(idle),
         "bound_above_work": round(tb.total_s * N - roll_b - train_b),
+        "helped_share": round(run.helped_work_s / run.train_work_s, 4) if run.train_work_s > 0 else 0.0,
+        "ceiling_by_helper_share": {str(h): round(tb.total_s / tight_bound_of(s, helper_share=h).total_s, 4) for h in shares},
     }
 
 
@@ -69,18 +76,29 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", nargs="*", default=SCENARIOS)
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--helper-shares", type=float, nargs="*", default=[0, 0.1, 0.2, 0.3, 0.5, 1.0],
+                    help="shares of every batch's training the helpers may take: the ceiling of the tight bound for each")
     args = ap.parse_args(argv)
+    if any(not 0 <= h <= 1 for h in args.helper_shares):
+        ap.error(f"--helper-shares must lie in [0, 1] (got {args.helper_shares})")
     rows = []
     print(f"{'scenario':>16} {'of tight':>9} {'tight/nh':>9} {'gap':>9} | {'rollout busy / bound (excess)':>32} | "
           f"{'train busy / bound (excess)':>30} | {'idle':>8} | {'tight - work':>12}   (GPU-seconds)")
     for name in args.scenarios:
-        r = gap(name, args.steps)
+        r = gap(name, args.steps, tuple(args.helper_shares))
         rows.append(r)
         share = (lambda x: f"{100 * x / r['gap_gpu_s']:.0f}%") if r["gap_gpu_s"] > 0 else (lambda x: "-")
         print(f"{name:>16} {100 * r['fraction_of_tight']:>8.1f}% {100 * r['fraction_of_tight_no_helpers']:>8.1f}% {r['gap_gpu_s']:>9} | "
               f"{r['rollout_busy']:>9} / {r['rollout_bound']:>8} ({r['rollout_excess']:>7}, {share(r['rollout_excess']):>4}) | "
               f"{r['train_busy']:>9} / {r['train_bound']:>8} ({r['train_excess']:>6}, {share(r['train_excess']):>4}) | "
               f"{r['idle']:>8} | {r['bound_above_work']:>12}", flush=True)
+    if args.helper_shares:
+        print("\nthe most a schedule can reach of the tight bound when its helpers take at most a share of every batch's "
+              "training (the run's helpers took 'run'):")
+        print(f"{'scenario':>16} {'run':>7} " + " ".join(f"{'<= ' + format(h, 'g'):>8}" for h in args.helper_shares))
+        for r in rows:
+            print(f"{r['scenario']:>16} {100 * r['helped_share']:>6.1f}% "
+                  + " ".join(f"{100 * v:>7.1f}%" for v in r["ceiling_by_helper_share"].values()))
     print(json.dumps({"steps": args.steps, "scenarios": rows}))
     return 0
 

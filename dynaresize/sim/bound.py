@@ -176,10 +176,11 @@ EXACT_TRAINERS = 256  # up to this many GPUs every trainer count is an option of
 TRAINER_GRID = 160  # above: geometric intervals of trainer counts, each priced at its ends (a lower bound over it)
 
 
-def train_options(work: float, n_gpus: int, sim: SimConfig, helpers: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def train_options(work: float, n_gpus: int, sim: SimConfig, helper_share: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """Every way the model can run one batch's training (``work`` single-GPU seconds of forward/backward), as a
     lower bound on its (wall seconds, GPU-seconds) pair; each column one option, the first N the trainers alone
-    (``helpers=False``: only those, the options of a schedule without gradient helpers).
+    (``helper_share=0``: only those, the options of a schedule without gradient helpers; else the helpers take at
+    most ``helper_share`` of the work).
 
     n trainers alone (n = 1..N): wall = 2c + work / (n eff(n)) + o, GPU-s = work / eff(n) + n o (every trainer runs
     every chunk and the optimizer step; c the command latency, o ``step_overhead_s``). n trainers and gradient
@@ -187,7 +188,7 @@ def train_options(work: float, n_gpus: int, sim: SimConfig, helpers: bool = True
     ``helper_cost_s + wh / ((N - n) helper_rate)`` and cost at least one helper's ``helper_cost_s`` and
     ``wh / helper_rate`` GPU-s; wall = 2c + max(that, (work - wh) / (n eff(n))) + o. For each n the best ``wh`` for
     any weighting of wall against GPU-s is an end of the interval or the kink of the max (the objective is convex
-    and piecewise linear in ``wh`` on (0, work]), so three columns per n cover them. Above ``EXACT_TRAINERS`` GPUs the
+    and piecewise linear in ``wh`` on (0, helper_share x work]), so three columns per n cover them. Above ``EXACT_TRAINERS`` GPUs the
     trainer counts go in geometric intervals, each column the least any count inside can give (wall at the
     interval's top, GPU-seconds at its bottom): still a lower bound, and ~30x fewer columns at 4096 GPUs.
     """
@@ -202,12 +203,13 @@ def train_options(work: float, n_gpus: int, sim: SimConfig, helpers: bool = True
     walls = [2 * c + work / (hi * e(hi)) + o]  # wall falls with n (n eff(n) rises), GPU-s rise with n
     gpus = [work / e(lo) + lo * o]
     ok = N - lo >= 1
-    if helpers and ok.any() and work > 0:
+    if helper_share > 0 and ok.any() and work > 0:
         lo, hi = lo[ok], hi[ok]
         hr, hc = p.helper_rate, p.helper_cost_s
         A, B = 1.0 / (hi * e(hi)), 1.0 / ((N - lo) * hr)  # the trainers' and the helpers' seconds per work, at least
-        kink = np.clip((A * work - hc) / (A + B), 0.0, work)
-        for wh in (np.full_like(lo, 1e-12 * work), np.full_like(lo, work), kink):
+        most = min(1.0, helper_share) * work
+        kink = np.clip((A * work - hc) / (A + B), 0.0, most)
+        for wh in (np.full_like(lo, 1e-12 * work), np.full_like(lo, most), kink):
             walls.append(2 * c + np.maximum(A * (work - wh), hc + B * wh) + o)
             gpus.append((work - wh) / e(lo) + wh / hr + hc + lo * o)
     return np.concatenate(walls), np.concatenate(gpus)
@@ -242,13 +244,15 @@ def decode_options(n_gpus: int, seqs: float, cap: float, w: float, u: float) -> 
 
 
 def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, sync_s: float = 0.0,
-                helpers: bool = True) -> TightBound:
+                helper_share: float = 1.0) -> TightBound:
     """The tight bound (docs/simulator.md, "The tight bound"): the training chain at its data-parallel efficiency
     weighed against the GPU-seconds, decode at the concurrency one version's sequences allow, and windows of work
     between the points of the latency chain.
 
-    ``helpers=False``: the bound of the schedules without gradient helpers (the runtime's: it has none), whose
+    ``helper_share=0``: the bound of the schedules without gradient helpers (the runtime's: it has none), whose
     batches train on trainers alone; the same proof over fewer training options, so never below the full one.
+    Between 0 and 1: the bound of the schedules whose helpers take at most that share of every batch's training
+    (what share a schedule must give its helpers before a fraction of the full bound is within reach).
     The helpers' options price a helper at ``helper_rate`` with no data-parallel loss (an ASSUMPTION of the
     simulator's), and at 64 GPUs they are most of the distance between the two.
 
@@ -275,7 +279,7 @@ def tight_bound(table: StageTable, sim: SimConfig, n_gpus: int, staleness: int, 
         ph = table.physics(k)
         b = ph.batch
         work_t = ph.train_tokens_eff / t.tokens_per_gpu_s
-        walls, gpus = train_options(work_t, N, sim, helpers)
+        walls, gpus = train_options(work_t, N, sim, helper_share)
         train[k] = float(gpus.min())  # = work + o: one trainer, eff(1) = 1
         tmin[k] = float(walls.min())  # T_k's training needs version k: it runs after T_{k-1}
         mixed += (ALPHA[:, None] * walls[None, :] + GAMMA[:, None] * gpus[None, :] / N).min(axis=1)

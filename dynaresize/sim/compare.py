@@ -141,12 +141,12 @@ def oracle_total(s: Setup) -> float:
     return total
 
 
-def tight_bound_of(s: Setup, helpers: bool = True):
+def tight_bound_of(s: Setup, helper_share: float = 1.0):
     """The tight bound (:func:`dynaresize.sim.bound.tight_bound`) for ``s``: the least weight sync of the compared
-    cost models (the naive one may price it differently); ``helpers=False``: of the schedules without gradient
-    helpers."""
+    cost models (the naive one may price it differently); ``helper_share=0``: of the schedules without gradient
+    helpers (between 0 and 1: whose helpers take at most that share of every batch's training)."""
     sync = min(s.costs.weight_sync_s(), s.naive_costs.weight_sync_s())
-    return tight_bound(s.table, s.cfg.sim, s.cfg.cluster.gpus, s.cfg.pipeline.staleness_bound, sync, helpers)
+    return tight_bound(s.table, s.cfg.sim, s.cfg.cluster.gpus, s.cfg.pipeline.staleness_bound, sync, helper_share)
 
 
 def static_choices(s: Setup) -> list[Topology]:
@@ -233,7 +233,7 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
         allm = mech_runs[ALL_MECHANISMS]
         sb, sc = extra[0], extra[1]
         # the schedules without gradient helpers (the runtime's mechanisms) against the bound of such schedules
-        free = tight_bound_of(s, helpers=False)
+        free = tight_bound_of(s, helper_share=0.0)
         runtime = mech_runs[RUNTIME_MECHANISMS]
         summary.update(
             samples_vs_step_best_static=sb.total_s / best.total_s,  # > 1: the sample-level model is slower
@@ -246,6 +246,10 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
             all_mechanisms_switches=allm.switches,
             tight_bound_without_helpers_s=free.total_s,
             runtime_mechanisms_fraction_of_helper_free_tight_bound=free.total_s / runtime.total_s,
+            # the most any schedule without gradient helpers (the runtime's, any split and switching) can reach of
+            # either bound: it takes at least free.total_s
+            helper_free_ceiling_of_tight_bound=tight.total_s / free.total_s,
+            helper_free_ceiling_of_bound=bound.total_s / free.total_s,
             mechanisms={key: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
                                   fraction_of_tight_bound=tight.total_s / r.total_s, switches=r.switches, wall_s=r.wall_s,
                                   helps=r.helps)

@@ -101,6 +101,8 @@ class SampleRunResult(RunResult):
     busy_train_gpu_s: float = 0.0
     gpus: int = 0
     helps: int = 0  # gradient helps by rollout ranks
+    train_work_s: float = 0.0  # the training compute of every chunk and help, single-GPU seconds (no scaling loss)
+    helped_work_s: float = 0.0  # of it, what gradient helpers computed
     moves: int = 0  # tail consolidations: a rank's sequences in flight moved to another rank
     moved_sequences: int = 0
 
@@ -630,9 +632,12 @@ class SamplePipeline:
                 self._train(t, batch, groups, ranks, first)
             case Help(rank, batch, groups):
                 bi = self._batch(batch)
-                dur = self.helper_cost_s + float(bi.train_per_group[list(groups)].sum()) / self.helper_rate
+                work = float(bi.train_per_group[list(groups)].sum())
+                dur = self.helper_cost_s + work / self.helper_rate
                 self.res.busy_rollout_gpu_s += dur
                 self.res.helps += 1
+                self.res.helped_work_s += work
+                self.res.train_work_s += work
                 if self.log:
                     self.emit(t, EventType.STAGE, step=batch, stage="train", ranks=str(rank), start=round(t, 6),
                               end=round(t + dur, 6), samples=len(groups) * bi.group_size, helper=True)
@@ -694,7 +699,9 @@ class SamplePipeline:
         bi = self._batch(batch)
         n = len(ranks)
         eff = efficiency(n, self.train_cfg.scaling_per_doubling)
-        dur = float(bi.train_per_group[list(groups)].sum()) / (n * eff)
+        work = float(bi.train_per_group[list(groups)].sum())
+        self.res.train_work_s += work
+        dur = work / (n * eff)
         extra = 0.0
         if first:
             self.train_start[batch] = t

@@ -111,8 +111,12 @@ def test_train_options_by_hand():
     # 6 + 4 + 2 + 1 = 13 GPU-s
     assert walls[2:] == pytest.approx([10.0, 20.0, 8.0]) and gpus[2:] == pytest.approx([11.0, 19.0, 13.0])
     # without helpers: the trainers alone
-    walls, gpus = train_options(8.0, 2, cfg.sim, helpers=False)
+    walls, gpus = train_options(8.0, 2, cfg.sim, helper_share=0.0)
     assert walls == pytest.approx([10.0, 7.0]) and gpus == pytest.approx([9.0, 12.0])
+    # helpers taking at most a tenth (0.8 s of work): the most they may take and the kink both end there,
+    # 1 + max(7.2, 2 + 1.6) + 1 = 9.2 s and 7.2 + 1.6 + 2 + 1 = 11.8 GPU-s
+    walls, gpus = train_options(8.0, 2, cfg.sim, helper_share=0.1)
+    assert walls[2:] == pytest.approx([10.0, 9.2, 9.2]) and gpus[2:] == pytest.approx([11.0, 11.8, 11.8])
 
 
 def test_without_helpers_the_tight_bound_rises_where_helpers_beat_data_parallel_training():
@@ -120,11 +124,31 @@ def test_without_helpers_the_tight_bound_rises_where_helpers_beat_data_parallel_
     the full bound well below the bound of the schedules without them; at eff 1 (no loss) the helpers add nothing."""
     cfg = load_config(ROOT / "configs/sim/scale_64gpu.yaml", ["sim.steps=20"])
     s = setup(cfg)
-    full, free = tight_bound_of(s), tight_bound_of(s, helpers=False)
+    full, free = tight_bound_of(s), tight_bound_of(s, helper_share=0.0)
     assert free.total_s > 1.1 * full.total_s
+    # helpers taking at most a share of every batch's training: between the two, falling as the share grows
+    capped = [tight_bound_of(s, helper_share=h).total_s for h in (0.1, 0.3, 0.5)]
+    assert free.total_s > capped[0] > capped[1] > capped[2] > full.total_s
     flat = load_config(ROOT / "configs/sim/scale_64gpu.yaml", ["sim.steps=20", "sim.train.scaling_per_doubling=1.0"])
     sf = setup(flat)
-    assert tight_bound_of(sf, helpers=False).total_s == pytest.approx(tight_bound_of(sf).total_s, rel=1e-9)
+    assert tight_bound_of(sf, helper_share=0.0).total_s == pytest.approx(tight_bound_of(sf).total_s, rel=1e-9)
+
+
+def test_no_schedule_without_helpers_reaches_90_percent_of_the_tight_bound_at_64_gpus():
+    """The ceiling the bench reports (``helper_free_ceiling_of_tight_bound``): a schedule without gradient helpers
+    takes at least the bound without them, so at 64 GPUs (0.95 per doubling, helpers at 0.9 without that loss) none
+    can reach 90% of the full tight bound; the runtime's own mechanisms, resizing or static, stay below that ceiling."""
+    cfg = load_config(ROOT / "configs/sim/scale_64gpu.yaml", ["sim.steps=20", "sim.write_events=false"])
+    s = setup(cfg)
+    full, free = tight_bound_of(s).total_s, tight_bound_of(s, helper_share=0.0).total_s
+    ceiling = full / free
+    assert ceiling < 0.9
+    runtime = Mechanisms(True, True, True)
+    runs = [run_samples(s, s.initial, runtime)]
+    runs += [run_samples(s, Topology(n, 64 - n), Mechanisms(True, True, False)) for n in (46, 50, 54)]
+    for r in runs:
+        assert full / r.total_s <= ceiling, r.name
+    assert max(full / r.total_s for r in runs) > 0.85 * ceiling  # (the best comes near it: 0.76 against 0.84)
 
 
 def test_tight_bound_by_hand_and_against_the_work_bound():
@@ -193,7 +217,7 @@ def test_no_schedule_of_a_random_world_beats_either_bound(w):
         assert r.total_s >= tb.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < tight bound {tb.total_s:.4f} s ({tb.binding})"
         assert r.total_s >= b.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < bound {b.total_s:.4f} s ({b.binding})"
     # the bound of the schedules without gradient helpers: never below the full one, never beaten by such a schedule
-    free = tight_bound(s.table, cfg.sim, N, stale, sync, helpers=False)
+    free = tight_bound(s.table, cfg.sim, N, stale, sync, helper_share=0.0)
     assert free.total_s >= tb.total_s * (1 - 1e-12)
     for r in runs[1:] + ([] if m.gradient_helpers else runs[:1]):
         assert r.total_s >= free.total_s * (1 - 1e-9), f"{r.name} {r.total_s:.4f} s < helper-free tight bound {free.total_s:.4f} s"

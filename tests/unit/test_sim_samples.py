@@ -123,6 +123,9 @@ def test_helpers_priced_by_their_groups_tokens_keep_the_map_and_do_not_slow_a_tr
     assert helped.helps > 0
     assert helped.versions == barrier.versions == without.versions and helped.samples == barrier.samples
     assert helped.total_s < without.total_s
+    # every group trained once, by the trainers or a helper: the same training compute, of which the helpers' share
+    assert helped.train_work_s == pytest.approx(without.train_work_s, rel=1e-12) == pytest.approx(barrier.train_work_s, rel=1e-12)
+    assert without.helped_work_s == barrier.helped_work_s == 0.0 < helped.helped_work_s < 0.5 * helped.train_work_s
 
 
 def test_a_group_that_ended_at_the_instant_of_an_admission_is_still_reported():
