@@ -62,7 +62,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dynaresize.policy.predictor import efficiency
 from dynaresize.sim.config import SimConfig
 from dynaresize.sim.stages import StageTable, train_context
 

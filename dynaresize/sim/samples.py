@@ -50,7 +50,7 @@ from dynaresize.policy.decode_rank import DecodeRank
 from dynaresize.policy.types import PipelineWorkload
 from dynaresize.policy.predictor import efficiency
 from dynaresize.schedule import (
-    Assign, Decided, GroupsDone, Mechanisms, OptimizerStepDone, PipelineScheduler, RankReady, Restart, Role,
+    Assign, Decided, Mechanisms, OptimizerStepDone, RankReady, Restart, Role,
     SchedulerConfig, SendWeights, Step, StepMeasured, Switch, SwitchDone, Train, TrainChunkDone, WeightsArrived,
 )
 from dynaresize.sim.engine import RunResult

@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from dynaresize.config.loader import ConfigError, load_config
+from dynaresize.config.loader import load_config
 from dynaresize.slurm.sbatch import render_sbatch
 from dynaresize.slurm.spec import build_spec
 from dynaresize.slurm.state import SlurmJobState
