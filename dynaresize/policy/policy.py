@@ -31,8 +31,9 @@ tests/unit/test_policy.py and test_policy_noise.py):
    min(``payback_horizon_steps``, ``Observation.steps_left``) (no step left: hold).
 9. **play check** (``play_check``; the capacity predictor, where the observations carry their batches): the move
    is played forward on the run's recent batches with the pipeline predictor's play, with the splits near it; it
-   goes to the best that plays faster than the current split (another than the one chosen: beyond the noise), else
-   the policy holds (:meth:`ResizePolicy._check_by_play`).
+   goes to the best that plays faster than the current split (the one chosen: on the median batch too, or beyond
+   ``DISSENT_Z`` standard errors; another: beyond the noise), else the policy holds
+   (:meth:`ResizePolicy._check_by_play`).
 
 Predictor (``predictor``): ``capacity`` (default) predicts a split's period from split-invariant work
 (:mod:`dynaresize.policy.predictor`; its rollout from the batches' decode profile wherever the observation carries its
@@ -62,6 +63,13 @@ from dynaresize.policy.types import Decision, Estimates, LeftSplit, Observation,
 MEMORY_MIN_STEPS = 3  # clean steps on a split before what was measured there is trusted
 # Student's t 97.5% quantiles by degrees of freedom (0: unused; the last entry stands for more)
 _T975 = (math.inf, 12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120)
+
+
+# The play check (rule 9): standard errors by which a proposed split's played gain must stand out of its spread where
+# the median batch plays slower (a gain a few long batches carry). 16 GPUs x 300 tokens seed 0: 0.67, the window's luck
+# (over the whole run the move is 1.5% slower); 32 x 300 seed 1: 1.76, a right move whose gain the long-tailed batches
+# carry over the whole run too.
+DISSENT_Z = 1.0
 
 
 def _beyond(gain, z: float, noise):
@@ -269,6 +277,13 @@ class ResizePolicy:
         # itself uncertain (2 batches: x 6.5, 4: x 1.6, 8: x 1.2)
         return np.sqrt(var / n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
 
+    @staticmethod
+    def _played_median(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """The median over the replayed batches of the played gain per step (paired steps), per candidate."""
+        n = min(len(play), len(pp.step_times(play, cur)))
+        now = np.array(pp.step_times(play, cur)[:n])
+        return np.median(now[None, :] - np.array([pp.step_times(play, c)[:n] for c in cands]), axis=1)
+
     def _capacity_fns(self, est: Estimates, cur: Topology, cands: Sequence[Topology]):
         """The capacity model's period of ``cur`` and of each of ``cands``, as functions of the estimates and the tail
         (for :meth:`_noise`'s sensitivities)."""
@@ -361,7 +376,10 @@ class ResizePolicy:
         ``cur`` and the splits within ``pipeline_window`` units of ``target`` are played (the nearest to ``target``
         first, as many as ``play_check_budget`` sequences decoded allow; ``target`` always: the caller checks only
         where the two plays fit). ``target`` must play faster
-        than ``cur``; another split must play faster beyond the played gain's spread over the batches (``noise_z``, the
+        than ``cur``, and either on the median batch replayed too or by more than ``DISSENT_Z`` standard errors of the
+        played gain: a gain a few long batches carry while most play slower is often the window's luck on a stationary
+        workload, which the capacity model that proposed the move (on the same recent batches) cannot tell apart;
+        another split must play faster beyond the played gain's spread over the batches (``noise_z``, the
         back-off's), or, on the first move, pass the capacity model's own noise test for it (a few batches cannot show
         a gain of a few % beyond their spread); each by ``min_relative_gain`` at least and never faster than measured
         where it was left (rule 6's memory). The largest net gain wins (returned with the played period of ``cur``);
@@ -384,8 +402,17 @@ class ResizePolicy:
             now_fn, per_fn = self._capacity_fns(est, cur, cands)
             sure |= self._capacity_sure(est, now_fn() - per_fn(), z, now_fn, per_fn)
         proposed = np.array([c == target for c in cands])
-        ok = (sure | proposed) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
+        # the proposed split: faster on the mean, and on the median batch or else beyond DISSENT_Z standard errors (a
+        # gain a few long batches carry while most play slower must stand out of the spread)
+        z_dissent = DISSENT_Z if cfg.noise_z > 0 else 0.0  # (noise_z = 0: the noise tests off)
+        backed = (self._played_median(pp, play, cur, cands) > 0) | _beyond(gain, z_dissent, self._played_noise(pp, play, cur, cands))
+        ok = (sure | (proposed & backed)) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
         if not ok.any():
+            i = cands.index(target)
+            if gain[i] > 0 and gain[i] >= cfg.min_relative_gain * now and not backed[i]:
+                return (f"play check: {target} plays faster than {cur} only on a few of the batches replayed (slower on "
+                        f"the median one, and within {z_dissent:g} standard error of the mean), nor a split near it "
+                        f"beyond the noise")
             return f"play check: {target} does not play faster than {cur} (nor a split near it beyond the noise)"
         costs, net = self._net(cur, cands, ok, gain, horizon)
         best = int(np.argmax(net))

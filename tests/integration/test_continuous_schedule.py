@@ -147,7 +147,8 @@ def the_play_check_plays_the_runtimes_batches(rd: Path, recs: list[dict]) -> Non
             for target in (Topology(1, n - 1), Topology(n - 1, 1)):
                 got = policy._check_by_play(state, replace(est, trace=trace), cur, target, 10, STEPS)
                 if isinstance(got, str):
-                    assert got.startswith(f"play check: {target} does not play faster than {cur}"), got
+                    assert got.startswith((f"play check: {target} does not play faster than {cur}",
+                                           f"play check: {target} plays faster than {cur} only on a few")), got
                 else:
                     to, gain, _, now = got
                     assert to != cur and 0 < gain < now, got

@@ -7,6 +7,7 @@ measured; a revert when a move did not deliver), and a payback horizon cut to th
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from dynaresize.config.loader import load_config
 from dynaresize.events import EventType
 from dynaresize.policy import Observation, ResizePolicy, SwitchCostModel, Topology, candidate_topologies
+from dynaresize.policy import policy as policy_module
 from dynaresize.policy.config import OptimizationsConfig, PolicyConfig, SwitchCostConfig
 from dynaresize.policy.types import LeftSplit
 from dynaresize.policy.pipeline_predictor import PipelinePredictor
@@ -231,13 +233,38 @@ def test_barrier_free_resizing_settles_on_a_stationary_workload(gpus, mean, seed
     assert dyn.total_s <= 1.01 * best, f"{100 * (dyn.total_s / best - 1):.2f}% behind the best static split"
 
 
-@pytest.mark.xfail(strict=True, reason="known miss at sample level (2 switches, +1.04%): 16 GPUs, 300-token responses, "
-                   "start 12:4 -> 14:2, the barrier-free best, then at step 126 14:2 -> 13:3 on a rollout-bound "
-                   "imbalance of 0.12, which the play check lets through (13:3 plays 0.94 s a step faster, within its "
-                   "1.41 s spread: a proposed split needs only to play faster)")
-def test_known_miss_of_the_one_percent_target_at_sample_level():
+def test_the_play_check_holds_a_move_only_a_few_long_batches_carry():
+    """16 GPUs at 300 tokens, seed 0 (the known miss of the 1% target at sample level until stop 42): the capacity model
+    moves 12:4 -> 14:2 (the barrier-free best), then at step 126 proposes 13:3 on a rollout-bound imbalance of 0.12.
+    Over the eight batches replayed 13:3 plays 0.94 s a step faster, carried by two long-tailed batches (+3.1 and
+    +8.3 s); on four it plays 1.1 s slower, and on the median batch slower: 0.67 standard errors. The check holds it:
+    one switch, within 1% of the best static split. On the mean alone (the check before) the move is made: two
+    switches, +1.04%."""
     s = setup(stationary(16, 300, 0, 200))
-    assert run_samples(s, s.initial, BARRIER_FREE).total_s <= 1.01 * best_static_samples(s, BARRIER_FREE)[1]
+    _, best = best_static_samples(s, BARRIER_FREE)
+    run, reasons = _decisions(s, BARRIER_FREE)
+    assert run.switches == 1 and run.total_s <= 1.01 * best, run.topologies[-1]
+    assert any(r.startswith("play check: 13:3 plays faster than 14:2 only on a few") for r in reasons.values())
+    with pytest.MonkeyPatch.context() as mp:  # the check on the mean alone
+        mp.setattr(ResizePolicy, "_played_median", staticmethod(lambda pp, play, cur, cands: np.full(len(cands), np.inf)))
+        mean_only, _ = _decisions(s, BARRIER_FREE)
+    assert mean_only.switches == 2 and mean_only.topologies[-1] == "13:3" and mean_only.total_s > 1.01 * best
+
+
+def test_a_move_the_long_batches_carry_beyond_the_spread_is_made():
+    """32 GPUs at 300 tokens, seed 1, the runtime's mechanisms (no helpers): at 27:5 the move to 26:6 plays 0.3 s a step
+    slower on half the batches replayed and 2.6-4.0 s faster on the long-tailed others, 1.76 standard errors in all; over
+    the whole run those batches decide it (26:6 is the best static split). The check lets it through; on the median
+    alone it would hold it (+2.35%)."""
+    mech = replace(BARRIER_FREE, gradient_helpers=False)
+    s = setup(stationary(32, 300, 1, 200))
+    split, best = best_static_samples(s, mech)
+    run, _ = _decisions(s, mech)
+    assert str(split) == "26:6" and run.topologies[-1] == "26:6" and run.switches <= 2 and run.total_s <= 1.01 * best
+    with pytest.MonkeyPatch.context() as mp:  # the median alone: never beyond the spread
+        mp.setattr(policy_module, "DISSENT_Z", math.inf)
+        median_only, _ = _decisions(s, mech)
+    assert median_only.topologies[-1] == "27:5" and median_only.total_s > 1.01 * best
 
 
 def _decisions(s, mech, **policy):
