@@ -397,7 +397,8 @@ class ResizePolicy:
         now = pp.period_s(play, cur)
         gain = now - self._floored(state, est, cands, np.array([pp.period_s(play, c) for c in cands]))
         z = self._z(state, step)
-        sure = _beyond(gain, z, self._played_noise(pp, play, cur, cands))
+        noise = self._played_noise(pp, play, cur, cands)
+        sure = _beyond(gain, z, noise)
         if not state.resized_at:
             now_fn, per_fn = self._capacity_fns(est, cur, cands)
             sure |= self._capacity_sure(est, now_fn() - per_fn(), z, now_fn, per_fn)
@@ -405,7 +406,7 @@ class ResizePolicy:
         # the proposed split: faster on the mean, and on the median batch or else beyond DISSENT_Z standard errors (a
         # gain a few long batches carry while most play slower must stand out of the spread)
         z_dissent = DISSENT_Z if cfg.noise_z > 0 else 0.0  # (noise_z = 0: the noise tests off)
-        backed = (self._played_median(pp, play, cur, cands) > 0) | _beyond(gain, z_dissent, self._played_noise(pp, play, cur, cands))
+        backed = (self._played_median(pp, play, cur, cands) > 0) | _beyond(gain, z_dissent, noise)
         ok = (sure | (proposed & backed)) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
         if not ok.any():
             i = cands.index(target)
