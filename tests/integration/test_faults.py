@@ -115,7 +115,9 @@ def find_run_dir(tmp: Path):
 
 
 def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_cache):
-    steps = 9
+    # enough steps that rank 2, the last rollout rank after rank 3's loss, is still generating when the test looks for
+    # it (with 9 a loaded machine once saw the whole run end first: the test polls Redis at most every 50 ms)
+    steps = 20
     p = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "cluster.initial_train=1", "policy.enabled=false",
             "rollout.pull_batch=2", wait=False)
     rd = wait_for(lambda: find_run_dir(tmp_path), "the ranks to start", p)
