@@ -87,7 +87,7 @@ class LocalLauncher:
     _launch: "_Forked" = field(default_factory=lambda: _Forked())  # what this launch's zygote reported
 
     def start(self) -> None:
-        self.master_port = self.master_port or free_port()
+        self.master_port = free_port()  # each launch its own: a restart never meets a port taken at the last one
         launch_no = launch_of(self.run_dir)
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
