@@ -37,7 +37,10 @@ class PolicyConfig(Section):
         0.2, gt=0, le=1, description="EWMA weight of the rollout tail (the longest response: noisy from step to step, "
         "its mean moves slowly; null: ewma_alpha)"
     )
-    noise_alpha: float = Field(0.2, gt=0, le=1, description="EWMA weight of the tail's and the train work's step-to-step variance")
+    noise_alpha: float = Field(0.1, gt=0, le=1, description="EWMA weight of the tail's and the train work's step-to-step "
+                               "variance (0.2 -> 0.1 at stop 42: at 0.2 a few calm steps halved the variance and let a "
+                               "noise move through, 16 GPUs x 300 tokens seed 1 at step level, +1.08%; robustness at step "
+                               "level 23 -> 24 / 24, held-out seeds 48 / 48 either way)")
     tail_cv_prior: float = Field(
         0.2, ge=0, description="Prior coefficient of variation of the tail before the variance is learned (ASSUMPTION: the "
         "longest of a few hundred lognormal responses varies by ~20% from step to step)"

@@ -177,8 +177,8 @@ LENGTHS = st.integers(300, 6000)
 def test_stationary_workload_few_switches_and_little_loss_against_the_best_static_split(gpus, mean, seed):
     """From the scenario's start (3/4 of the GPUs training) over 200 steps: at most 2 switches, and within 3% of the
     best static split (the run starts away from it: its first steps on the start split are part of the loss).
-    The issue's target is 1%; measured on a 60-case grid (8/16/32 GPUs x 300..6000 tokens x 4 seeds) 59 cases are
-    within 1%, the other 1.08% (the xfail test below)."""
+    The issue's target is 1%; measured on a 60-case grid (8/16/32 GPUs x 300..6000 tokens x 4 seeds) 59 cases were
+    within 1%, the other 1.08% (fixed at stop 42: the test below)."""
     s = setup(stationary(gpus, mean, seed, 200))
     dyn = run_dynamic(s, False)
     loss = dyn.total_s / best_static(s) - 1
@@ -193,11 +193,17 @@ def test_stationary_workload_meets_the_one_percent_target(gpus, mean, seed):
     assert dyn.switches <= 2 and dyn.total_s <= 1.01 * best_static(s)
 
 
-@pytest.mark.xfail(strict=True, reason="known miss of the 1% target (1.08%): 16 GPUs, 300-token responses, start 12:4; the "
-                   "best split 13:3 is reached after two moves (12:4 -> 14:2 -> 13:3), the steps on the way cost the rest")
-def test_known_miss_of_the_one_percent_target():
+def test_a_few_calm_steps_do_not_let_a_noise_move_through():
+    """16 GPUs, 300-token responses, seed 1, step level (the known miss of the 1% target until stop 42, +1.08%): the
+    policy reaches 13:3, the best split, at step 5; with the variance's EWMA at 0.2 five calm steps halved the tail's
+    variance, and at step 148 a 0.60 s predicted gain of 14:2 passed 2 standard errors (0.59 s) by 0.01 s. At
+    ``noise_alpha`` 0.1 it stays on 13:3: one switch, within 1%."""
     s = setup(stationary(16, 300, 1, 200))
-    assert run_dynamic(s, False).total_s <= 1.01 * best_static(s)
+    dyn = run_dynamic(s, False)
+    assert dyn.switches == 1 and dyn.topologies[-1] == "13:3" and dyn.total_s <= 1.01 * best_static(s)
+    s.cfg = s.cfg.model_copy(update={"policy": s.cfg.policy.model_copy(update={"noise_alpha": 0.2})})
+    faster = run_dynamic(s, False)
+    assert faster.switches == 2 and faster.topologies[-1] == "14:2" and faster.total_s > 1.01 * best_static(s)
 
 
 @SLOW
