@@ -266,11 +266,10 @@ class ResizePolicy:
     def _played_noise(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
         """Standard error of the played gain per step, from its spread over the replayed batches ``play`` (paired
         steps)."""
-        n = min(len(play), len(pp.step_times(play, cur)))  # distinct batches (a short trace is cycled)
+        d = ResizePolicy._played_gains(pp, play, cur, cands)
+        n = d.shape[1]
         if n < 2:
             return np.full(len(cands), np.inf)  # one batch: no spread to judge a gain by
-        now = np.array(pp.step_times(play, cur)[:n])
-        d = now[None, :] - np.array([pp.step_times(play, c)[:n] for c in cands])
         e = d - d.mean(axis=1, keepdims=True)
         var = (e * e).sum(axis=1) / (n - 1)
         # Student's t over n - 1 degrees of freedom, as a multiple of the normal's: the spread of a few batches is
@@ -278,11 +277,17 @@ class ResizePolicy:
         return np.sqrt(var / n) * (_T975[min(n - 1, len(_T975) - 1)] / 1.96)
 
     @staticmethod
-    def _played_median(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
-        """The median over the replayed batches of the played gain per step (paired steps), per candidate."""
+    def _played_gains(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """The played gain of each of ``cands`` over ``cur`` on each distinct replayed batch (paired steps: step i
+        replays the same batch on both splits; a short trace is cycled), one row per candidate."""
         n = min(len(play), len(pp.step_times(play, cur)))
         now = np.array(pp.step_times(play, cur)[:n])
-        return np.median(now[None, :] - np.array([pp.step_times(play, c)[:n] for c in cands]), axis=1)
+        return now[None, :] - np.array([pp.step_times(play, c)[:n] for c in cands]).reshape(len(cands), n)
+
+    @staticmethod
+    def _played_median(pp: PipelinePredictor, play: tuple, cur: Topology, cands: Sequence[Topology]) -> np.ndarray:
+        """The median over the replayed batches of the played gain per step (paired steps), per candidate."""
+        return np.median(ResizePolicy._played_gains(pp, play, cur, cands), axis=1)
 
     def _capacity_fns(self, est: Estimates, cur: Topology, cands: Sequence[Topology]):
         """The capacity model's period of ``cur`` and of each of ``cands``, as functions of the estimates and the tail
@@ -407,10 +412,11 @@ class ResizePolicy:
         # gain a few long batches carry while most play slower must stand out of the spread)
         z_dissent = DISSENT_Z if cfg.noise_z > 0 else 0.0  # (noise_z = 0: the noise tests off)
         backed = (self._played_median(pp, play, cur, cands) > 0) | _beyond(gain, z_dissent, noise)
-        ok = (sure | (proposed & backed)) & (gain > 0) & (gain >= cfg.min_relative_gain * now)
+        faster = (gain > 0) & (gain >= cfg.min_relative_gain * now)
+        ok = (sure | (proposed & backed)) & faster
         if not ok.any():
             i = cands.index(target)
-            if gain[i] > 0 and gain[i] >= cfg.min_relative_gain * now and not backed[i]:
+            if faster[i] and not backed[i]:
                 return (f"play check: {target} plays faster than {cur} only on a few of the batches replayed (slower on "
                         f"the median one, and within {z_dissent:g} standard error of the mean), nor a split near it "
                         f"beyond the noise")
