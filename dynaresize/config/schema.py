@@ -48,6 +48,10 @@ class ClusterConfig(Section):
     gpus_per_node: int = Field(4, ge=1, description="Ranks per node; a node is the resize unit when granularity=node")
     granularity: Literal["gpu", "node"] = Field("gpu", description="Smallest number of GPUs moved between roles: one GPU or one node")
     initial_train: int = Field(2, ge=1, description="Trainer ranks at start; the rest start as rollout ranks")
+    gpu_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one device in GB (1e9 bytes) that the memory model sizes every rank and split "
+        "against (docs/memory.md); null: read from the device for cuda, unchecked for cpu and emulated"
+    )
     fork_ranks: bool = Field(
         True, description="Local runs: fork the ranks from one parent that has made their imports (torch, transformers, "
         "DeepSpeed) once (dynaresize.job.zygote); false: start each rank as a fresh Python process (Slurm: always)"

@@ -93,6 +93,20 @@ class TrainConfig(Section):
     loss_norm: Literal["token", "sequence"] = Field(
         "token", description="Normalise the loss over all tokens of the batch (token) or per sequence, then mean (sequence)"
     )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="Training precision: bf16 (bf16 compute, fp32 master weights, Adam moments and gradient "
+        "accumulation in the ZeRO partitions) or fp32; auto: bf16 where model.dtype (or the model directory's dtype) is "
+        "bfloat16, else fp32 (docs/memory.md)"
+    )
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="The most tokens (padded sequence length x sequences) a trainer puts through one forward; "
+        "a chunk's slice is split into micro-batches whose gradients accumulate (verl's ppo_max_token_len_per_gpu); "
+        "null: one forward per slice. Must hold one whole sequence"
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each layer's activations in the backward instead of keeping them (less memory, "
+        "about one more forward of compute; verl's enable_gradient_checkpointing)"
+    )
 
 
 class StagingConfig(Section):
