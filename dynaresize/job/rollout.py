@@ -26,10 +26,14 @@ class RolloutWork:
         self.job, self.svc = job, svc
         self.items: dict[int, tuple] = {}  # step -> (work items, prompt texts) until its batch is built
         self.shown_prompt = False  # the first prompt as the model gets it is in the event log
+        self.reward_seen: dict[int, dict[str, str | None]] = {}  # step -> sample key -> its reward error (None: ok)
+        self.reward_warned: dict[int, int] = {}  # step -> samples judged when its failures were last warned about
 
     def forget(self) -> None:
         """A restart from a checkpoint: nothing generated or planned since is kept here."""
         self.items.clear()
+        self.reward_seen.clear()
+        self.reward_warned.clear()
         self.svc.assembler.forget()
 
     def payload(self, j: int, **extra) -> dict:
@@ -81,15 +85,36 @@ class RolloutWork:
         return self.items[j]
 
     def check_rewards(self, k, results) -> None:
-        """Reward failures the rollout ranks reported: each one an event and a warning naming the sample (its
-        score is 0); with ``reward.on_error: fail`` the first one fails the run."""
-        errors = reward_errors(results)
+        """Reward failures the rollout ranks reported for groups of batch ``k`` as they complete: each one an event
+        naming the sample (its score is 0), one warning per batch once all its planned samples are in. The run stops
+        (``JobError``) at the first failure with ``reward.on_error: fail``, and once more than
+        ``reward.max_error_fraction`` of the batch's planned samples failed: a broken reward (e.g. one called with
+        the wrong arguments) must not train the policy on zeros."""
+        rc = self.job.cfg.reward
+        seen = self.reward_seen.setdefault(k, {})
+        fresh = [r for r in results if r.key not in seen]
+        for r in fresh:
+            seen[r.key] = r.extra.get("reward_error") or None
+        for j in [j for j in self.reward_seen if j not in self.items and j != k]:  # batches built already
+            self.reward_seen.pop(j)
+            self.reward_warned.pop(j, None)
+        errors = reward_errors(fresh)
         for err in errors[:20]:
             self.job.events.emit("control", what="reward_error", reason=err, step=k)
-        if errors:
-            log.warning("batch %s: %d reward failure(s) scored 0, e.g. %s", k, len(errors), errors[0])
-            if self.job.cfg.reward.on_error == "fail":
-                raise JobError(f"reward failed ({len(errors)} sample(s) of batch {k}; reward.on_error=fail): {errors[0]}")
+        failed = [e for e in seen.values() if e]
+        if not failed:
+            return
+        if rc.on_error == "fail":
+            raise JobError(f"reward failed ({len(failed)} sample(s) of batch {k}; reward.on_error=fail): {failed[0]}")
+        planned = max(len(self.work(k)[0]), len(seen))
+        if len(failed) > rc.max_error_fraction * planned:
+            raise JobError(
+                f"batch {k}: the reward failed on {len(failed)} of its {planned} samples ({len(failed) / planned:.0%} > "
+                f"reward.max_error_fraction={rc.max_error_fraction:g}); stopped instead of training on zeros. First "
+                f"failure: {failed[0]}")
+        if len(seen) >= planned and self.reward_warned.get(k) != len(seen):
+            self.reward_warned[k] = len(seen)
+            log.warning("batch %s: %d of %d reward(s) failed and scored 0, e.g. %s", k, len(failed), len(seen), failed[0])
 
 
 def batch_key(job_id: str, k: int) -> str:

@@ -67,5 +67,8 @@ class Validation:
         with open(job.run_dir / "validation.jsonl", "a") as f:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         vq.clear(version)
+        if rec["reward_errors"]:  # on the console (validation.jsonl has the count too): a reward failing here is seen
+            log.warning("validation at version %d: %d of %d reward(s) failed and scored 0, e.g. %s", version,
+                        rec["reward_errors"], len(results), reward_errors(results)[0])
         log.info("validation at version %d: mean reward %.3f, pass@%d %.3f (%d prompts, %.1f s)", version,
                  rec["reward_mean"], ds.val_samples, rec["pass_at_k"], len(per_prompt), rec["seconds"])

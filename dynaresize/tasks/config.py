@@ -52,12 +52,23 @@ class RewardConfig(Section):
     """Which function scores a response (on the rollout ranks) and what a failing one does."""
 
     function: str | None = Field(
-        None, description="'module:function' or 'path/to/file.py:function', called as verl's compute_score(data_source, solution_str, ground_truth, "
-        "extra_info) -> float; built in: dynaresize.rewards.math:compute_score. Unset: the task's own reward"
+        None, description="'module:function' or 'path/to/file.py:function' (verl's custom_reward_function path:name), "
+        "called by keyword as verl's reward manager does: data_source, solution_str, ground_truth, extra_info and "
+        "reward.kwargs, each only if the function takes it (checked before any rank starts); returns a number or "
+        "{'score': x, ...}. Built in: dynaresize.rewards.math:compute_score. Unset: the task's own reward"
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra keyword arguments of every call (verl's reward_kwargs), e.g. "
+        "{method: flexible, format_score: 0.1}; a key the function does not take is refused at start-up"
     )
     on_error: Literal["zero", "fail"] = Field(
         "zero", description="A reward that raises or returns a non-number: score the sample 0 and report it with its key "
         "(zero), or fail the run with that report (fail)"
+    )
+    max_error_fraction: float = Field(
+        0.5, ge=0, le=1, description="With on_error=zero: stop the run (exit 1, one message naming the function, the "
+        "first error and its sample) once more than this share of a batch's samples failed, instead of training on "
+        "zeros; 1: never stop"
     )
 
 
