@@ -3,6 +3,7 @@ started shielded from an operator's stop; the services and the coordinator's com
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from contextlib import contextmanager
@@ -22,6 +23,8 @@ from dynaresize.job.runtime import Job, Services
 from dynaresize.job.switching import Switching
 from dynaresize.job.transport import Transport
 from dynaresize.job.validation import Validation
+
+log = logging.getLogger("dynaresize.job")
 
 
 @dataclass
@@ -64,6 +67,7 @@ def prepare(job: Job) -> Prepared:
     model_dir = ensure_model(cfg)
     tokenizer = load_tokenizer(model_dir)
     _check_prompts(task, tokenizer, model_dir)
+    _check_prompt_lengths(job, task, tokenizer, model_dir)
     if cfg.rollout.engine == "vllm":
         _check_vllm(job, model_dir)
     return Prepared(task, model_dir, tokenizer, BatchAssembler.from_config(cfg, task, tokenizer))
@@ -76,6 +80,27 @@ def _check_prompts(task, tokenizer, model_dir: Path) -> None:
     where = task.chat_record() if callable(getattr(task, "chat_record", None)) else None
     if where is not None:
         check_chat_template(tokenizer, model_dir, where)
+
+
+def _check_prompt_lengths(job: Job, task, tokenizer, model_dir: Path) -> None:
+    """Every dataset prompt fits the model's context with rollout.max_tokens (dynaresize.tasks.prompt_length):
+    overlong ones dropped and counted (on_overlong: filter) or one message naming the record (fail), never a
+    failure mid-run."""
+    from dynaresize.tasks.prompt_length import apply_prompt_limit, model_context, prompt_limit
+
+    ro = job.cfg.rollout
+    context, source = model_context(model_dir), "the model's context (max_position_embeddings)"
+    if ro.engine == "vllm" and ro.vllm.max_model_len and (context is None or ro.vllm.max_model_len < context):
+        context, source = ro.vllm.max_model_len, "rollout.vllm.max_model_len"
+    limit = prompt_limit(context, ro.max_tokens, ro.max_prompt_tokens, source)
+    report = apply_prompt_limit(task, tokenizer, limit, ro.on_overlong) if limit is not None else None
+    if report is None:
+        return
+    log.warning("%s", report.describe())
+    job.events.emit("control", what="prompts_filtered", reason=report.describe(), limit=limit.tokens,
+                    dropped=report.dropped, kept=report.kept)
+    if callable(getattr(task, "check_run", None)):  # fewer records now: the run's length checked again
+        task.check_run(job.cfg.run.steps, ro.prompts_per_step)
 
 
 def _check_vllm(job: Job, model_dir: Path) -> None:

@@ -122,14 +122,17 @@ def parse_record(where: str, rec: Any) -> Sample:
     return Sample(prompt=prompt, data_source=source, ground_truth=gt, extra_info=extra)
 
 
-def read_records(files: list[str], what: str) -> tuple[list[Sample], str | None]:
-    """All records of ``files`` in order, and where the first chat-message prompt is (None: all strings)."""
+def read_records(files: list[str], what: str, wheres: list[str] | None = None) -> tuple[list[Sample], str | None]:
+    """All records of ``files`` in order, and where the first chat-message prompt is (None: all strings);
+    ``wheres``, when given, gets each record's ``file: row N`` / ``file: line N``."""
     out: list[Sample] = []
     chat = None
     for f in files:
         before = len(out)
         for where, rec in _rows(Path(f).expanduser()):
             out.append(parse_record(where, rec))
+            if wheres is not None:
+                wheres.append(where)
             if chat is None and out[-1].is_chat:
                 chat = f"{where}: field 'prompt'"
         if len(out) == before:
@@ -154,9 +157,24 @@ class DatasetTask:
         if not dataset.train_files:
             raise DatasetError("task.dataset.train_files: empty; the dataset task needs at least one training file")
         self.cfg = dataset
-        self.train, chat = read_records(dataset.train_files, "task.dataset.train_files")
-        self.val, val_chat = read_records(dataset.val_files, "task.dataset.val_files") if dataset.val_files else ([], None)
+        self.where: dict[str, list[str]] = {"train": [], "val": []}  # each record's file and row (line), for messages
+        self.train, chat = read_records(dataset.train_files, "task.dataset.train_files", self.where["train"])
+        self.val, val_chat = (read_records(dataset.val_files, "task.dataset.val_files", self.where["val"])
+                              if dataset.val_files else ([], None))
         self._chat = chat or val_chat
+
+    def records(self, split: str) -> list[Sample]:
+        """The records of ``split`` (``train`` or ``val``), all of them, in file order."""
+        return self.train if split == "train" else self.val
+
+    def keep(self, split: str, kept: list[int]) -> None:
+        """Only the records at indices ``kept`` of ``split`` stay (``rollout.on_overlong: filter``); the training
+        order is then drawn over those (a pure function still: the same files and limit keep the same records)."""
+        self.where[split] = [self.where[split][i] for i in kept]
+        if split == "train":
+            self.train = [self.train[i] for i in kept]
+        else:
+            self.val = [self.val[i] for i in kept]
 
     # -- the training stream --------------------------------------------------------------------------------
 

@@ -59,6 +59,16 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 disables it)")
     max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt (tokens, as rendered for the model) a dataset record may have (verl's "
+        "data.max_prompt_length); null: the model's context (max_position_embeddings; vLLM: max_model_len when lower) "
+        "minus max_tokens. Checked when the dataset is loaded, before any rank starts; its sum with max_tokens may not "
+        "exceed the context"
+    )
+    on_overlong: Literal["filter", "fail"] = Field(
+        "filter", description="A record whose prompt is longer than max_prompt_tokens: drop it, with the count and the "
+        "longest reported (filter, verl's filter_overlong_prompts), or refuse the run naming its file, row and length (fail)"
+    )
     pull_batch: int = Field(8, ge=1, description="Sequences a rollout rank pulls from the work queue at a time")
     max_running: int | None = Field(
         None, ge=0, description="KV slots of a rollout rank (continuous batching; vLLM: its max_num_seqs): sequences decoded together, the "
