@@ -105,20 +105,9 @@ def call_plan(fn: Callable[..., Any], name: str, kwargs: dict[str, Any] | None =
     offered = set(SUPPLIED) | set(kwargs)
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params)
     by_name = {p.name: p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     takes = f"it takes {', '.join(p.name for p in params) or 'nothing'}"
     if not takes_all and not {p.name for p in params} & set(SUPPLIED):
-        # names none of verl's parameters, e.g. f(ds, response, truth, info): the four in verl's order, by position
-        if len(positional) < len(SUPPLIED) and not any(p.kind is p.VAR_POSITIONAL for p in params):
-            raise ConfigError(f"reward.function = {name!r}: names none of verl's parameters ({', '.join(SUPPLIED)}) "
-                              f"and cannot take them by position either ({takes})")
-        extra = [p.name for p in positional[len(SUPPLIED):] if p.default is p.empty and p.name not in kwargs]
-        unknown = sorted(set(kwargs) - {p.name for p in params[len(SUPPLIED):]})
-        if unknown:
-            raise ConfigError(f"reward.kwargs: {unknown[0]!r} is not a parameter of {name!r} ({takes})")
-        if extra:
-            raise ConfigError(f"reward.function = {name!r}: required parameter {extra[0]!r} is never supplied ({takes})")
-        return CallPlan(SUPPLIED, positional=True)
+        return _by_position(params, name, kwargs, takes)
     offers = f"a reward is called by keyword with {', '.join(SUPPLIED)} and the keys of reward.kwargs"
     for p in params:
         if p.kind is p.POSITIONAL_ONLY and (p.name in offered or p.default is p.empty):
@@ -134,6 +123,22 @@ def call_plan(fn: Callable[..., Any], name: str, kwargs: dict[str, Any] | None =
             raise ConfigError(f"reward.function = {name!r}: takes no 'solution_str' parameter, so it never sees the "
                               f"response ({offers}; {takes})")
     return CallPlan(tuple(n for n in SUPPLIED if takes_all or n in by_name))
+
+
+def _by_position(params: list[inspect.Parameter], name: str, kwargs: dict[str, Any], takes: str) -> CallPlan:
+    """A function that names none of verl's parameters, e.g. ``f(ds, response, truth, info)``: the four in verl's
+    order, by position (this project's earlier convention), when it can take them so."""
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < len(SUPPLIED) and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise ConfigError(f"reward.function = {name!r}: names none of verl's parameters ({', '.join(SUPPLIED)}) "
+                          f"and cannot take them by position either ({takes})")
+    unknown = sorted(set(kwargs) - {p.name for p in params[len(SUPPLIED):]})
+    if unknown:
+        raise ConfigError(f"reward.kwargs: {unknown[0]!r} is not a parameter of {name!r} ({takes})")
+    extra = [p.name for p in positional[len(SUPPLIED):] if p.default is p.empty and p.name not in kwargs]
+    if extra:
+        raise ConfigError(f"reward.function = {name!r}: required parameter {extra[0]!r} is never supplied ({takes})")
+    return CallPlan(SUPPLIED, positional=True)
 
 
 class Reward:

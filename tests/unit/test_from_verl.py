@@ -160,3 +160,18 @@ def test_the_docs_table_is_the_codes():
     doc = (ROOT / "docs" / "from-verl.md").read_text()
     assert markdown_table() in doc, "docs/from-verl.md's table differs from dynaresize.config.from_verl.TABLE"
     assert TABLE[-1].verl == "*"  # every key meets a rule
+
+
+def test_hydra_leftovers_are_named_not_fatal():
+    """What a dumped Hydra config holds: class paths, mandatory '???', relative and chained interpolations."""
+    t = translate({"actor_rollout_ref": {
+        "actor": {"_target_": "verl.workers.config.FSDPActorConfig", "ppo_epochs": 1,
+                  "checkpoint": {"save_contents": ["model", "optimizer"], "load_contents": "${.save_contents}"}},
+        "rollout": {"name": "???", "n": "${oc.select:actor_rollout_ref.rollout.m,4}",
+                    "log_prob_use_dynamic_bsz": "${oc.select:actor_rollout_ref.actor.use_dynamic_bsz,false}"}}})
+    assert t.keys == {"train.epochs": 1, "rollout.group_size": 4}  # the select's default; '???' is not set
+    why = {k: r for k, _, r in t.untranslated}
+    assert why["actor_rollout_ref.actor._target_"] == MACHINERY
+    assert why["actor_rollout_ref.actor.checkpoint.load_contents"] == ("an interpolation this translator cannot "
+                                                                        "resolve: give the value")
+    assert "actor_rollout_ref.rollout.name" not in why

@@ -81,6 +81,9 @@ def test_var_keyword_takes_everything_and_unnamed_parameters_go_by_position():
         (lambda data_source, ground_truth: 0.0, {}, "takes no 'solution_str' parameter, so it never sees the response"),
         (lambda solution_str, ground_truth: 0.0, {"method": "flexible"}, "reward.kwargs: 'method' is not a parameter of 'f'"),
         (lambda solution_str, ground_truth: 0.0, {"ground_truth": "1"}, "reward.kwargs: 'ground_truth' is supplied per sample"),
+        (lambda ds, response, truth, info, tok: 0.0, {}, "required parameter 'tok' is never supplied (it takes ds, "
+                                                          "response, truth, info, tok)"),
+        (lambda ds, response, truth, info: 0.0, {"lang": "en"}, "reward.kwargs: 'lang' is not a parameter of 'f'"),
         (lambda a, b, c: 0.0, {}, "names none of verl's parameters (data_source, solution_str, ground_truth, extra_info) "
                                   "and cannot take them by position either (it takes a, b, c)"),
     ],
