@@ -44,12 +44,28 @@ def settings(cfg, args) -> EvalSettings:
 
     data = list(args.data or ds.val_files)
     if not data:
-        raise ConfigError("dynaresize eval: no data: give --data FILE (the run has no task.dataset.val_files)")
+        raise ConfigError("no data: give --data FILE (the run has no task.dataset.val_files)")
+    for flag, section, key in (("samples", ds, "val_samples"), ("temperature", ro, "temperature"), ("top_p", ro, "top_p"),
+                               ("max_tokens", ro, "max_tokens"), ("max_prompts", ds, "val_max_prompts")):
+        _check(flag, section, key, getattr(args, flag))
     return EvalSettings(
         data=data, max_prompts=args.max_prompts if args.data else pick(args.max_prompts, ds.val_max_prompts, 0) or None,
         k=pick(args.samples, ds.val_samples), temperature=pick(args.temperature, getattr(ds, "val_temperature", None), ro.temperature),
         top_p=pick(args.top_p, getattr(ds, "val_top_p", None), ro.top_p), max_tokens=pick(args.max_tokens, ro.max_tokens),
         seed=pick(args.seed, cfg.run.seed), engine=args.engine)
+
+
+def _check(flag: str, section, key: str, value) -> None:
+    """A flag's value must be one the run's config accepts for the setting it stands for (the schema's own rule)."""
+    from pydantic import ValidationError
+
+    if value is None:
+        return
+    try:
+        type(section).model_validate({**section.model_dump(), key: value})
+    except ValidationError as e:
+        raise ConfigError(f"--{flag.replace('_', '-')} {value}: {e.errors()[0]['msg']} "
+                          f"(the rule of {key})") from None
 
 
 def run_config(model_dir: Path | None, run_dir: Path | None, reward: str | None):
@@ -60,7 +76,7 @@ def run_config(model_dir: Path | None, run_dir: Path | None, reward: str | None)
     path = run_dir / "config.yaml" if run_dir else (model_dir / RUN_CONFIG if (model_dir / RUN_CONFIG).is_file() else None)
     overrides = [f"reward.function={reward}"] if reward else []
     if path is None and not reward:
-        raise ConfigError(f"dynaresize eval: {model_dir} is not a dynaresize export (no {RUN_CONFIG}): give --reward "
+        raise ConfigError(f"{model_dir} is not a dynaresize export (no {RUN_CONFIG}): give --reward "
                           "module:function (or path/to/file.py:function)")
     return load_config(path, overrides)
 
@@ -87,16 +103,22 @@ def generate(model_dir: Path, prompt_ids: list[list[int]], seeds: list[int], st:
     return engine.generate(prompt_ids, seeds, params)
 
 
-def evaluate(model_dir: Path, cfg, st: EvalSettings, version: int = 0) -> tuple[dict, list[dict]]:
+def prompts(st: EvalSettings):
+    """The records of the data files (checked as a run checks them: file, row, field) and where the first chat
+    prompt is (None: all strings)."""
+    from dynaresize.tasks.dataset import read_records
+
+    samples, chat = read_records(st.data, "--data")
+    return (samples[: st.max_prompts] if st.max_prompts else samples), chat
+
+
+def evaluate(model_dir: Path, cfg, st: EvalSettings, samples, chat: str | None, version: int = 0) -> tuple[dict, list[dict]]:
     """The figures (``pass_figures`` plus reward errors) and one record per response."""
     from dynaresize.job.batching import val_items
     from dynaresize.job.validation import pass_figures
     from dynaresize.models.hf import check_chat_template, load_tokenizer, pad_token_id, stop_token_ids
-    from dynaresize.tasks.dataset import read_records
     from dynaresize.worker.main import _scorer
 
-    samples, chat = read_records(st.data, "--data")
-    samples = samples[: st.max_prompts] if st.max_prompts else samples
     tok = load_tokenizer(model_dir)
     if chat is not None:
         check_chat_template(tok, model_dir, chat)
@@ -163,22 +185,21 @@ def main(args) -> int:
     target = Path(args.target).expanduser()
     is_model = (target / "config.json").is_file()
     if not is_model and not (target / "config.yaml").is_file():
-        raise ConfigError(f"dynaresize eval: {target}: neither a model directory (config.json) nor a run directory (config.yaml)")
+        raise ConfigError(f"{target}: neither a model directory (config.json) nor a run directory (config.yaml)")
     if is_model and args.step is not None:
-        raise ConfigError(f"dynaresize eval: --step picks a run's checkpoint; {target} is a model directory")
+        raise ConfigError(f"--step picks a run's checkpoint; {target} is a model directory")
+    rec = json.loads((target / EXPORT_FILE).read_text()) if is_model and (target / EXPORT_FILE).is_file() else {}
+    cfg = run_config(target if is_model else None, None if is_model else target, args.reward)
+    st = settings(cfg, args)  # bad flags and data fail here, before any export or model load
+    samples, chat = prompts(st)
     with tempfile.TemporaryDirectory(prefix="dynaresize-eval-") as tmp:
         if is_model:
-            model_dir, run_dir = target, None
-            rec = json.loads((target / EXPORT_FILE).read_text()) if (target / EXPORT_FILE).is_file() else {}
-            source = Path(rec["run_dir"]) if rec.get("run_dir") else None
+            model_dir, source = target, Path(rec["run_dir"]) if rec.get("run_dir") else None
         else:
-            model_dir, run_dir = Path(tmp) / "model", target
+            model_dir, source = Path(tmp) / "model", target
             rec = export(target, model_dir, args.step)
-            source = target
-        cfg = run_config(model_dir, run_dir, args.reward)
-        st = settings(cfg, args)
         version = rec.get("version")
-        fig, rows = evaluate(model_dir, cfg, st, version or 0)
+        fig, rows = evaluate(model_dir, cfg, st, samples, chat, version or 0)
     own = run_validation(source, version)
     print(_table(fig, st, own))
     if args.out:

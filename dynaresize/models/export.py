@@ -18,8 +18,8 @@ source has none; a license or README travels with them) and ``dynaresize_export.
 dtype; ``run_config.yaml`` beside it, the run's resolved config, is what ``dynaresize eval`` reads its reward and
 sampling settings from). Written into a temporary sibling and renamed into place: never half a directory.
 
-Memory: the fp32 masters once plus the cast copy (6 bytes a parameter for a bf16 output), then rank 0's weights
-for the comparison, one tensor of the masters at a time.
+Memory: about 8 bytes a parameter at the peak (the fp32 partitions and their concatenation; then the vector and the
+cast copies), plus rank 0's weights for the check: one host's memory must hold the model about three times in fp32.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Checkpoint:
     from dynaresize.rundir import RunDirError, require_run_dir
 
     try:
-        run_dir = require_run_dir(run_dir)
+        run_dir = require_run_dir(run_dir).resolve()
     except RunDirError as e:
         raise ExportError(str(e)) from None
     found = complete_checkpoints(run_dir)
@@ -157,14 +157,15 @@ def master_weights(ck: Checkpoint) -> tuple[dict[str, torch.Tensor], str]:
     length = int(layouts[0]["length"])
     if sorted(groups[0]) != list(range(ck.n_train)):
         raise ExportError(f"checkpoint {ck.path}: partitions of dp ranks {sorted(groups[0])}, expected 0..{ck.n_train - 1}")
-    flat = torch.cat([groups[0][d] for d in range(ck.n_train)])[:length]
+    parts, groups, tensors = groups[0], None, None  # the partitions go once concatenated
+    flat = torch.cat([parts.pop(d) for d in range(ck.n_train)])[:length]
     numel = [int(torch.Size(e["shape"]).numel()) for e in entries]
     if sum(numel) != length:  # DeepSpeed's zero_optimization.parameter_alignment (off here) would leave gaps
         raise ExportError(f"checkpoint {ck.path}: the masters hold {length} values, the {len(entries)} parameters of "
                           f"rank0-weights {sum(numel)}: a flat layout this export does not know")
     out, pos = {}, 0
     for e, n in zip(entries, numel):
-        out[e["name"]] = flat[pos:pos + n].view(e["shape"]).clone()
+        out[e["name"]] = flat[pos:pos + n].view(e["shape"])  # views of the vector (the cast copies them)
         pos += n
     return out, entries[0]["dtype"]
 
@@ -210,7 +211,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
     name = run_dtype if dtype == "auto" else dtype
     if name not in DTYPES:
         raise ExportError(f"--dtype {dtype}: expected auto or one of {', '.join(DTYPES)}")
-    tensors = {n: t.to(DTYPES[name]).contiguous() for n, t in tensors.items()}
+    tensors = {n: t.to(DTYPES[name], copy=True) for n, t in tensors.items()}  # own storage each (safetensors)
     checked = _check_against_weights(ck, tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

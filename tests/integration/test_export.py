@@ -179,6 +179,8 @@ def test_eval_reproduces_the_runs_validation(run, tmp_path):
 
     bad = cli("eval", str(model_dir), "--data", str(root / "val.parquet"))  # not an export: the reward is unknown
     assert bad.returncode == 2 and "give --reward" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli("eval", str(run_dir), "--samples", "0")  # a flag the run's config would refuse, refused by its rule
+    assert bad.returncode == 2 and "--samples 0: Input should be greater than or equal to 1" in bad.stderr
 
 
 @pytest.mark.skipif(not (sys.platform == "linux" and platform.machine() == "x86_64"),
