@@ -45,8 +45,10 @@ def settings(cfg, args) -> EvalSettings:
     data = list(args.data or ds.val_files)
     if not data:
         raise ConfigError("no data: give --data FILE (the run has no task.dataset.val_files)")
-    for flag, section, key in (("samples", ds, "val_samples"), ("temperature", ro, "temperature"), ("top_p", ro, "top_p"),
-                               ("max_tokens", ro, "max_tokens"), ("max_prompts", ds, "val_max_prompts")):
+    val = type(ds).model_fields  # validation's own sampling keys where this build has them (greedy: val_temperature 0)
+    for flag, section, key in (("samples", ds, "val_samples"), ("max_tokens", ro, "max_tokens"), ("max_prompts", ds, "val_max_prompts"),
+                               ("temperature", *((ds, "val_temperature") if "val_temperature" in val else (ro, "temperature"))),
+                               ("top_p", *((ds, "val_top_p") if "val_top_p" in val else (ro, "top_p")))):
         _check(flag, section, key, getattr(args, flag))
     return EvalSettings(
         data=data, max_prompts=args.max_prompts if args.data else pick(args.max_prompts, ds.val_max_prompts, 0) or None,
@@ -131,7 +133,7 @@ def evaluate(model_dir: Path, cfg, st: EvalSettings, samples, chat: str | None, 
         s = score(it, g.token_ids)
         rows.append({"key": it.key, "prompt": it.prompt, "index": it.index, "seed": it.seed,
                      "ground_truth": it.info.get("ground_truth"), "response": tok.decode(g.token_ids, skip_special_tokens=True),
-                     "tokens": len(g.token_ids), **s})
+                     "tokens": len(g.token_ids), "token_ids": list(g.token_ids), "logprobs": list(g.logprobs), **s})
     figures = {**pass_figures([r["reward"] for r in rows], st.k), "reward_errors": sum(1 for r in rows if r.get("reward_error"))}
     return figures, rows
 
@@ -164,7 +166,8 @@ def add_arguments(p) -> None:
     p.add_argument("--engine", choices=["torch", "vllm"], default="torch", help="generation engine (default: torch)")
     p.add_argument("--step", type=int, help="RUN_DIR: the checkpoint of this step (default: the last one)")
     p.add_argument("--reward", metavar="MODULE:FUNCTION", help="reward function (default: the run's reward.function)")
-    p.add_argument("--out", metavar="FILE", help="write one JSON line per response (prompt, index, seed, response, reward)")
+    p.add_argument("--out", metavar="FILE", help="write one JSON line per response (prompt, index, seed, response, its "
+                   "token ids and their logprobs under the sampling distribution, reward)")
 
 
 def _table(fig: dict, st: EvalSettings, own: dict | None) -> str:
@@ -180,6 +183,7 @@ def _table(fig: dict, st: EvalSettings, own: dict | None) -> str:
 def main(args) -> int:
     from dynaresize.models.export import EXPORT_FILE, export
     from dynaresize.models.hf import offline
+    from dynaresize.rewards import load_reward
 
     offline()
     target = Path(args.target).expanduser()
@@ -192,6 +196,7 @@ def main(args) -> int:
     cfg = run_config(target if is_model else None, None if is_model else target, args.reward)
     st = settings(cfg, args)  # bad flags and data fail here, before any export or model load
     samples, chat = prompts(st)
+    load_reward(cfg)  # an unusable reward fails here too (the ranks' scorer loads it again)
     with tempfile.TemporaryDirectory(prefix="dynaresize-eval-") as tmp:
         if is_model:
             model_dir, source = target, Path(rec["run_dir"]) if rec.get("run_dir") else None

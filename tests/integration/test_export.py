@@ -197,3 +197,20 @@ def test_export_loads_in_vllm_and_evaluates(run, tmp_path):
     assert got["engine"] == "vllm" and got["prompts"] == 4 and got["k"] == 2 and 0 <= got["reward_mean"] <= 1
     rows = [json.loads(l) for l in (tmp_path / "rows.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and all(1 <= r["tokens"] <= 12 for r in rows)
+
+    # vLLM serves the exported weights: its logprobs of what it sampled (temperature 1: the raw policy's) are the
+    # exported model's under transformers, within float32 kernel differences (vLLM's CPU backend vs torch's: the
+    # tolerance of tests/integration/test_vllm_engine.py); the untrained source model's are far from them
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    source = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    val, far = records(4, "val"), 0.0
+    for r in rows:
+        prompt = tok.apply_chat_template(val[r["prompt"]]["prompt"], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+        ids = torch.tensor([list(prompt) + r["token_ids"]])
+        assert seq_logprobs(exported, ids)[0, len(prompt) - 1:].tolist() == pytest.approx(r["logprobs"], abs=2e-3)
+        far = max(far, (seq_logprobs(source, ids)[0, len(prompt) - 1:] - torch.tensor(r["logprobs"])).abs().max().item())
+    assert far > 0.05, far  # training moved the policy well past the tolerance: the check can tell the two apart
