@@ -220,8 +220,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
             if f.is_file() and not f.name.endswith(_SKIP) and f.name not in _SKIP_NAMES and not f.name.startswith("."):
                 shutil.copy2(f, tmp / f.name)
         config = json.loads((src / "config.json").read_text())
-        config.pop("torch_dtype", None)
-        config["dtype"] = name
+        config["dtype"] = config["torch_dtype"] = name  # transformers 5 reads dtype, 4.x (verl's) torch_dtype
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         if not (tmp / "generation_config.json").exists():
             (tmp / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
