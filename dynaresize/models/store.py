@@ -60,10 +60,14 @@ def task_recipe(cfg) -> dict:
     if _accepts(cls, "curriculum"):
         out["curriculum"] = cfg.task.curriculum.model_dump()
     if _accepts(cls, "dataset"):
-        task = load_task(cfg.task)
-        h = hashlib.sha256()
-        for s in getattr(task, "train", []):
-            h.update(json.dumps([s.prompt, reference_answer(task, s)], sort_keys=True, default=str).encode() + b"\n")
+        task, h = load_task(cfg.task), hashlib.sha256()
+        records = getattr(task, "train", None)
+        if isinstance(records, list):  # DatasetTask: the build samples its training records only
+            for s in records:
+                h.update(json.dumps([s.prompt, reference_answer(task, s)], sort_keys=True, default=str).encode() + b"\n")
+        else:  # a class of the user's that reads the files its own way: their bytes, whatever it reads of them
+            for f in [*cfg.task.dataset.train_files, *cfg.task.dataset.val_files]:
+                h.update(Path(f).expanduser().read_bytes())
         out["dataset"] = {"shuffle": cfg.task.dataset.shuffle, "train_records": h.hexdigest()[:16]}
     return out
 
