@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("dynaresize.sim.cli", "discrete-event simulation of static and dynamic splits at any scale"),
     "analyze": ("dynaresize.analysis.cli", "post-hoc analysis of run directories (tables, timeline, Perfetto trace)"),
     "calibrate": ("dynaresize.analysis.calibrate", "fit the simulator's cost model to a real run"),
+    "export": ("dynaresize.models.export", "a run's checkpoint as a Hugging Face model directory (transformers, vLLM)"),
+    "eval": ("dynaresize.evaluate", "mean reward and pass@k of a model or run over a dataset's prompts (torch or vLLM)"),
     "submit": ("dynaresize.slurm.cli", "submit the job to Slurm as one heterogeneous allocation"),
     "worker": ("dynaresize.worker.main", "(internal) one worker rank; started by the job, not by users"),
 }

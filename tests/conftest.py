@@ -132,7 +132,7 @@ def redis_server(redis_binary, tmp_path_factory):
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> str:
     """``model.cache_dir`` shared by every job a session launches. A model is cached under the hash of its recipe
-    (``dynaresize.models.store.cache_key``: tiny shape, warm-start, task, reward and run.seed), so jobs with the same
+    (``dynaresize.models.store.cache_key``: tiny shape, warm-start, task and run.seed), so jobs with the same
     recipe in any module share one build (a warm-start of 80 steps is ~20 s of CPU) and different recipes never
     mix; tests whose assertions do not depend on the seed use ``test_job.SEED`` for that reason.
 

@@ -56,10 +56,7 @@ class Validation:
             log.warning("validation at version %d: %d of %d samples generated; not recorded", version, len(results), total)
             return
         rewards = [float(r.extra.get("reward", 0.0)) for r in results]
-        per_prompt = [rewards[p * ds.val_samples:(p + 1) * ds.val_samples] for p in range(len(results) // ds.val_samples)]
-        rec = {"version": version, "step": version, "prompts": len(per_prompt), "k": ds.val_samples,
-               "reward_mean": round(sum(rewards) / len(rewards), 6),
-               "pass_at_k": round(sum(max(g) >= 1.0 for g in per_prompt) / len(per_prompt), 6),
+        rec = {"version": version, "step": version, **pass_figures(rewards, ds.val_samples),
                "reward_errors": len(reward_errors(results)), "seconds": round(seconds, 3)}
         job.state.validation[str(version)] = rec
         for name in ("reward_mean", "pass_at_k"):
@@ -71,4 +68,12 @@ class Validation:
             log.warning("validation at version %d: %d of %d reward(s) failed and scored 0, e.g. %s", version,
                         rec["reward_errors"], len(results), reward_errors(results)[0])
         log.info("validation at version %d: mean reward %.3f, pass@%d %.3f (%d prompts, %.1f s)", version,
-                 rec["reward_mean"], ds.val_samples, rec["pass_at_k"], len(per_prompt), rec["seconds"])
+                 rec["reward_mean"], ds.val_samples, rec["pass_at_k"], rec["prompts"], rec["seconds"])
+
+
+def pass_figures(rewards: list[float], k: int) -> dict[str, float | int]:
+    """Mean reward and pass@k of ``k`` responses a prompt (``rewards`` prompt by prompt, in response order; a
+    response with reward >= 1 passes): what a validation pass records and ``dynaresize eval`` reports."""
+    per_prompt = [rewards[p * k:(p + 1) * k] for p in range(len(rewards) // k)]
+    return {"prompts": len(per_prompt), "k": k, "reward_mean": round(sum(rewards) / len(rewards), 6),
+            "pass_at_k": round(sum(max(g) >= 1.0 for g in per_prompt) / len(per_prompt), 6)}

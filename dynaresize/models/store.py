@@ -4,8 +4,9 @@ With ``model.path`` set it is checked (:func:`dynaresize.models.hf.check_model_d
 weights) and returned. Otherwise the tiny model is built locally into the same layout (a byte-level BPE tokenizer
 with a chat template trained on the task's text, a LLaMA-style model from ``model.tiny``, supervised warm-start on
 prompts rendered exactly as in rollout) and cached under
-``model.cache_dir/<hash>`` (default ``~/.cache/dynaresize/models``), the hash covering the model shape, the
-warm-start settings, the task (name, params, curriculum) and the seed; so the second run skips it. The build goes
+``model.cache_dir/<hash>`` (default ``~/.cache/dynaresize/models``), the hash covering what the build reads and
+nothing else (:func:`cache_key`: the model shape, the warm-start settings, the task class, params and curriculum, a
+dataset's training records, the seed); so the second run skips it. The build goes
 to a temporary directory next to the final one and is renamed into place, under a file lock: a crash never leaves
 a half-written model, and concurrent callers wait for one build. Nothing here touches a hub.
 """
@@ -39,30 +40,36 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(cfg) -> str:
-    """Hash of everything the built model depends on (``cfg`` is the root ``Config``)."""
-    recipe = {
-        "version": BUILD_VERSION,
-        "tiny": cfg.model.tiny.model_dump(),
-        "task": cfg.task.model_dump(),
-        "reward": cfg.reward.function,
-        "data": _data_fingerprint(cfg),
-        "seed": cfg.run.seed,
-    }
+    """Hash of what the built model depends on (``cfg`` is the root ``Config``): the tiny shape and warm-start
+    settings, the seed, and the task as the build reads it (:func:`task_recipe`). Nothing else: a new validation
+    file, a training file moved or rewritten with the same records, another reward function or ``val_*`` setting
+    reuses the cached model (each of those once rebuilt it: minutes of warm-start for the same weights)."""
+    recipe = {"version": BUILD_VERSION, "tiny": cfg.model.tiny.model_dump(), "task": task_recipe(cfg), "seed": cfg.run.seed}
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _data_fingerprint(cfg) -> str | None:
-    """Hash of the dataset files' bytes when the task reads files (the build depends on their contents)."""
-    files = [*cfg.task.dataset.train_files, *cfg.task.dataset.val_files]
-    if not files:
-        return None
-    h = hashlib.sha256()
-    for f in files:
-        try:
-            h.update(Path(f).expanduser().read_bytes())
-        except OSError:
-            h.update(f.encode())  # a missing file is reported by the task with its own message
-    return h.hexdigest()[:16]
+def task_recipe(cfg) -> dict:
+    """What of ``task`` the build reads: the task class and its params, the curriculum when the class takes one, and
+    for a dataset, its training records as the build sees them (prompt and reference answer, in file order) and
+    their order (``shuffle``); not the files' names or bytes, the validation split, nor the val_* settings. The
+    reward is not part of it either: it only measures the warm-start's greedy reward, a figure of the metadata."""
+    from dynaresize.tasks.registry import _accepts, resolve_class
+
+    cls = resolve_class(cfg.task.name)
+    out: dict = {"class": f"{cls.__module__}:{cls.__qualname__}", "params": cfg.task.params}
+    if _accepts(cls, "curriculum"):
+        out["curriculum"] = cfg.task.curriculum.model_dump()
+    if _accepts(cls, "dataset"):
+        task, h = load_task(cfg.task), hashlib.sha256()
+        records = getattr(task, "train", None)
+        if isinstance(records, list):  # DatasetTask: the build samples its training records only
+            for s in records:
+                h.update(json.dumps([s.prompt, reference_answer(task, s)], sort_keys=True, default=str).encode() + b"\n")
+        else:  # a class of the user's that reads the files its own way: their bytes, whatever it reads of them
+            for f in [*cfg.task.dataset.train_files, *cfg.task.dataset.val_files]:
+                h.update(Path(f).expanduser().read_bytes())
+        out["dataset"] = {"shuffle": cfg.task.dataset.shuffle, "train_records": h.hexdigest()[:16]}
+    return out
 
 
 @contextmanager
@@ -125,7 +132,7 @@ def build_tiny_model(cfg, out_dir: Path) -> dict:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     meta = {"build_version": BUILD_VERSION, "key": cache_key(cfg), "task": cfg.task.model_dump(), "tiny": tiny.model_dump(),
-            "seed": cfg.run.seed, "vocab_size": len(tokenizer), "warm_start": sft}
+            "seed": cfg.run.seed, "vocab_size": len(tokenizer), "warm_start": sft, "greedy_reward_by": reward.name}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     log.info("warm-start done in %.1f s, greedy reward %.3f (late lengths %.3f)", sft["seconds"], sft["greedy_reward_first"], sft["greedy_reward_late"])
     return meta

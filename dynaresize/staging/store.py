@@ -46,7 +46,7 @@ from pathlib import Path
 from dynaresize import atomic
 from dynaresize.background import Background
 from dynaresize.disk import DISK_FULL_ERRNOS, free_bytes, size_text
-from typing import Any
+from typing import Any, Callable, Collection
 
 import torch
 
@@ -278,12 +278,15 @@ class Stager:
         _verify(self, Path(name) if Path(name).is_absolute() else self.root / name)
 
     def load(self, name: str | Path, into: dict[str, torch.Tensor] | None = None,
-             verify_first: bool | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+             verify_first: bool | None = None, names: Collection[str] | None = None,
+             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Read snapshot ``name`` (or a snapshot directory); verify every chunk before using its bytes.
 
         ``into`` gives destination tensors (same names, shapes and dtypes; any device); missing ones are allocated
         on the CPU. With ``verify_first`` (default: when ``into`` is given, i.e. live tensors) every chunk is
-        verified in a first pass, so a bad snapshot leaves the destination untouched. Returns (tensors, meta).
+        verified in a first pass, so a bad snapshot leaves the destination untouched. ``names``: read only these
+        tensors (and only the chunks they overlap, each verified), e.g. the fp32 masters of an optimizer snapshot
+        without its Adam moments. Returns (tensors, meta).
         """
         if verify_first is None:
             verify_first = into is not None
@@ -294,6 +297,8 @@ class Stager:
         out: dict[str, torch.Tensor] = {}
         views: list[tuple[int, int, torch.Tensor]] = []  # (start, end, byte view) in stream coordinates
         for e in man["tensors"]:
+            if names is not None and e["name"] not in names:
+                continue
             shape, dt = tuple(e["shape"]), _dtype(e["dtype"])
             if into is not None and e["name"] in into:
                 t = into[e["name"]]
@@ -312,7 +317,10 @@ class Stager:
         if size < man["total_bytes"]:
             raise StagingError(f"{path}: truncated: {size} bytes, manifest says {man['total_bytes']}"
                                f"{_first_short_chunk(man, size)}")
-        for off, n, buf in _verified_chunks(path, man, self.chunk):
+        def wanted(off: int, n: int) -> bool:
+            return names is None or any(max(a, off) < min(b, off + n) for a, b, _ in views)
+
+        for off, n, buf in _verified_chunks(path, man, self.chunk, wanted):
             for a, b, v in views:  # copy the verified chunk's bytes into every tensor it overlaps
                 lo, hi = max(a, off), min(b, off + n)
                 if lo < hi:
@@ -320,10 +328,11 @@ class Stager:
         return out, man["meta"]
 
 
-def _verified_chunks(path: Path, man: dict[str, Any], chunk: int):
+def _verified_chunks(path: Path, man: dict[str, Any], chunk: int, wanted: Callable[[int, int], bool] | None = None):
     """Read the data file chunk by chunk through one reused buffer; yield (offset, length, buffer) only for chunks
     whose checksum matches the manifest (a bad or short chunk, or a read error, raises StagingError naming it,
-    before any use). A chunk reaching past the end of the file is reported before anything is allocated for it."""
+    before any use). A chunk reaching past the end of the file is reported before anything is allocated for it.
+    ``wanted(offset, length)`` false: that chunk is skipped (neither read nor verified)."""
     try:
         f = open(path, "rb", buffering=0)
     except FileNotFoundError:
@@ -335,6 +344,8 @@ def _verified_chunks(path: Path, man: dict[str, Any], chunk: int):
         buf = torch.empty(max(1, min(chunk, size)), dtype=torch.uint8)  # one chunk: reads are bounded too
         for ci, c in enumerate(man["chunks"]):
             off, n = int(c["offset"]), int(c["length"])
+            if wanted is not None and not wanted(off, n):
+                continue
             if off + n > size:
                 raise StagingError(f"{path}: chunk {ci} (offset {off}) truncated: the file has {max(0, size - off)} "
                                    f"of its {n} bytes ({size} bytes in all)")
