@@ -305,9 +305,6 @@ class ZeroTrainer:
         for g in self.zero.optimizer.param_groups:
             g["lr"] = float(lr)
 
-    def lr(self) -> float:
-        return float(self.zero.optimizer.param_groups[0]["lr"])
-
     # -- ZeRO partitions ------------------------------------------------------------------------------------
 
     def layouts(self) -> list[PartitionLayout]:

@@ -78,3 +78,25 @@ def test_mini_batches_epochs_and_schedule_keep_rl_semantics_with_resizing_and_st
         m = metrics(rd)
         assert [x["train/lr"] for x in m] == pytest.approx([sched(4 * k + 3) for k in range(STEPS)], rel=1e-6), name
         assert all(x["loss/entropy"] > 0 for x in m), name
+
+
+def test_mini_batches_with_dynamic_sampling_step_at_the_batch_end_as_the_barrier_run(tmp_path, model_cache):
+    """Dynamic sampling selects the batch's groups (prompt indices beyond B - 1 too), so the order is known only at
+    the batch's end: every update runs at the optimizer step, over the kept groups in prompt order. Resized and
+    streamed, the run trains the barrier run's kept groups with its losses (DAPO's options all on)."""
+    from tests.integration.test_job import DAPO, DAPO_SEED
+
+    steps = 4
+    knobs = ["train.mini_batches=2", "train.epochs=2", f"run.steps={steps}", f"run.seed={DAPO_SEED}",
+             "task.dataset.val_every=0", *DAPO]
+    run(tmp_path / "static", model_cache, "policy.enabled=false", "pipeline.schedule=barrier", *knobs)
+    run(tmp_path / "dyn", model_cache, "policy.forced_splits={1: 1, 3: 3}", *CONTINUOUS, *knobs)
+    st, dyn = batches(run_dir_of(tmp_path / "static")), batches(run_dir_of(tmp_path / "dyn"))
+    assert [b["step"] for b in dyn] == [b["step"] for b in st] == list(range(steps))
+    assert any(int(k.split(".")[1]) >= 4 for b in st for k in b["keys"]), "no batch kept a group of an extra round"
+    for g, w in zip(dyn, st):
+        assert (g["keys"], g["versions"], g["rewards"]) == (w["keys"], w["versions"], w["rewards"]), g["step"]
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-3, abs=1e-5), g["step"]
+    assert 1 in [b["n_train"] for b in dyn]
+    events = [json.loads(l) for l in (run_dir_of(tmp_path / "dyn") / "events.jsonl").read_text().splitlines()]
+    assert all(e.get("mini_batches") == 0 for e in events if e.get("stage") == "train" and e.get("chunk"))

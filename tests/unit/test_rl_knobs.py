@@ -206,6 +206,21 @@ def test_validation_sampling_defaults_to_the_rollouts_and_takes_its_own():
     assert validation_sampling(cfg) == (0.0, 0.5)
 
 
+def test_a_validation_generate_carries_the_validation_sampling_and_training_the_rollouts():
+    from types import SimpleNamespace
+
+    from dynaresize.contract.protocol import parse_payload
+    from dynaresize.job.rollout import RolloutWork
+
+    cfg = load_config(None, ["rollout.temperature=0.9", "rollout.top_k=5", "task.dataset.val_temperature=0"])
+    work = RolloutWork(SimpleNamespace(cfg=cfg, state=SimpleNamespace(version=3)), svc=None)
+    val, train = work.payload(3, version=3, prompts=[0], validation=True), work.payload(4, version=3, prompts=[1])
+    assert (val["temperature"], val["top_p"], val["top_k"]) == (0.0, 1.0, 5)
+    assert (train["temperature"], train["top_p"], train["top_k"]) == (0.9, 1.0, 5)
+    for payload in (val, train):
+        parse_payload("generate", payload)  # what a worker accepts (temperature 0: greedy)
+
+
 def test_run_epochs_become_steps_floor_of_records_per_step(tmp_path):
     import json
 
