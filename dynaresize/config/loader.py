@@ -190,9 +190,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         _apply_override(data, parts, value, f"override '{text}'", prov)
     default_source = _display(Path(path)) if path is not None else "<defaults>"
     try:
-        return Config.model_validate(data)
+        cfg = Config.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_format_error(e, prov, default_source)) from None
+    return resolve_epochs(cfg) if cfg.run.epochs is not None else cfg
+
+
+def resolve_epochs(cfg: Config) -> Config:
+    """``run.epochs`` turned into ``run.steps`` (the dataset's training records are read): what the run, its
+    checkpoints and its resume count in. The result holds the steps and ``run.epochs: null``, so the run directory's
+    config.yaml loads again as is (a resume extends it with ``run.steps=N``)."""
+    from dynaresize.tasks.dataset import DatasetTask
+
+    task = DatasetTask(cfg.task.dataset)
+    steps = task.steps_for_epochs(cfg.run.epochs, cfg.rollout.prompts_per_step)
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": steps, "epochs": None})})
 
 
 def dump_config(cfg: Config) -> str:

@@ -30,6 +30,11 @@ class RunConfig(Section):
     output_dir: str = Field("runs", description="Parent directory of run directories (shared storage on a cluster)")
     seed: int = Field(0, ge=0, description="Seed of everything random; each sample is seeded by (seed, step, prompt, index)")
     steps: int = Field(20, ge=1, description="RL steps (training updates) to run")
+    epochs: int | None = Field(
+        None, ge=1, description="Run length in passes over a dataset task's training records instead of run.steps "
+        "(not both): run.steps = floor(records / rollout.prompts_per_step) x epochs, verl's total_epochs with its "
+        "drop_last dataloader; resolved when the config is loaded (the run directory's config.yaml holds the steps)"
+    )
     checkpoint_every: int = Field(5, ge=0, description="Steps between checkpoints (0: only at the end and on signals)")
     keep_checkpoints: int = Field(
         2, ge=1, description="Complete checkpoints kept under <run_dir>/checkpoints (older ones are removed); a resume "
@@ -156,6 +161,8 @@ class FaultsConfig(Section):
 
 
 # Keys that moved to another place: an old config that still sets one fails naming the key and where it lives now.
+DATASET_TASKS = ("dataset", "dynaresize.tasks.dataset:DatasetTask")  # task.name of the dataset task (run.epochs)
+
 MOVED_KEYS: dict[tuple[str, ...], str] = {
     ("sim", "costs"): "switching.costs",
     ("sim", "optimizations"): "switching.optimizations",
@@ -223,6 +230,33 @@ class Config(Section):
                     f"{{{step}: {n}}} is not a valid forced split for cluster.gpus={c.gpus} "
                     f"(allowed: multiples of {unit} from {unit} to {c.gpus - unit}, at steps >= 0)"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _run_length_is_given_once(self) -> "Config":
+        if self.run.epochs is None:
+            return self
+        if "steps" in self.run.model_fields_set:
+            raise RuleError(("run", "epochs"), self.run.epochs, f"run.epochs={self.run.epochs} and run.steps="
+                            f"{self.run.steps} are both set: give the run's length one way (run.epochs counts passes "
+                            "over the dataset, run.steps RL steps)")
+        if self.task.name not in DATASET_TASKS:
+            raise RuleError(("run", "epochs"), self.run.epochs, f"run.epochs counts passes over a dataset's training "
+                            f"records, and task.name={self.task.name!r} has none (task.name: dataset); set run.steps")
+        return self
+
+    @model_validator(mode="after")
+    def _mini_batches_fit_the_batch(self) -> "Config":
+        tr, b = self.train, self.rollout.prompts_per_step
+        if b % tr.mini_batches:
+            raise RuleError(("train", "mini_batches"), tr.mini_batches, f"train.mini_batches={tr.mini_batches} must "
+                            f"divide rollout.prompts_per_step={b} (equal mini-batches of whole groups; verl's "
+                            "ppo_mini_batch_size = prompts_per_step / mini_batches)")
+        if tr.mini_batches * tr.epochs > 1 and self.algorithm.tis.enabled:
+            raise RuleError(("algorithm", "tis", "enabled"), True, "truncated importance sampling takes the PPO ratio "
+                            "against each forward's own logprobs, which several optimizer steps per RL step "
+                            f"(train.mini_batches={tr.mini_batches} x train.epochs={tr.epochs}) would make 1 at every "
+                            "step (no clipping): use one of them, not both")
         return self
 
     @model_validator(mode="after")

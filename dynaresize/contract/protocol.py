@@ -89,8 +89,9 @@ class GeneratePayload(_Payload):
     version: int = Field(ge=0, description="policy version the rank must hold (it refuses to generate with another)")
     pull_batch: int = Field(ge=1, description="samples claimed from the work queue at a time")
     max_tokens: int = Field(ge=1)
-    temperature: float = Field(gt=0)
+    temperature: float = Field(ge=0, description="0: greedy (validation passes only; training samples need > 0)")
     top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(-1, ge=-1, description="the top_k most likely tokens only (-1: off)")
     validation: bool = Field(False, description="pull from the validation queue (samples scored, never trained on)")
     prompts: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, max_length=MAX_PROMPTS,
@@ -160,6 +161,9 @@ class TrainChunkPayload(_Payload):
     batch_key: str = Field(description="Redis key of the chunk: a training batch (JSON) of complete GRPO groups only")
     n_train: int = Field(ge=1)
     version: int = Field(ge=0, description="policy version the batch trains from (the trainers must hold it)")
+    batch_groups: int | None = Field(
+        None, ge=1, description="groups the batch trains, prompts 0 .. batch_groups - 1, when known ahead (no dynamic "
+        "sampling): lets each mini-batch step as soon as its groups are in (train.mini_batches > 1); None: at the end")
 
 
 class TrainChunkResult(_Msg):
@@ -187,7 +191,7 @@ class OptimizerStepPayload(_Payload):
 
 class OptimizerStepResult(_Msg):
     version: int
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {}  # grad_norm, lr; with mini-batches stepped here: their figures and loss_sum
     busy_s: float
     published_bytes: int = 0
 

@@ -24,8 +24,9 @@ from typing import Iterable, Protocol, Sequence
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 48
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0: greedy (the argmax; validation's val_temperature=0)
     top_p: float = 1.0
+    top_k: int = -1  # the k most likely tokens only; -1: off (vLLM's and verl's convention)
 
 
 @dataclass(frozen=True)

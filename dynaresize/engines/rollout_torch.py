@@ -5,9 +5,11 @@ Why not ``model.generate``: every sample must draw its randomness from its *own*
 which rank generates it or which other samples share its batch. ``generate`` has one global RNG. This loop does
 a batched forward with a KV cache and samples each row with its own ``torch.Generator``.
 
-Sampling: ``logits / temperature``, then nucleus filtering (``top_p``; no top-k, unlike transformers 5's default
-of 50), then a categorical draw. The returned logprob of a token is under that *processed* distribution (what
-vLLM calls ``processed_logprobs``): at temperature 1 and top_p 1 it equals the raw policy logprob.
+Sampling (:func:`processed_logits`): ``logits / temperature``, then top-k (``top_k``; -1, the default, is off,
+unlike transformers 5's default of 50), then nucleus filtering (``top_p``), vLLM's order; then a categorical draw.
+Temperature 0 is greedy (only the argmax stays; its logprob is 0). The returned logprob of a token is under that
+*processed* distribution (what vLLM calls ``processed_logprobs``): at temperature 1, top_k -1 and top_p 1 it equals
+the raw policy logprob.
 
 Continuous batching (the stream of :mod:`dynaresize.engines.protocol`): the engine holds ``max_running`` KV slots.
 ``add`` queues requests; each ``step`` admits waiting requests into free slots once an eighth of the slots are free
@@ -60,6 +62,23 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     remove = (cum - probs) >= top_p  # keep a token while the mass before it is below top_p
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Mask (to -inf) every token outside the ``top_k`` largest logits of each row (``top_k`` <= 0: off). Ties at the
+    k-th value are kept, as vLLM's sampler keeps them."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The logits the draw samples from: temperature, then top-k, then top-p (temperature 0: the argmax alone)."""
+    if params.temperature == 0:
+        best = logits.argmax(dim=-1, keepdim=True)
+        return torch.full_like(logits, float("-inf")).scatter(-1, best, 0.0)
+    return top_p_filter(top_k_filter(logits / params.temperature, params.top_k), params.top_p)
 
 
 ADMIT_SHARE = 8  # admit when 1/8 of the slots are free (see TorchRollout.admit_min)
@@ -214,17 +233,16 @@ class TorchRollout:
         return finished
 
     def _logprobs(self, rows: list[_Row]) -> torch.Tensor:
-        """Log-probabilities of each row's next token under its processed distribution (temperature, top_p)."""
+        """Log-probabilities of each row's next token under its processed distribution (temperature, top_k, top_p)."""
         logits = self._logits.float()
-        kinds = {(r.req.params.temperature, r.req.params.top_p) for r in rows}
+        kinds = {r.req.params for r in rows}
         if len(kinds) == 1:
-            (temp, top_p), = kinds
-            return torch.log_softmax(top_p_filter(logits / temp, top_p), dim=-1).cpu()
+            params, = kinds
+            return torch.log_softmax(processed_logits(logits, params), dim=-1).cpu()
         out = torch.empty(logits.shape, dtype=torch.float32)
-        for temp, top_p in kinds:
-            idx = torch.tensor([i for i, r in enumerate(rows)
-                                if (r.req.params.temperature, r.req.params.top_p) == (temp, top_p)])
-            out[idx] = torch.log_softmax(top_p_filter(logits[idx.to(logits.device)] / temp, top_p), dim=-1).cpu()
+        for params in kinds:
+            idx = torch.tensor([i for i, r in enumerate(rows) if r.req.params == params])
+            out[idx] = torch.log_softmax(processed_logits(logits[idx.to(logits.device)], params), dim=-1).cpu()
         return out
 
     def _admit(self, reqs: list) -> None:

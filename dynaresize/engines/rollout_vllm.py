@@ -17,7 +17,7 @@ Choices (docs/workers.md, "The vLLM engine"):
 - One ``SamplingParams`` per sample, ``seed`` = the work item's seed: vLLM draws that request from its own
   generator, so a sample's tokens do not depend on its rank or its batch (tested on CPU).
 - ``logprobs_mode="processed_logprobs"``: the logprob of a sampled token under the distribution actually sampled
-  (after temperature / top-p), like the torch engine's.
+  (after temperature / top-k / top-p), like the torch engine's.
 - A new weight version resets the prefix cache (cached prefixes were computed with the old weights); the engine
   refuses a version change while requests are running (every sample keeps exactly one version).
 - Per platform (:func:`engine_kwargs`): CUDA: ``enable_sleep_mode=True``, ``gpu_memory_utilization`` of the GPU,
@@ -189,7 +189,8 @@ class VllmRollout:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        return VSP(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_tokens, logprobs=0,
+        return VSP(n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                   max_tokens=params.max_tokens, logprobs=0,
                    seed=int(seed) & SEED_MASK, stop_token_ids=self.eos, detokenize=False,
                    output_kind=RequestOutputKind.FINAL_ONLY)
 

@@ -294,6 +294,17 @@ class ZeroTrainer:
     def zero(self):
         return self.optimizer  # DeepSpeedZeroOptimizer
 
+    # -- learning rate: set by the caller before each step (dynaresize.rl.lr: the run's schedule) -------------------
+
+    def set_lr(self, lr: float) -> None:
+        """The LR of the next optimizer step(s), on the inner torch optimizer's parameter groups (what its update
+        reads). No DeepSpeed scheduler: the engine is rebuilt at every role switch, and the step count lives in the
+        run, not in the engine."""
+        if not (math.isfinite(lr) and lr >= 0):
+            raise TrainerError(f"learning rate {lr!r} must be a finite number >= 0")
+        for g in self.zero.optimizer.param_groups:
+            g["lr"] = float(lr)
+
     # -- ZeRO partitions ------------------------------------------------------------------------------------
 
     def layouts(self) -> list[PartitionLayout]:

@@ -13,7 +13,7 @@ import torch
 from dynaresize.contract.batch import TrainBatch
 from dynaresize.contract.workqueue import SampleResult, WorkItem
 from dynaresize.rl.dapo import OverlongShaping
-from dynaresize.rl.grpo import group_advantages
+from dynaresize.rl.grpo import Advantage, advantages
 from dynaresize.tasks.base import Task
 
 
@@ -121,10 +121,11 @@ def score_samples(
 
 def build_batch(
     step: int, items: list[WorkItem], samples: list[SampleResult], texts: list[str], task: Task, tokenizer,
-    group: int, bound: int, scale_by_std: bool = True, overlong: OverlongShaping | None = None,
+    group: int, bound: int, advantage: Advantage = "grpo", overlong: OverlongShaping | None = None,
     scored: dict[str, float] | None = None,
 ) -> TrainBatch:
-    """Score every sample, compute advantages per prompt group, and check the staleness bound.
+    """Score every sample, compute advantages per prompt group (``advantage``: ``algorithm.advantage``), and check
+    the staleness bound.
 
     ``texts`` is indexed by prompt index; ``scored`` (sample key -> reward), when given, is used instead of
     scoring again (dynamic sampling scored every group already)."""
@@ -134,7 +135,7 @@ def build_batch(
         _, rewards = score_samples(items, ordered, texts, task, tokenizer, overlong)
     else:
         rewards = [float(scored[it.key]) for it in items]
-    adv = group_advantages(torch.tensor(rewards), group, scale_by_std=scale_by_std)
+    adv = advantages(torch.tensor(rewards), group, advantage)
     return TrainBatch(
         step=step,
         prompt_ids=[it.prompt_ids for it in items],

@@ -419,7 +419,8 @@ class ContinuousSchedule:
                 t.train_s += max(float(x.get("busy_s", 0.0)) for x in res.values())
                 for r, x in res.items():
                     t.loss_sum[r] = t.loss_sum.get(r, 0.0) + float(x.get("loss_sum", 0.0))
-                    t.chunk_stats.setdefault(r, []).append(x.get("metrics") or {})
+                    if x.get("metrics"):  # (a chunk held for its mini-batch trained nothing yet: no figures)
+                        t.chunk_stats.setdefault(r, []).append(x["metrics"])
                 self.feed(TrainChunkDone(sent.batch))
             case "optimizer_step":
                 self.stepped(sent.batch, res)
@@ -451,7 +452,9 @@ class ContinuousSchedule:
                              sync_s=t.sync_s / max(1, len(job.rollouts())), tokens_generated=t.tokens_generated,
                              tokens_trained=t.tokens)
         # a trainer's figures of the batch: its chunks' mismatch sums (reduced as the whole-batch train reports them)
-        results = [{"loss": t.loss_sum.get(r, 0.0) / den, "version": x.get("version"),
+        # (mini-batches: the first pass's loss sums, from the chunks that stepped them or from the step itself)
+        results = [{"loss": (t.loss_sum.get(r, 0.0) + float((x.get("metrics") or {}).get("loss_sum", 0.0))) / den,
+                    "version": x.get("version"),
                     "metrics": {**(x.get("metrics") or {}), **reduce_stats(t.chunk_stats.get(r, [])),
                                 **chunk_loss_means(t.chunk_stats.get(r, []))}}
                    for r, x in sorted(res.items())]
@@ -846,8 +849,10 @@ class ContinuousSchedule:
         t.tokens += chunk.tokens
         t.samples += len(chunk.keys)
         svc.redis.set(key, chunk.to_json(), ex=24 * 3600)
+        # the batch's groups are prompts 0 .. B - 1 unless dynamic sampling selects them (then known at its end)
+        known = {} if svc.assembler.filtering else {"batch_groups": self.cfg.rollout.prompts_per_step}
         self.send("train_chunk", list(a.ranks), {"step": a.batch, "batch_key": key, "n_train": len(a.ranks),
-                                                 "version": a.batch}, batch=a.batch, groups=a.groups)
+                                                 "version": a.batch, **known}, batch=a.batch, groups=a.groups)
 
     def send_step(self, a: Step) -> None:
         t = self.tally.setdefault(a.batch, Tally())

@@ -62,7 +62,7 @@ class BatchAssembler:
     need: int  # prompts_per_step
     group: int  # group_size
     bound: int  # staleness bound
-    scale_by_std: bool = True
+    advantage: str = "grpo"  # algorithm.advantage (dynaresize.rl.grpo.advantages)
     overlong: OverlongShaping | None = None
     filtering: bool = False
     max_rounds: int = 0
@@ -74,7 +74,8 @@ class BatchAssembler:
     def from_config(cls, cfg, task, tokenizer) -> "BatchAssembler":
         ds = cfg.algorithm.dynamic_sampling
         return cls(task, tokenizer, cfg.rollout.prompts_per_step, cfg.rollout.group_size, cfg.pipeline.staleness_bound,
-                   overlong=OverlongShaping.from_config(cfg), filtering=ds.enabled, max_rounds=ds.max_rounds,
+                   advantage=cfg.algorithm.advantage, overlong=OverlongShaping.from_config(cfg),
+                   filtering=ds.enabled, max_rounds=ds.max_rounds,
                    round_prompts=ds.round_prompts or cfg.rollout.prompts_per_step, pad=ds.on_unfilled == "pad")
 
     def forget(self) -> None:
@@ -136,7 +137,7 @@ class BatchAssembler:
         trained = sorted(items, key=lambda it: (it.prompt, it.index))
         scored = self._score(step, trained, texts, samples)
         return build_batch(step, trained, samples, texts, self.task, self.tokenizer, self.group, self.bound,
-                           self.scale_by_std, scored={it.key: scored[it.key][1] for it in trained})
+                           self.advantage, scored={it.key: scored[it.key][1] for it in trained})
 
     def build(self, step: int, items: list[WorkItem], texts: list[str], samples: list[SampleResult]) -> tuple[TrainBatch, BatchStats]:
         """The training batch of ``step`` (the selected groups, in prompt order) and what was seen."""
@@ -146,7 +147,7 @@ class BatchAssembler:
         trained.sort(key=lambda it: (it.prompt, it.index))
         scored = self._score(step, trained, texts, samples)
         batch = build_batch(step, trained, samples, texts, self.task, self.tokenizer, self.group, self.bound,
-                            self.scale_by_std, scored={k: scored[k][1] for k in (it.key for it in trained)})
+                            self.advantage, scored={k: scored[k][1] for k in (it.key for it in trained)})
         scores = [scored[it.key][0] for it in trained]
         n = max(1, len(trained))
         counts = dict(groups_generated=len(texts), groups_dropped=len(sel.dropped), groups_kept=len(sel.kept),

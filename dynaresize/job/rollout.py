@@ -37,9 +37,13 @@ class RolloutWork:
         self.svc.assembler.forget()
 
     def payload(self, j: int, **extra) -> dict:
+        """A ``generate`` command's payload; with ``validation=True`` the validation pass's sampling
+        (``task.dataset.val_temperature``, ``val_top_p``: :func:`validation_sampling`)."""
         ro = self.job.cfg.rollout
+        temperature, top_p = (validation_sampling(self.job.cfg) if extra.get("validation")
+                              else (ro.temperature, ro.top_p))
         return {"step": j, "version": self.job.state.version, "pull_batch": ro.pull_batch, "max_tokens": ro.max_tokens,
-                "temperature": ro.temperature, "top_p": ro.top_p, **extra}
+                "temperature": temperature, "top_p": top_p, "top_k": ro.top_k, **extra}
 
     def add_round(self, j: int, round_: int, prompts: int) -> None:
         """Dynamic sampling: extra round ``round_`` of batch ``j`` (``prompts`` more prompts, the next indices), in
@@ -121,3 +125,12 @@ def batch_key(job_id: str, k: int) -> str:
     from dynaresize.contract.keys import Keys
 
     return f"{Keys(job_id).ns}:batch:{k}"
+
+
+def validation_sampling(cfg) -> tuple[float, float]:
+    """``(temperature, top_p)`` of a validation pass: ``task.dataset.val_temperature`` (null: rollout.temperature;
+    0: greedy) and ``val_top_p`` (null: rollout.top_p). verl's ``actor_rollout_ref.rollout.val_kwargs``
+    (``temperature``, ``top_p``; ``do_sample: false`` is temperature 0 here). ``rollout.top_k`` applies to both."""
+    ds, ro = cfg.task.dataset, cfg.rollout
+    return (ro.temperature if ds.val_temperature is None else float(ds.val_temperature),
+            ro.top_p if ds.val_top_p is None else float(ds.val_top_p))

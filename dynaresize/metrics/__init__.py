@@ -170,6 +170,11 @@ def open_loggers(cfg, run_dir: Path, config: dict | None = None, warn=None) -> L
     return Loggers(backends, warn)
 
 
+# a trainer's per-token loss figures, each a mean over its tokens: weighted by tokens when parts are combined
+# (``entropy``: the policy's mean token entropy on the trained tokens, reported whatever train.entropy_coef)
+LOSS_MEANS = ("kl", "clip_frac", "ratio_mean", "entropy")
+
+
 def trainer_metrics(results: list[dict]) -> dict[str, float]:
     """The step's loss metrics from the trainers' acks: ``loss`` is the sum of the ranks' shares of the global
     loss; KL, clip fraction and ratio are token-weighted means of the ranks' local means; grad norm: the largest."""
@@ -180,12 +185,15 @@ def trainer_metrics(results: list[dict]) -> dict[str, float]:
     ms = [r.get("metrics") or {} for r in results]
     tokens = [float(m.get("tokens", 0.0)) for m in ms]
     total = sum(tokens)
-    for key in ("kl", "clip_frac", "ratio_mean"):
+    for key in LOSS_MEANS:
         if total > 0 and all(key in m for m in ms):
             out[f"loss/{key}"] = sum(float(m[key]) * t for m, t in zip(ms, tokens)) / total
     norms = [float(m["grad_norm"]) for m in ms if "grad_norm" in m]
     if norms:
         out["loss/grad_norm"] = max(norms)
+    lrs = [float(m["lr"]) for m in ms if "lr" in m]  # the LR of the step's last update (dynaresize.rl.lr)
+    if lrs:
+        out["train/lr"] = max(lrs)
     out.update(mismatch_metrics(results))
     return out
 
@@ -198,7 +206,7 @@ def chunk_loss_means(parts: list[dict]) -> dict[str, float]:
     if total <= 0:
         return {}
     out = {"tokens": total}
-    for key in ("kl", "clip_frac", "ratio_mean"):
+    for key in LOSS_MEANS:
         if all(key in p for p in parts):
             out[key] = sum(float(p[key]) * t for p, t in zip(parts, tokens)) / total
     return out

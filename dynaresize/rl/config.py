@@ -59,6 +59,11 @@ class TisConfig(Section):
 
 
 class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "grpo_no_std", "rloo"] = Field(
+        "grpo", description="Advantage estimator over each prompt's group of rewards: grpo ((r - mean) / (std + 1e-6), "
+        "verl adv_estimator=grpo), grpo_no_std (r - mean: Dr. GRPO, verl norm_adv_by_std_in_grpo=false) or rloo "
+        "(r_i - the mean of the group's other rewards, verl adv_estimator=rloo); dynaresize.rl.grpo.advantages"
+    )
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="DAPO dynamic sampling (group filtering with over-sampling)"
     )

@@ -58,6 +58,31 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool 
     return adv.flatten()
 
 
+Advantage = Literal["grpo", "grpo_no_std", "rloo"]  # ``algorithm.advantage``
+
+
+def advantages(rewards, group_size: int, estimator: Advantage = "grpo", eps: float = 1e-6) -> torch.Tensor:
+    """Per-sample advantages of consecutive groups of ``group_size`` under ``estimator`` (``algorithm.advantage``;
+    verl's ``algorithm.adv_estimator``):
+
+    * ``grpo``: ``(r - mean) / (std + eps)``, std with n-1 (verl ``grpo``, ``norm_adv_by_std_in_grpo: true``);
+    * ``grpo_no_std``: ``r - mean`` (Dr. GRPO, arXiv 2503.20783; verl ``norm_adv_by_std_in_grpo: false``);
+    * ``rloo``: ``r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean)``, the leave-one-out baseline (Ahmadian et al.
+      2024; verl ``rloo``).
+
+    Worked example, rewards ``[1, 0, 0, 1]``: grpo ``[0.866, -0.866, -0.866, 0.866]``, grpo_no_std ``[0.5, -0.5,
+    -0.5, 0.5]``, rloo ``[0.667, -0.667, -0.667, 0.667]`` (e.g. ``1 - (0 + 0 + 1) / 3``). A group of one has no
+    baseline: advantage 0 under every estimator."""
+    if estimator == "grpo":
+        return group_advantages(rewards, group_size, scale_by_std=True, eps=eps)
+    adv = group_advantages(rewards, group_size, scale_by_std=False)
+    if estimator == "grpo_no_std":
+        return adv
+    if estimator == "rloo":
+        return adv * (group_size / (group_size - 1)) if group_size > 1 else adv * 0.0
+    raise ValueError(f"advantage estimator must be grpo, grpo_no_std or rloo, got {estimator!r}")
+
+
 def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions that skip padding (left or right), as HF generate computes them."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -71,10 +96,27 @@ def sequence_logprobs(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """Per-token log-probabilities ``[N, L]`` of ``input_ids`` under a causal LM; 0 where ``response_mask`` is 0."""
+    return logprobs_and_entropy(model, input_ids, attention_mask, response_mask, temperature, entropy=False)[0]
+
+
+def logprobs_and_entropy(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    temperature: float = 1.0,
+    entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``sequence_logprobs`` and, with ``entropy``, the policy's entropy ``-sum_v p(v) log p(v)`` of the distribution
+    each token was drawn from (``[N, L]``, aligned the same way, at ``temperature``; verl's ``entropy_from_logits``
+    on the temperature-scaled logits), from one forward."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask)).logits
     logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     tok = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return torch.nn.functional.pad(tok, (1, 0)) * response_mask
+    ent = None
+    if entropy:
+        ent = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0)) * response_mask
+    return torch.nn.functional.pad(tok, (1, 0)) * response_mask, ent
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, norm: Literal["token", "sequence"], denominator=None) -> torch.Tensor:
@@ -103,6 +145,7 @@ class GrpoLoss:
     clip_eps_high: float | None = None  # upper clip: ratio <= 1 + clip_eps_high (None: clip_eps)
     tis_cap: float | None = None  # truncated importance sampling on pi_train / pi_rollout, capped here (None: off)
     tis_level: TisLevel = "token"  # TIS weight per token or per sequence (dynaresize.rl.mismatch)
+    entropy_coef: float = 0.0  # the loss subtracts entropy_coef x the token entropy (normalised like the loss)
 
     @classmethod
     def from_config(cls, train, temperature: float = 1.0, algorithm=None) -> "GrpoLoss":
@@ -112,7 +155,8 @@ class GrpoLoss:
         on = tis is not None and tis.enabled
         return cls(clip_eps=train.clip_eps, kl_coef=train.kl_coef, loss_norm=train.loss_norm, temperature=temperature,
                    clip_eps_low=train.clip_eps_low, clip_eps_high=train.clip_eps_high,
-                   tis_cap=float(tis.cap) if on else None, tis_level=tis.level if on else "token")
+                   tis_cap=float(tis.cap) if on else None, tis_level=tis.level if on else "token",
+                   entropy_coef=float(getattr(train, "entropy_coef", 0.0)))
 
     @property
     def clip_range(self) -> tuple[float, float]:
@@ -123,11 +167,14 @@ class GrpoLoss:
 
     def __call__(self, model: torch.nn.Module, batch: CollatedBatch) -> tuple[torch.Tensor, dict[str, float]]:
         mask = batch["response_mask"].float()
-        logp = sequence_logprobs(model, batch["input_ids"], batch["attention_mask"], mask, self.temperature)
-        return self.from_logprobs(logp, batch)
+        logp, ent = logprobs_and_entropy(model, batch["input_ids"], batch["attention_mask"], mask, self.temperature)
+        return self.from_logprobs(logp, batch, ent)
 
-    def from_logprobs(self, logp: torch.Tensor, batch: CollatedBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """The loss given current per-token logprobs (pure tensor maths; what the tests check by hand)."""
+    def from_logprobs(self, logp: torch.Tensor, batch: CollatedBatch,
+                      entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """The loss given current per-token logprobs and (optional) token entropies (pure tensor maths; what the tests
+        check by hand). With ``entropy_coef > 0`` each token's loss is ``surrogate - entropy_coef x entropy`` (verl's
+        ``pg_loss - entropy_coeff x entropy``, aggregated the same way), so a gradient step raises the entropy."""
         mask = batch["response_mask"].float()
         adv = batch["advantages"].float()
         adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv
@@ -152,6 +199,10 @@ class GrpoLoss:
             kl_tok = torch.exp(d) - d - 1
             per_token = per_token + self.kl_coef * kl_tok
             kl = masked_mean(kl_tok.detach(), mask, self.loss_norm)
+        if entropy is not None and self.entropy_coef > 0:
+            per_token = per_token - self.entropy_coef * entropy
+        elif self.entropy_coef > 0:
+            raise ValueError("GrpoLoss: entropy_coef > 0 needs the token entropies (from_logprobs(..., entropy=))")
         loss = masked_mean(per_token, mask, self.loss_norm, batch.get("loss_denominator"))
         metrics = {
             "loss": float(loss.detach()),
@@ -159,6 +210,7 @@ class GrpoLoss:
             "ratio_mean": float((ratio.detach() * mask).sum() / mask.sum().clamp(min=1)),
             "kl": float(kl),
             "tokens": float(mask.sum()),
+            **({"entropy": float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))} if entropy is not None else {}),
             **mismatch_stats(logp, behaviour, mask, batch.get("version_lag")),
         }
         if self.tis_cap is not None:

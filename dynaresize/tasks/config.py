@@ -46,6 +46,14 @@ class DatasetConfig(Section):
     val_every: int = Field(10, ge=0, description="Steps between validation passes (also before the first and after the last step); 0: never")
     val_samples: int = Field(4, ge=1, description="Responses per validation prompt: k of pass@k (a response with reward >= 1 passes)")
     val_max_prompts: int | None = Field(None, ge=1, description="Validation prompts used (the first ones in file order; unset: all)")
+    val_temperature: float | None = Field(
+        None, ge=0, description="Sampling temperature of validation passes (null: rollout.temperature; 0: greedy, the "
+        "most likely token each step); verl's rollout.val_kwargs.temperature"
+    )
+    val_top_p: float | None = Field(
+        None, gt=0, le=1, description="Nucleus threshold of validation passes (null: rollout.top_p); verl's "
+        "rollout.val_kwargs.top_p"
+    )
 
 
 class RewardConfig(Section):

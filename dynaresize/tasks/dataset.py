@@ -189,6 +189,16 @@ class DatasetTask:
         answer = sample.extra_info.get("answer")
         return answer if isinstance(answer, str) and answer else str(sample.ground_truth)
 
+    def steps_for_epochs(self, epochs: int, per_step: int) -> int:
+        """``run.epochs`` as RL steps: ``floor(records / per_step) x epochs`` (verl's ``len(dataloader) x total_epochs``
+        with ``drop_last``). The stream of records is continuous (:func:`record_index`), so the records a pass leaves
+        over open the next pass instead of being dropped."""
+        per_pass = len(self.train) // per_step
+        if per_pass < 1:
+            raise DatasetError(f"run.epochs={epochs}: the {len(self.train)} training records of task.dataset.train_files "
+                               f"do not fill one step of rollout.prompts_per_step={per_step} prompts; set run.steps")
+        return per_pass * epochs
+
     def check_run(self, steps: int, per_step: int) -> None:
         """``task.dataset.epochs`` bounds the run: refuse one that needs more records than that."""
         if self.cfg.epochs is not None and steps * per_step > self.cfg.epochs * len(self.train):

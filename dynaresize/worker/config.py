@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from dynaresize.config.base import Section
+from dynaresize.config.base import RuleError, Section
 
 
 class TinyModelConfig(Section):
@@ -58,6 +58,11 @@ class RolloutConfig(Section):
     group_size: int = Field(8, ge=1, description="G: responses per prompt (the GRPO group)")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold (1 disables it)")
+    top_k: int = Field(
+        -1, ge=-1, description="Sample from the top_k most likely tokens only (-1: off; 0 is not a value, as in verl); "
+        "applied after the temperature and before top_p in both engines, and the rollout logprobs are those of that "
+        "processed distribution"
+    )
     max_tokens: int = Field(48, ge=1, description="Maximum response tokens")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="Longest prompt (tokens, as rendered for the model) a dataset record may have (verl's "
@@ -79,6 +84,12 @@ class RolloutConfig(Section):
     )
     vllm: VllmConfig = Field(default_factory=VllmConfig, description="vLLM engine settings (engine=vllm only)")
     sync_bucket_mb: int = Field(64, ge=1, description="Weight sync trainer -> rollout moves parameters in buckets of this size (MiB)")
+
+    @model_validator(mode="after")
+    def _top_k_is_on_or_off(self) -> "RolloutConfig":
+        if self.top_k == 0:  # vLLM reads 0 as off, transformers as "no token": one spelling of off (verl's -1)
+            raise RuleError("top_k", 0, "top_k=0 is not a value: -1 turns top-k off, k >= 1 keeps the k most likely tokens")
+        return self
 
     @property
     def kv_slots(self) -> int:
@@ -102,6 +113,32 @@ class TrainConfig(Section):
     kl_coef: float = Field(0.0, ge=0, description="Coefficient of the KL penalty to the reference policy (0 disables it)")
     loss_norm: Literal["token", "sequence"] = Field(
         "token", description="Normalise the loss over all tokens of the batch (token) or per sequence, then mean (sequence)"
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="Optimizer steps over which the LR rises linearly from 0 to train.lr (verl's "
+        "optim.lr_warmup_steps; the first update runs at LR 0, as there); counted over the whole run, across role "
+        "switches and resumes (dynaresize.rl.lr)"
+    )
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="LR after the warmup: constant, or cosine down to min_lr_ratio x train.lr at the run's "
+        "last optimizer step (run.steps x mini_batches x epochs; verl's optim.lr_scheduler_type)"
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="cosine: the LR's floor as a share of train.lr (verl's optim.min_lr_ratio)"
+    )
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per pass over each RL step's batch: its groups split, in the batch's "
+        "group order, into this many mini-batches of equal size (rollout.prompts_per_step must divide), each stepped "
+        "and normalised by its own token (or sequence) count; verl's ppo_mini_batch_size = prompts_per_step / "
+        "mini_batches. The policy version still advances once per RL step (docs/algorithm.md)"
+    )
+    epochs: int = Field(
+        1, ge=1, description="Passes over each RL step's mini-batches (verl's ppo_epochs): mini_batches x epochs "
+        "optimizer steps per RL step"
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: the loss subtracts entropy_coef x the policy's token entropy (normalised "
+        "like the loss; verl's actor.entropy_coeff). The metric loss/entropy is reported whatever its value"
     )
     precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="Training precision: bf16 (bf16 compute, fp32 master weights, Adam moments and gradient "

@@ -117,6 +117,7 @@ class WorkerSetup:
     weights_dir: Path | None = None  # published weights, <weights_dir>/v<version> (optimizer_step publish, fetch_weights)
     emulator: Any = None  # dynaresize.emulation.engine.Emulator when cluster.device is emulated: work lasts modelled time
     algorithm_cfg: Any = None  # AlgorithmConfig: the loss's truncated importance sampling (algorithm.tis); None: off
+    lr: Callable[[int], float] | None = None  # the LR of each optimizer step of the run (dynaresize.rl.lr); None: train.lr
 
 
 @dataclass
@@ -182,6 +183,7 @@ class Worker:
     _stream_mark: float = 0.0  # end of the last rollout stage interval this rank logged from the stream
     decode_sums: DecodeSums = field(default_factory=DecodeSums)  # the stream's iterations since the last generate ack
     _decoding: int = 0  # sequences still decoding after the stream's last iteration (engines that do not say what waits)
+    minibatches: Any = None  # dynaresize.rl.minibatch.MiniBatches of the RL step in training (train.mini_batches x epochs > 1)
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -319,13 +321,13 @@ class Worker:
     # -- generate -------------------------------------------------------------------------------------------
 
     def _cmd_generate(self, step: int, version: int, pull_batch: int, max_tokens: int, temperature: float, top_p: float,
-                      validation: bool = False, prompts: list[int] | None = None) -> dict[str, Any]:
+                      validation: bool = False, prompts: list[int] | None = None, top_k: int = -1) -> dict[str, Any]:
         """Pull samples until the queue is empty, or (``prompts``) generate exactly those prompts' unfinished samples.
         A ``version`` this rank fetched (``fetch_weights``) is installed first; any other version but the one held
         is refused."""
         self._check_generate(version)
         installed_s = self._install(version) if version != self.version else 0.0
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         t0, samples, tokens = time.perf_counter(), 0, 0
         if prompts is None:
             while True:
@@ -414,13 +416,13 @@ class Worker:
 
     def _begin_generate(self, command_id: str, step: int, version: int, pull_batch: int, max_tokens: int,
                         temperature: float, top_p: float, validation: bool = False,
-                        prompts: list[int] | None = None) -> dict[str, Any] | None:
+                        prompts: list[int] | None = None, top_k: int = -1) -> dict[str, Any] | None:
         self._check_generate(version)
         installed_s = 0.0
         if version != self.version:  # every sample keeps one version: the old one's end before the new one installs
             self.finish_stream()
             installed_s = self._install(version)
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
         items = self.setup.data.claim_prompts(step, self.rank, list(prompts or []), validation=validation)
         t0 = time.perf_counter()
         s = _Streamed(command_id, step, self.version, validation, list(prompts or []), items, pull_batch, t0,
@@ -555,6 +557,9 @@ class Worker:
         if self.setup.data is None:
             raise WorkerError("no data plane: train needs the batch store")
         t0 = time.perf_counter()
+        if self._steps_per_batch > 1:  # (one optimizer step per command: the mini-batches go through train_chunk)
+            raise WorkerError(f"rank {self.rank}: train takes one optimizer step; train.mini_batches x epochs = "
+                              f"{self._steps_per_batch} trains through train_chunk and optimizer_step")
         tb = self.setup.data.batch(batch_key)
         pending = self.trainer is not None and self.trainer.has_pending_state()
         out = self.train_batch(self._tensors_of(tb), n_train, version_after)
@@ -591,20 +596,26 @@ class Worker:
 
     def train_batch(self, batch: dict[str, torch.Tensor], n_train: int, version_after: int, loss_fn=None) -> dict[str, Any]:
         trainer = self._trainer_for(n_train, version_after)
+        self._set_lr(trainer, version_after - 1, 0)
         stats, t0, t1 = self._stepped(trainer, lambda: trainer.train_step(batch, loss_fn or self._loss_fn(batch)))
         self.version = version_after
         return {"loss": float(stats.get("loss", stats.get("loss_local", 0.0))), "metrics": stats, "tokens": self._tokens(batch),
                 "busy_s": t1 - t0, "version": self.version}
 
-    def _cmd_train_chunk(self, step: int, batch_key: str, n_train: int, version: int) -> dict[str, Any]:
+    def _cmd_train_chunk(self, step: int, batch_key: str, n_train: int, version: int,
+                         batch_groups: int | None = None) -> dict[str, Any]:
         """Forward and backward of this rank's part of a chunk of complete groups; the loss is a sum, the gradients
-        wait for ``optimizer_step``. ``tokens`` and ``samples`` are the whole chunk's (for the batch's normaliser)."""
+        wait for ``optimizer_step``. ``tokens`` and ``samples`` are the whole chunk's (for the batch's normaliser).
+        With several optimizer steps per RL step (``train.mini_batches x epochs > 1``) the chunk's groups are held
+        and each first-pass mini-batch steps once its groups are in (:meth:`_mini_chunk`)."""
         trainer = self._trainer_for(n_train)
         if version != self.version:
             raise WorkerError(f"rank {self.rank} is at version {self.version}; the chunk trains from version {version}")
         if self.setup.data is None:
             raise WorkerError("no data plane: train_chunk needs the batch store")
         tb = self.setup.data.batch(batch_key)
+        if self._steps_per_batch > 1:
+            return self._mini_chunk(trainer, step, tb, batch_groups)
         batch = self._tensors_of(tb)
         t0 = time.perf_counter()
         stats = trainer.accumulate(batch, self._loss_fn(batch))
@@ -614,7 +625,9 @@ class Worker:
         self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True)
         from dynaresize.rl.mismatch import reduce_stats
 
-        loss_means = {k: float(stats[k]) for k in ("kl", "clip_frac", "ratio_mean", "tokens") if k in stats}
+        from dynaresize.metrics import LOSS_MEANS
+
+        loss_means = {k: float(stats[k]) for k in (*LOSS_MEANS, "tokens") if k in stats}
         return {"loss_sum": float(stats["loss_sum_local"]), "tokens": tokens, "samples": samples, "busy_s": t1 - t0,
                 "version": self.version, "metrics": {**reduce_stats([stats]), **loss_means}}
 
@@ -633,7 +646,12 @@ class Worker:
                                   "(WorkerSetup.weights_dir)")
             target = Path(self.setup.weights_dir).resolve() / f"v{version_after}"
         pending = trainer.has_pending_state()
-        stats, t0, t1 = self._stepped(trainer, lambda: trainer.step(denominator))
+        if self._steps_per_batch > 1:
+            stats, t0, t1 = self._mini_finish(trainer, step)
+        else:
+            lr = self._set_lr(trainer, step, 0)
+            stats, t0, t1 = self._stepped(trainer, lambda: trainer.step(denominator))
+            stats = {**stats, **({"lr": lr} if lr is not None else {})}
         t1 = self._pace("optimizer_step", t0, lambda e: e.step_s(pending))
         self.version = version_after
         self._stage(Stage.TRAIN, step, t0, t1, version=self.version, optimizer_step=True)
@@ -649,6 +667,96 @@ class Worker:
             self._stage(Stage.WEIGHT_SYNC, step, t1, end, version=version_after, bytes=published, publish=True,
                         transport="comm")
         return {"version": self.version, "metrics": stats, "busy_s": end - t0, "published_bytes": published}
+
+    # -- mini-batches and epochs (train.mini_batches, train.epochs; dynaresize.rl.minibatch) and the LR schedule --------
+
+    @property
+    def _steps_per_batch(self) -> int:
+        tc = self.setup.train_cfg
+        return int(getattr(tc, "mini_batches", 1)) * int(getattr(tc, "epochs", 1))
+
+    def _set_lr(self, trainer: ZeroTrainer, rl_step: int, index: int) -> float | None:
+        """Set the LR of optimizer step ``index`` of RL step ``rl_step`` (the run's step ``rl_step x steps per
+        batch + index``) from the run's schedule, before that step."""
+        if self.setup.lr is None:
+            return None
+        lr = float(self.setup.lr(rl_step * self._steps_per_batch + index))
+        trainer.set_lr(lr)
+        return lr
+
+    def _mini_state(self, step: int, groups: int | None):
+        from dynaresize.rl.minibatch import MiniBatches
+
+        mb = self.minibatches
+        if mb is None or mb.step != step:
+            tc = self.setup.train_cfg
+            mb = self.minibatches = MiniBatches(step, int(tc.mini_batches), int(tc.epochs), groups)
+        return mb
+
+    def _mini_step(self, trainer: ZeroTrainer, step: int, index: int, rows: list) -> dict[str, float]:
+        """One optimizer step on the samples ``rows`` (one mini-batch), normalised by the mini-batch's own count;
+        ``loss_sum_local``: this rank's loss before that normalisation (what a chunk reports)."""
+        from dynaresize.contract.batch import TrainBatch
+
+        tb = TrainBatch(step, [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows],
+                        [0.0] * len(rows), [r[5] for r in rows], [r[0] for r in rows])
+        batch = self._tensors_of(tb)
+        lr = self._set_lr(trainer, step, index)
+        stats, _, _ = self._stepped(trainer, lambda: trainer.train_step(batch, self._loss_fn(batch)))
+        stats["loss_sum_local"] = float(stats["loss_local"]) * float(batch["loss_denominator"])
+        if lr is not None:
+            stats["lr"] = lr
+        return stats
+
+    def _mini_chunk(self, trainer: ZeroTrainer, step: int, tb: Any, groups: int | None) -> dict[str, Any]:
+        """A chunk's groups held for their mini-batch; each first-pass mini-batch whose groups are all in now steps
+        (in order). The ack's ``loss_sum`` and metrics are those of the mini-batches stepped here (0 and none when
+        the chunk completes none); ``tokens`` and ``samples`` the chunk's, as on the one-step path."""
+        mb = self._mini_state(step, groups)
+        mb.add(list(zip(tb.keys, tb.prompt_ids, tb.response_ids, tb.logprobs, tb.advantages, tb.versions)))
+        t0 = time.perf_counter()
+        parts = []
+        for m in mb.ready():
+            parts.append(self._mini_step(trainer, step, m, mb.members(m)))
+            mb.streamed = m + 1
+        t1 = self._pace("train_chunk", t0, lambda e: e.fwd_bwd_s(*self._lengths(tb), trainer.dp))
+        tokens, samples = sum(len(r) for r in tb.response_ids), len(tb.keys)
+        self._stage(Stage.TRAIN, step, t0, t1, tokens=tokens, samples=samples, version=self.version, chunk=True,
+                    mini_batches=len(parts))
+        return {"loss_sum": sum(p["loss_sum_local"] for p in parts), "tokens": tokens, "samples": samples,
+                "busy_s": t1 - t0, "version": self.version, "metrics": self._mini_metrics(parts)}
+
+    @staticmethod
+    def _mini_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+        """The first pass's figures over its mini-batches: mismatch sums added, loss means token-weighted."""
+        from dynaresize.metrics import chunk_loss_means
+        from dynaresize.rl.mismatch import reduce_stats
+
+        return {**reduce_stats(parts), **chunk_loss_means(parts)} if parts else {}
+
+    def _mini_finish(self, trainer: ZeroTrainer, step: int) -> tuple[dict[str, float], float, float]:
+        """The RL step's steps not run yet: first-pass mini-batches whose order was unknown ahead (dynamic sampling),
+        then the later epochs. Stats: the last step's grad norm and LR, and the first-pass figures of the mini-batches
+        run here (``loss_sum``)."""
+        mb = self.minibatches
+        if mb is None or mb.step != step:
+            raise WorkerError(f"rank {self.rank}: optimizer step of batch {step} without any of its chunks")
+        self.minibatches = None
+        t0 = time.perf_counter()
+        try:
+            todo = mb.remaining()
+        except ValueError as e:
+            raise WorkerError(f"rank {self.rank}, batch {step}: {e}") from None
+        first, last = [], {}
+        for epoch, m in todo:
+            last = self._mini_step(trainer, step, epoch * mb.mini_batches + m, mb.members(m))
+            if epoch == 0:
+                first.append(last)
+        t1 = time.perf_counter()
+        stats = {k: last[k] for k in ("grad_norm", "lr") if k in last}
+        if first:
+            stats.update(self._mini_metrics(first), loss_sum=sum(p["loss_sum_local"] for p in first))
+        return stats, t0, t1
 
     def _sender(self) -> WeightSender:
         if self.sender is None:
@@ -900,6 +1008,7 @@ class Worker:
     def _cmd_switch_role(self, switch_id: str, step: int, from_train: int, to_train: int) -> dict[str, Any]:
         if from_train != self.n_train:
             raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, switch {switch_id} says {from_train}")
+        self.minibatches = None  # (none held: a switch comes between an RL step's optimizer step and the next chunk)
         cands = self.groups.trainer_counts()
         if to_train not in cands:
             raise WorkerError(f"switch {switch_id}: {to_train} trainers is not a candidate topology {cands}")
@@ -1009,6 +1118,7 @@ class Worker:
         """Restore this rank's weights now (verified chunk by chunk, in place) and, on a trainer, its optimizer
         state on a background thread, installed at the first optimizer step. The trainer count must be the one
         the state was staged with (a different count goes through the reshard of ``switch_role``)."""
+        self.minibatches = None  # a step boundary: no mini-batch of a batch in training survives it
         assert self.stager is not None
         t0 = time.perf_counter()
         name = self._snapshot_name(tag, "weights")

@@ -92,6 +92,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
     preload()  # deepspeed + torch._dynamo now, not at the first initialize
     from dynaresize.config.schema import Config
     from dynaresize.events import EventLog
+    from dynaresize.rl.lr import LrSchedule
     from dynaresize.worker.core import Worker, WorkerSetup
     from dynaresize.worker.hooks import Hooks
 
@@ -113,7 +114,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
         events=EventLog(spec["events"]) if spec.get("events") else None,
         hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(), data=data,
         weights_dir=Path(spec["weights_dir"]) if spec.get("weights_dir") else None,
-        algorithm_cfg=cfg.algorithm,
+        algorithm_cfg=cfg.algorithm, lr=LrSchedule.from_config(cfg.train, cfg.run.steps),
     )
     try:
         worker = Worker.start(setup)

@@ -198,6 +198,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     from dynaresize.control.registry import Heartbeater, Registry, RegistrationRefused
     from dynaresize.control.server import connect
     from dynaresize.control.wire import RankState, Registration
+    from dynaresize.rl.lr import LrSchedule
     from dynaresize.engines.trainer_deepspeed import preload
     from dynaresize.events import EventLog, Role
     from dynaresize.contract.dataplane import RedisDataPlane
@@ -268,7 +269,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         events=events, data=RedisDataPlane(client, job_id), checkpoint_dir=run_dir / "checkpoints",
         model_dir=str(model_dir), hooks=hooks or Hooks(), weights_dir=run_dir / "weights",
         emulator=Emulator(cfg, world) if cfg.cluster.device == "emulated" else None,
-        algorithm_cfg=cfg.algorithm,
+        algorithm_cfg=cfg.algorithm, lr=LrSchedule.from_config(cfg.train, cfg.run.steps),
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))

@@ -143,6 +143,32 @@ def test_logprobs_are_the_sampled_distributions(engine, prompts, model_dir, temp
         assert g.logprobs == pytest.approx(want, abs=2e-3)  # float32 kernels of vLLM's CPU backend vs torch's
 
 
+def test_top_k_samples_within_the_k_most_likely_with_their_renormalised_logprobs(engine, prompts, model_dir):
+    """rollout.top_k: vLLM samples from the top k of the temperature-scaled logits and reports the logprobs of that
+    processed distribution (the top k renormalised), as the torch engine does; temperature 0 is greedy."""
+    from dynaresize.models import load_model
+
+    model = load_model(model_dir, torch.float32).eval()
+    k, temperature = 3, 1.3
+    gens = engine.generate(prompts, [21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=10, temperature=temperature,
+                                                                              top_k=k))
+    for prompt, g in zip(prompts, gens):
+        ids = torch.tensor([list(prompt) + g.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        top = torch.topk(logits, k, -1)
+        direct = torch.log_softmax(top.values, -1)
+        for t, token in enumerate(g.token_ids):
+            assert token in top.indices[t].tolist(), f"token {token} outside the top {k}"
+            assert g.logprobs[t] == pytest.approx(float(direct[t, top.indices[t].tolist().index(token)]), abs=2e-3)
+    greedy = engine.generate(prompts[:2], [1, 2], SamplingParams(max_tokens=8, temperature=0.0))
+    for prompt, g in zip(prompts[:2], greedy):
+        ids = torch.tensor([list(prompt) + g.token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        assert g.token_ids == logits.argmax(-1).tolist()
+
+
 def test_weights_load_in_place_and_a_version_resets_the_prefix_cache(engine, prompts, model_dir, tok):
     from dynaresize.models import load_model
 
