@@ -11,7 +11,7 @@ import yaml
 
 from dynaresize.cli import main as cli
 from dynaresize.config.from_verl import MACHINERY, TABLE, flatten, markdown_table, translate
-from dynaresize.config.loader import iter_fields, load_config
+from dynaresize.config.loader import load_config
 
 pytestmark = pytest.mark.unit
 
@@ -137,22 +137,32 @@ def test_the_command_writes_the_config_and_prints_what_it_left(tmp_path, capsys)
     data = yaml.safe_load(text)
     assert data["cluster"] == {"gpus": 4, "gpus_per_node": 4} and data["run"]["seed"] == 7  # the overrides applied
     assert "  lr: 1.0e-06  # verl: actor_rollout_ref.actor.optim.lr" in text.splitlines()
-    assert f"wrote {out}: " in err and rc in (0, 1)  # 1 while the check refuses keys this build lacks (below)
+    assert f"wrote {out}: " in err and rc == 1  # the fixture's data files (~/data/gsm8k) are not on this machine
+    assert "no such dataset file" in err
+
+
+def verl_parquet(path: Path, n: int) -> Path:
+    """``n`` rows in the layout verl's gsm8k preprocessing writes (data_source, chat prompt, reward_model)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": f"What is {i} + {i}?"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+             "extra_info": {"split": path.stem, "index": i}} for i in range(n)]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
 
 
 def test_the_translated_config_loads_with_the_projects_loader(tmp_path, capsys):
-    """`dynaresize config check` accepts the output. Needs the RL knobs' keys (issue 43, merged from other branches)."""
-    needed = {"run.epochs", "rollout.top_k", "train.mini_batches", "train.epochs", "train.entropy_coef",
-              "train.lr_warmup_steps", "train.lr_schedule", "train.min_lr_ratio", "algorithm.advantage",
-              "task.dataset.val_temperature", "task.dataset.val_top_p"}
-    missing = sorted(needed - {path for path, *_ in iter_fields()})
-    if missing:
-        pytest.skip(f"this build lacks {', '.join(missing)} (added by the RL-knobs branch of issue 43)")
+    """`dynaresize config check` accepts the output, every RL knob arriving under its own key."""
+    train, val = verl_parquet(tmp_path / "train.parquet", 130), verl_parquet(tmp_path / "test.parquet", 8)
     out = tmp_path / "from-verl.yaml"
-    assert cli(["config", "from-verl", str(FIXTURE), "-o", str(out)]) == 0, capsys.readouterr().err
+    rc = cli(["config", "from-verl", str(FIXTURE), f"data.train_files={train}", f"data.val_files={val}", "-o", str(out)])
+    assert rc == 0, capsys.readouterr().err
     cfg = load_config(out)
     assert (cfg.train.mini_batches, cfg.train.epochs, cfg.algorithm.advantage) == (4, 2, "grpo_no_std")
     assert cfg.reward.kwargs == {"method": "flexible", "format_score": 0.1} and cfg.rollout.max_prompt_tokens == 512
+    assert cfg.run.steps == 130 // 64 * 15  # trainer.total_epochs over verl's drop_last batches of the file
     assert cli(["config", "check", str(out)]) == 0
 
 
