@@ -67,6 +67,7 @@ class Checkpointer:
         previous = job.state.checkpoint
         job.state.checkpoint = f"checkpoints/{tag}"
         job.state.elapsed_s = job.elapsed()
+        job.state.run_steps = job.cfg.run.steps  # the batches this launch generated (an extended run's resume reads it)
         self.svc.bus.check_epoch()
         try:
             ckpt.save_tag_state(run_dir, tag, job.state)

@@ -143,9 +143,15 @@ class ContinuousSchedule:
         self.cfg = job.cfg
         st = job.state
         self.published: set[int] = set()
-        resumed = self.check_generated_before(st.step)
-        self.core_cfg = (decode(takeover.header["config"]) if takeover is not None else
-                         scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step), resumed))
+        if takeover is not None:  # the core's configuration as the segment's coordinator started it
+            self.core_cfg = decode(takeover.header["config"])
+            self.generated = self.core_cfg.generated
+            self.check_generated_before(st.step)
+        else:
+            self.generated = generated_before(job)  # an extended run: the batches from there on were never generated
+            resumed = self.check_generated_before(st.step)
+            self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step), resumed,
+                                             self.generated)
         self.policy = PlannedPolicy(parts.planner.policy, self.cfg.policy.forced_splits, self.cfg.policy.enabled)
         self.core = PipelineScheduler(self.core_cfg, self.policy)
         self.core.policy_state = parts.planner.pstate  # a resume goes on with the checkpoint's policy state
@@ -231,7 +237,9 @@ class ContinuousSchedule:
         groups), what the core starts from (``SchedulerConfig.resumed``)."""
         q, rollout, a = self.p.svc.queue, self.p.rollout, self.p.svc.assembler
         out = []
-        for j in range(k, min(k + self.cfg.pipeline.staleness_bound, self.cfg.run.steps)) if k > 0 else ():
+        last = min(k + self.cfg.pipeline.staleness_bound, self.cfg.run.steps,
+                   self.cfg.run.steps if self.generated is None else self.generated)
+        for j in range(k, last) if k > 0 else ():
             items, _ = rollout.work(j)
             q.publish(j, items)
             self.published.add(j)
@@ -916,3 +924,22 @@ class ContinuousSchedule:
         self.drain = None
         parked, self.parked = self.parked, []
         self.act(parked)
+
+
+def generated_before(job: Job) -> int | None:
+    """A resume past the end of the run that wrote its checkpoint (an extended run): the first batch that run never
+    generated (its ``run.steps``), from the checkpoint's state (``JobState.run_steps``) or, for a state written before
+    that field, from the core's configuration at the start of the last ``schedule.jsonl`` segment. None: a fresh
+    start, or every batch the resume needs was generated before the checkpoint (batches k .. k+s-1)."""
+    from dynaresize.job.takeover import last_segment  # (the module imports this one's names at the top: no cycle)
+
+    st, steps = job.state, job.cfg.run.steps
+    if st.step == 0:
+        return None
+    made = st.run_steps
+    if made is None:
+        seg = last_segment(job.run_dir)
+        made = decode(seg.header["config"]).steps if seg is not None and "config" in seg.header else steps
+    if made >= min(st.step + job.bound, steps):
+        return None
+    return made
