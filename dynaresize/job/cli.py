@@ -97,8 +97,11 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
     except FencedError as e:  # the message says who took the epoch and how (the job's owner record)
-        print(f"dynaresize run: {e}; this coordinator stops without touching the ranks or the Redis of the run",
-              file=sys.stderr)
+        # (no "resume with": the run is not stopped, the other coordinator runs it. A redis-server this process started
+        # is not shut down, but it ends with this process -- its parent-death signal: never an orphan server -- and
+        # the owner's watchdog starts it again from its append-only file, the ranks riding the gap out)
+        print(f"dynaresize run: {e}; that coordinator owns the run now: this one stops without touching its ranks or "
+              f"its Redis (nothing to resume)", file=sys.stderr)
         return 3
     except EpochTaken as e:  # a fresh start found the job's epoch taken: nothing was started
         print(f"dynaresize run: {e}", file=sys.stderr)
