@@ -918,7 +918,7 @@ class ContinuousSchedule:
             self.stopping = True  # the final checkpoint is taken when the ranks shut down
             return
         if p.checkpointer.due(k) and not (self.replaying and self.takeover.replays_checkpoint(k, self.at)):
-            p.checkpointer.checkpoint(self.at)  # (a takeover's replay: one the old coordinator did not write)
+            p.checkpointer.periodic(self.at)  # (a takeover's replay: one the old coordinator did not write)
         if not self.replaying:
             p.journal.write()
         self.drain = None

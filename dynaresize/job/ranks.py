@@ -114,6 +114,7 @@ class Ranks:
             return
         self.stopping = True
         told: list[int] = []  # the ranks sent the shutdown
+        cut = False  # a second stop signal cut the final checkpoint short
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):
                 try:
@@ -121,7 +122,7 @@ class Ranks:
                     if stop is not None and tag is not None:
                         stop.checkpoint = tag
                 except KeyboardInterrupt:
-                    pass
+                    cut = True
                 self.svc.bus.send("shutdown", job.alive(), {})
                 told = job.alive()
             elif not self.tx.writes_refused:  # else it would wait for Redis once more: just stop them
@@ -135,7 +136,7 @@ class Ranks:
         launcher.stop()
         if told and launcher.external:
             self._await_departures(told)
-        abandoned = checkpointer.abandon_in_progress()
+        abandoned = checkpointer.abandon_in_progress(by_signal=cut)
         if stop is not None and abandoned is not None:
             stop.abandoned = abandoned
         if stop is not None:
