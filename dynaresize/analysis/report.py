@@ -37,7 +37,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 STEP_COLS = [("step", "step"), ("duration_s", "step_s"), ("rollout_s", "rollout_s"), ("train_s", "train_s"),
              ("idle_rollout_gpu_s", "idle_ro_gpu_s"), ("idle_train_gpu_s", "idle_tr_gpu_s"), ("bubble", "bubble"),
-             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("switches", "switch"),
+             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("reward", "reward"), ("switches", "switch"),
              ("dlogp_mean", "dlogp_mean"), ("dlogp_max", "dlogp_max"), ("mismatch_k3", "k3")]
 SMALL_COLS = {"dlogp_mean", "dlogp_max", "mismatch_k3"}  # ~1e-7 on CPU: 3 significant digits, not 2 decimals
 
