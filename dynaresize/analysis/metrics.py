@@ -191,6 +191,8 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
     hid = sum(r.hidden_s for r in sw_rows)
     span = v.span_s
     totals = {
+        # validation passes by policy version: {version: {"reward_mean", "pass_at_k", "k"}} (none: no pass ran)
+        "validation": {v: dict(rec) for v, rec in sorted(rd.validation.items())},
         "span_s": _f(span),
         "steps_completed": len(done),
         "samples": samples,

@@ -133,6 +133,8 @@ class RunData:
     roles: list[tuple[float, int, str, int, int]] = field(default_factory=list)
     switches: dict[str, SwitchRec] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)
+    # validation passes (``metric`` events val_reward_mean, val_pass_at_k): policy version -> {name: value, "k": k}
+    validation: dict[int, dict[str, float]] = field(default_factory=dict)
     rank_states: dict[str, int] = field(default_factory=dict)
     stats: ReadStats = field(default_factory=ReadStats)
     warnings: int = 0
@@ -293,6 +295,13 @@ def _ingest(rd: RunData, ev: Event) -> None:
         _switch(rd, ev["switch_id"]).ops.append(
             OpRec(ev["op"], rs, float(ev["start"]), float(ev["end"]), ev["critical"], b if isinstance(b, int) else None)
         )
+    elif et is EventType.METRIC:
+        name, step = ev["name"], ev.get("step")
+        if name.startswith("val_") and isinstance(step, int):
+            rec = rd.validation.setdefault(step, {})
+            rec[name[4:]] = float(ev["value"])
+            if isinstance(ev.get("k"), int):
+                rec["k"] = ev["k"]
     elif et is EventType.STEP_START:
         rd.steps.setdefault(ev["step"], StepRec(ev["step"])).start = t
         rd.t_min = min(rd.t_min, t)
