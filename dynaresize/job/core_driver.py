@@ -61,7 +61,9 @@ from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.reporting import TrainedBatch
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
-from dynaresize.job.takeover import Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, redo_id
+from dynaresize.job.takeover import (
+    Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, last_segment, redo_id,
+)
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.job.workload import batch_workload
@@ -931,8 +933,6 @@ def generated_before(job: Job) -> int | None:
     generated (its ``run.steps``), from the checkpoint's state (``JobState.run_steps``) or, for a state written before
     that field, from the core's configuration at the start of the last ``schedule.jsonl`` segment. None: a fresh
     start, or every batch the resume needs was generated before the checkpoint (batches k .. k+s-1)."""
-    from dynaresize.job.takeover import last_segment  # (the module imports this one's names at the top: no cycle)
-
     st, steps = job.state, job.cfg.run.steps
     if st.step == 0:
         return None

@@ -6,7 +6,8 @@ What it guarantees, whatever the order of the events (``tests/unit/test_schedule
 
 - every group of every batch is generated exactly once (a lost rank's groups are handed out again), and only by a
   rank holding version ``version_of(batch)`` at the moment it is assigned: the static one-step-off run's
-  sample-to-version map, exactly;
+  sample-to-version map, exactly (an extended run's batches past its old end that precede the checkpoint's
+  version's own: the checkpoint's version, ``SchedulerConfig.batch_version``);
 - every batch is trained exactly once and in order: ``Train`` chunks of batch ``k`` only after ``T_{k-1}``'s
   optimizer step, each group in exactly one chunk, ``Step(k)`` once every group of batch ``k`` went through
   forward/backward (the loss is normalised over the whole batch by the trainer, as in the barrier run);
