@@ -131,6 +131,34 @@ def fit_costs(rd: RunData) -> dict:
     }
 
 
+def fit_busy(rd: RunData, stage: str) -> dict:
+    """The same line as the stage fit, over each step's busy seconds (``step_end``'s ``rollout_s``: generation per
+    rollout rank; ``train_s``: the trainers' chunks and optimizer step) instead of the stage's wall span. On the
+    barrier-free schedule a span holds waits as well as work (a streamed batch's training waits for its groups, a
+    rank's generation interleaves two batches), so on a short CPU run the span need not grow with the tokens at all;
+    the busy seconds are the work alone."""
+    xs, ys = [], []
+    for k, st in sorted(rd.steps.items()):
+        sp = rd.stage_spans.get((k, stage))
+        busy = st.rollout_s if stage == "rollout" else st.train_s
+        tokens = st.tokens_generated if stage == "rollout" else st.tokens_trained
+        if sp is not None and sp.ranks > 0 and busy and tokens:
+            xs.append(tokens / sp.ranks)
+            ys.append(busy)
+    return fit_stage(xs, ys)
+
+
+def unfitted(fit: dict) -> str:
+    """Why a stage fit has no throughput, in words."""
+    n = fit.get("n") or 0
+    if n < 3:
+        return f"{n} step(s) with a token count and a time (3 needed)"
+    if fit.get("r2") is None:
+        return f"every one of its {n} steps has the same tokens per rank"
+    return (f"its time does not grow with its tokens per rank over {n} steps (the fitted slope is not positive: "
+            f"overhead and noise hide the per-token cost)")
+
+
 def _run_dir(rd: RunData) -> Path:
     p = Path(rd.path)
     return p.parent if p.name == "events.jsonl" else p

@@ -9,6 +9,10 @@
 - step window k = (end of step k-1, end of step k] (the first step from its own start): windows tile the run,
   so per-step idle GPU-s add up to the run's idle time inside those windows.
 - rollout_s / train_s of a step: wall span of the intervals of that stage labelled with that step.
+- step time (``duration_s``): ``step_end - step_start``; a run on the scheduler core logs no ``step_start`` (its
+  steps overlap: batch k+1 generates while k trains), so there it is the step's window, optimizer step to optimizer
+  step (the end of step k-1 to the end of step k; the first step from the start of the span).
+- reward: ``step_end``'s ``reward_mean`` (the batch's mean reward).
 - switch critical_s: ``switch_end.critical_path_s`` (else the union of its critical ops); hidden_s:
   ``switch_end.hidden_s`` (else the summed duration of its non-critical ops).
 """
@@ -49,6 +53,7 @@ class StepRow:
     dlogp_max: float | None = None  # max |log pi_train - log pi_rollout|
     mismatch_k3: float | None = None  # mean k3 = r - 1 - log r, r = pi_train / pi_rollout
     mismatch_tokens: int | None = None
+    reward: float | None = None  # the batch's mean reward (step_end's reward_mean)
 
 
 @dataclass
@@ -161,7 +166,8 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
             step=s.step,
             start=None if math.isnan(s.start) else _f(s.start),
             end=None if math.isnan(s.end) else _f(s.end),
-            duration_s=_f(s.end - s.start) if not (math.isnan(s.end) or math.isnan(s.start)) else None,
+            duration_s=(_f(s.end - s.start) if not (math.isnan(s.end) or math.isnan(s.start))
+                        else _f(win) if i is not None and win > 0 else None),
             rollout_s=_f(ro.end - ro.start) if ro else None,
             train_s=_f(tr.end - tr.start) if tr else None,
             train_ranks=ntr, rollout_ranks=nro,
@@ -174,6 +180,7 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
             dlogp_mean=s.mismatch.get("mismatch_abs_mean"), dlogp_max=s.mismatch.get("mismatch_abs_max"),
             mismatch_k3=s.mismatch.get("mismatch_k3"),
             mismatch_tokens=int(s.mismatch["mismatch_tokens"]) if "mismatch_tokens" in s.mismatch else None,
+            reward=s.reward_mean,
         ))
 
     samples = sum(s.samples for s in done)
@@ -184,6 +191,8 @@ def analyze(rd: RunData, views: Views | None = None) -> Summary:
     hid = sum(r.hidden_s for r in sw_rows)
     span = v.span_s
     totals = {
+        # validation passes by policy version: {version: {"reward_mean", "pass_at_k", "k"}} (none: no pass ran)
+        "validation": {v: dict(rec) for v, rec in sorted(rd.validation.items())},
         "span_s": _f(span),
         "steps_completed": len(done),
         "samples": samples,

@@ -56,6 +56,8 @@ class StepRec:
     reward_mean: float | None = None
     loss: float | None = None
     mismatch: dict[str, float] = field(default_factory=dict)  # step_end's mismatch_* / tis_* figures
+    rollout_s: float | None = None  # step_end's busy seconds: the batch's generation per rollout rank
+    train_s: float | None = None  # and its training (the slowest trainer of each chunk and the step)
 
 
 @dataclass
@@ -67,7 +69,11 @@ class StageSpan:
     tokens: int = 0
     samples: int = 0
     count: int = 0
-    ranks: int = 0  # ranks summed over the stage's intervals in this step
+    # distinct ranks of the stage's intervals in this step: a rank logs one interval per command, and on the
+    # barrier-free schedule a rank runs several generate (or train_chunk) commands a step, so a sum over intervals
+    # would count it once per command (the fit's ``tokens / ranks`` then came out several times too small)
+    ranks: int = 0
+    rank_sets: set[str] = field(default_factory=set)  # the distinct rank-set strings seen (a handful a step)
 
 
 @dataclass
@@ -127,6 +133,8 @@ class RunData:
     roles: list[tuple[float, int, str, int, int]] = field(default_factory=list)
     switches: dict[str, SwitchRec] = field(default_factory=dict)
     decisions: dict[str, int] = field(default_factory=dict)
+    # validation passes (``metric`` events val_reward_mean, val_pass_at_k): policy version -> {name: value, "k": k}
+    validation: dict[int, dict[str, float]] = field(default_factory=dict)
     rank_states: dict[str, int] = field(default_factory=dict)
     stats: ReadStats = field(default_factory=ReadStats)
     warnings: int = 0
@@ -184,6 +192,21 @@ def _rankset_ok(text: str) -> bool:
 def _max_rank(text: str) -> int:
     last = text.rsplit(",", 1)[-1]
     return max(int(x) for x in last.split("-")) if last else -1
+
+
+def _union_size(rank_sets: set[str]) -> int:
+    """Ranks in the union of rank-set strings (``"0-3,8"``), from their ranges merged (never expanded per rank)."""
+    ranges = []
+    for text in rank_sets:
+        for part in text.split(","):
+            a, sep, b = part.partition("-")
+            ranges.append((int(a), int(b) if sep else int(a)))
+    n, hi = 0, -1
+    for a, b in sorted(ranges):
+        if b > hi:
+            n += b - max(a, hi + 1) + 1
+            hi = b
+    return n
 
 
 def load_run(path: str | Path) -> RunData:
@@ -261,7 +284,9 @@ def _ingest(rd: RunData, ev: Event) -> None:
         span.tokens += int(ev.get("tokens") or 0)
         span.samples += int(ev.get("samples") or 0)
         span.count += 1
-        span.ranks += count_ranks(ev["ranks"])
+        if ev["ranks"] not in span.rank_sets:
+            span.rank_sets.add(ev["ranks"])
+            span.ranks = count_ranks(ev["ranks"]) if len(span.rank_sets) == 1 else _union_size(span.rank_sets)
     elif et is EventType.SWITCH_OP:
         rs = _interval(rd, ev, "op:" + ev["op"], -1, ev["critical"])
         if rs is None:
@@ -270,6 +295,13 @@ def _ingest(rd: RunData, ev: Event) -> None:
         _switch(rd, ev["switch_id"]).ops.append(
             OpRec(ev["op"], rs, float(ev["start"]), float(ev["end"]), ev["critical"], b if isinstance(b, int) else None)
         )
+    elif et is EventType.METRIC:
+        name, step = ev["name"], ev.get("step")
+        if name.startswith("val_") and isinstance(step, int):
+            rec = rd.validation.setdefault(step, {})
+            rec[name[4:]] = float(ev["value"])
+            if isinstance(ev.get("k"), int):
+                rec["k"] = ev["k"]
     elif et is EventType.STEP_START:
         rd.steps.setdefault(ev["step"], StepRec(ev["step"])).start = t
         rd.t_min = min(rd.t_min, t)
@@ -279,8 +311,8 @@ def _ingest(rd: RunData, ev: Event) -> None:
         for k in ("tokens_generated", "tokens_trained"):
             if isinstance(ev.get(k), int):
                 setattr(s, k, ev[k])
-        for k in ("reward_mean", "loss"):
-            if isinstance(ev.get(k), (int, float)):
+        for k in ("reward_mean", "loss", "rollout_s", "train_s"):
+            if isinstance(ev.get(k), (int, float)) and not isinstance(ev.get(k), bool):
                 setattr(s, k, float(ev[k]))
         s.mismatch = {k: float(v) for k, v in ev.data.items() if k.startswith(MISMATCH_KEYS)
                       and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}

@@ -37,7 +37,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 STEP_COLS = [("step", "step"), ("duration_s", "step_s"), ("rollout_s", "rollout_s"), ("train_s", "train_s"),
              ("idle_rollout_gpu_s", "idle_ro_gpu_s"), ("idle_train_gpu_s", "idle_tr_gpu_s"), ("bubble", "bubble"),
-             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("switches", "switch"),
+             ("train_ranks", "T"), ("rollout_ranks", "R"), ("samples", "samples"), ("reward", "reward"), ("switches", "switch"),
              ("dlogp_mean", "dlogp_mean"), ("dlogp_max", "dlogp_max"), ("mismatch_k3", "k3")]
 SMALL_COLS = {"dlogp_mean", "dlogp_max", "mismatch_k3"}  # ~1e-7 on CPU: 3 significant digits, not 2 decimals
 
@@ -75,6 +75,7 @@ def render(s: Summary, max_steps: int = 20) -> str:
          + (f" ({fmt(100 * t['switch_hidden_fraction'], 1)}% hidden)" if t["switch_hidden_fraction"] is not None else "")],
         ["critical switch time / span", fmt(t["switch_critical_fraction_of_span"], 4)],
         *mismatch_rows(t.get("mismatch") or {}),
+        *validation_rows(t.get("validation") or {}),
     ])]
     out += ["", "utilisation per role (busy / available GPU-s while in the role):", table(
         ["role", "gpu_s", "busy_gpu_s", "idle_gpu_s", "utilisation"],
@@ -86,6 +87,17 @@ def render(s: Summary, max_steps: int = 20) -> str:
         sw = s.switches if len(s.switches) <= max_steps else s.switches[:max_steps]
         out += ["", f"switches ({len(s.switches)}):", table([f.name for f in fields(SwitchRow)], [list(asdict(o).values()) for o in sw])]
     return "\n".join(out)
+
+
+def validation_rows(val: dict) -> list[list[str]]:
+    """The validation passes (held-out prompts, never trained on): first and last version's mean reward and pass@k."""
+    if not val:
+        return []
+    v0, v1 = min(val), max(val)
+    k = val[v1].get("k")
+    return [[f"validation mean reward / pass@{k if k is not None else 'k'} (version {v0} -> {v1}, {len(val)} passes)",
+             f"{fmt(val[v0].get('reward_mean'), 3)} -> {fmt(val[v1].get('reward_mean'), 3)} / "
+             f"{fmt(val[v0].get('pass_at_k'), 3)} -> {fmt(val[v1].get('pass_at_k'), 3)}"]]
 
 
 def mismatch_rows(m: dict) -> list[list[str]]:

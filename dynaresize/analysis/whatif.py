@@ -207,16 +207,28 @@ def cpu_decode_physics(cfg: Config, tokens_per_s: float, overhead_s: float) -> C
 def _cpu_replay(run_dir: Path, rd: RunData) -> Replay:
     from dynaresize.sim.cli import merge_sections
 
+    from dynaresize.analysis.fit import fit_busy, unfitted
+
     fit = fit_costs(rd)
-    if fit["rollout"]["tokens_per_s_per_gpu"] is None or fit["train"]["tokens_per_s_per_gpu"] is None:
-        raise ConfigError(f"{run_dir}: the run's stage throughputs cannot be fitted (fewer than 3 steps with token "
-                          "counts, or one rank count and one token count only): nothing to replay")
+    busy_note = []
+    for stage in ("rollout", "train"):  # a stage whose wall spans cannot be fitted: its busy seconds (fit_busy)
+        if fit[stage]["tokens_per_s_per_gpu"] is None:
+            busy = fit_busy(rd, stage)
+            if busy["tokens_per_s_per_gpu"] is None:
+                raise ConfigError(
+                    f"{run_dir}: the run's {stage} throughput cannot be fitted: its stage spans: {unfitted(fit[stage])}; "
+                    f"its busy seconds (step_end {stage}_s): {unfitted(busy)}. Nothing to replay: a run whose "
+                    f"{stage} tokens per rank vary more (more steps, longer responses: rollout.max_tokens, or a resize) "
+                    f"lets it be fitted")
+            busy_note.append(f"{stage} from its busy seconds per step (its wall spans: {unfitted(fit[stage])})")
+            fit[stage] = busy
     sections = to_costs_section(fit)
     cfg = merge_sections(_config(run_dir), f"calibrated fit of {run_dir}", sections)
     notes = [f"costs: dynaresize calibrate's fit of this run (train {fit['train']['tokens_per_s_per_gpu']:.0f} tokens/s "
              f"per rank + {max(fit['train']['overhead_s'], 0):.3f} s/step; rollout {fit['rollout']['tokens_per_s_per_gpu']:.0f} "
              f"tokens/s per rank + {max(fit['rollout']['overhead_s'], 0):.3f} s/stage; switch ops: logged medians; "
-             f"{schedule_label(fit['schedule'])})"]
+             f"{schedule_label(fit['schedule'])}"
+             + (f"; {'; '.join(busy_note)}" if busy_note else "") + ")"]
     steps = len(rd.steps)
     values: dict[str, object] = {}
     try:

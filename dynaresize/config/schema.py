@@ -154,9 +154,11 @@ class FaultsConfig(Section):
         "absorb (a trainer, rank 0, or any rank in a collective); local runs only: under Slurm the job requeues itself",
     )
     disk_full_wait_s: float = Field(
-        60.0, ge=0, description="How long the run's final checkpoint (its final weights) waits for space after it "
-        "failed on a full disk (ENOSPC/EDQUOT), trying again once space came back; past it the run ends 'incomplete' "
-        "(never 'completed'), naming the path, the space left and the resume command. 0: no wait",
+        60.0, ge=0, description="How long a checkpoint waits for space after it failed on a full disk (ENOSPC/EDQUOT), "
+        "trying again once space came back. Past it, the final checkpoint (the final weights) ends the run "
+        "'incomplete' (never 'completed'); a checkpoint at a step boundary (run.checkpoint_every) stops the run "
+        "(exit 1) instead of training on with no checkpoint it can write; both name the path, the space left and the "
+        "resume command. 0: no wait",
     )
 
 

@@ -209,7 +209,9 @@ class RedisRefusesWrites(redis.RedisError):
     def __init__(self, cause: str, waited_s: float, detail: str):
         detail = _SCRIPT_NOISE.sub("", detail).strip()  # Redis's own answer, without a control-plane script's hash and line
         self.cause, self.waited_s, self.detail = cause, waited_s, detail
-        super().__init__(f"Redis refused writes for {waited_s:.0f} s: {cause}; last answer: {detail[:200]}")
+        # the message is the classified cause only: Redis's own answer differs between versions (6.2 wraps a refusal
+        # inside a script in the script's text, 7 does not; redis-py strips "OOM" from one and not the other)
+        super().__init__(f"Redis refused writes for {waited_s:.0f} s: {cause}")
 
 
 def refusal_cause(err: BaseException) -> str | None:
@@ -234,7 +236,7 @@ def refusal_in_text(text: str) -> str | None:
 
 
 _SCRIPT_NOISE = re.compile(
-    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script:\d+: |,? ?script: (?:f_)?[0-9a-f]+, on @user_script:\d+\.?")
+    r"Error running script \(call to f_[0-9a-f]+\): |@?user_script: ?\d+: |,? ?script: (?:f_)?[0-9a-f]+, on @user_script: ?\d+\.?")
 
 
 def redis_error_text(err: BaseException | str) -> str:
@@ -242,7 +244,7 @@ def redis_error_text(err: BaseException | str) -> str:
     loses the script's hash and line (``Error running script (call to f_a26a...): @user_script:25: ...``), which
     say nothing to a user, and says that a Redis script failed."""
     text = str(err)
-    cause = refusal_in_text(text)
+    cause = (refusal_cause(err) if isinstance(err, BaseException) else None) or refusal_in_text(text)
     if cause is not None:
         return f"Redis refused a write: {cause}"
     cleaned = _SCRIPT_NOISE.sub("", text).strip()

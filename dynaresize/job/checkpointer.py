@@ -43,7 +43,30 @@ class Checkpointer:
         there and intact; otherwise the ranks stage again into a new directory (a new command id: applied, not
         answered from the stored ack). A staging failure on a rank (a full disk: its ack carries the StagingError)
         or a failed state write is not fatal: a ``checkpoint_failed`` event, the partial tag removed, the previous
-        checkpoint stays the resume point, the run goes on. A lost rank (dead, silent) is handled as before."""
+        checkpoint stays the resume point, the run goes on. A lost rank (dead, silent) is handled as before.
+        Whatever ends an attempt, its claim ends with it (:attr:`in_progress` only names a checkpoint a second stop
+        signal is cutting short): a failed attempt's directory is removed, one cut by an error is left incomplete
+        (a resume sets it aside)."""
+        before = self.in_progress
+        try:
+            tag = self._checkpoint(at)
+        except KeyboardInterrupt:
+            raise  # a second stop signal in the middle of it: the shutdown abandons it (abandon_in_progress)
+        except BaseException:
+            if self.in_progress != before:
+                self.in_progress = None
+            raise
+        if tag is None and self.in_progress not in (None, before):
+            stale, self.in_progress = self.in_progress, None
+            log.warning("checkpoint %s: its attempt ended without being written (%s); removed", stale,
+                        self.last_failure or "no reason recorded")
+            try:
+                ckpt.discard(self.job.run_dir, stale)
+            except OSError as e:
+                log.warning("could not remove the failed checkpoint %s: %s", stale, e)
+        return tag
+
+    def _checkpoint(self, at: Phase) -> str | None:
         job, run_dir = self.job, self.job.run_dir
         step = job.state.step
         self.last_failure, self.disk_full = None, False
@@ -67,6 +90,7 @@ class Checkpointer:
         previous = job.state.checkpoint
         job.state.checkpoint = f"checkpoints/{tag}"
         job.state.elapsed_s = job.elapsed()
+        job.state.run_steps = job.cfg.run.steps  # the batches this launch generated (an extended run's resume reads it)
         self.svc.bus.check_epoch()
         try:
             ckpt.save_tag_state(run_dir, tag, job.state)
@@ -90,15 +114,38 @@ class Checkpointer:
 
     def final(self, at: Phase) -> str | None:
         """The run's last checkpoint, which holds its final weights. One that failed on a full disk is waited out:
-        once space comes back on ``checkpoints/`` it is taken again, for up to ``faults.disk_full_wait_s``."""
+        once space comes back on ``checkpoints/`` it is taken again, for up to ``faults.disk_full_wait_s``; past it
+        the run ends ``incomplete`` (:meth:`unsaved`)."""
+        return self._waited_out(at, "the final checkpoint")
+
+    def periodic(self, at: Phase) -> str | None:
+        """A checkpoint at a step boundary (``run.checkpoint_every``; the ranks are drained there). One that failed
+        on a full disk is waited out like the final one; a disk still full past ``faults.disk_full_wait_s`` stops
+        the run (JobError: the reason, where it stopped, what a resume trains again): training on with no checkpoint
+        writable only adds steps a crash would lose, while the disk fills further. Any other failure (row 6 of
+        docs/FAULTS.md: an I/O error on one rank) leaves the previous checkpoint the resume point and the run goes on."""
+        from dynaresize.job.errors import where_stopped
+
+        step = self.job.state.step
+        tag = self._waited_out(at, f"the checkpoint of step {step}")
+        if tag is None and self.disk_full:
+            st, wait_s = self.job.state, self.job.cfg.faults.disk_full_wait_s
+            waited = f"no space came back within faults.disk_full_wait_s ({wait_s:g} s)" if wait_s else \
+                "faults.disk_full_wait_s is 0"
+            raise JobError(f"the checkpoint of step {step} failed on a full disk and {waited}: {self.last_failure}; the "
+                           f"run stops instead of training on with no checkpoint it can write; "
+                           f"{where_stopped(st.step, st.checkpoint)}; free space first")
+        return tag
+
+    def _waited_out(self, at: Phase, what: str) -> str | None:
         tag = self.checkpoint(at)
         wait_s = self.job.cfg.faults.disk_full_wait_s
         deadline = time.monotonic() + wait_s
         while tag is None and self.disk_full and time.monotonic() < deadline:
             where = self.job.run_dir / "checkpoints"
             watch = SpaceWatch(where)
-            log.warning("the final checkpoint failed on a full disk (%s): waiting up to %.0f s for space "
-                        "(faults.disk_full_wait_s), then it is taken again", describe(where), wait_s)
+            log.warning("%s failed on a full disk (%s): waiting up to %.0f s for space (faults.disk_full_wait_s), "
+                        "then it is taken again", what, describe(where), wait_s)
             while not watch.back() and time.monotonic() < deadline:
                 time.sleep(0.5)
             if not watch.back():
@@ -185,15 +232,17 @@ class Checkpointer:
         except OSError as e:
             log.warning("could not remove the failed checkpoint %s: %s", tag, e)
 
-    def abandon_in_progress(self) -> str | None:
-        """A checkpoint cut short by a second signal: logged, and its reason returned (None: none was in
-        progress); its directory (claimed by this coordinator, so no one else writes it) is removed once local
-        ranks have exited; ranks started by srun may still write it, so it stays (incomplete: never resumed from;
-        retain removes it later)."""
+    def abandon_in_progress(self, by_signal: bool = False) -> str | None:
+        """A checkpoint left in progress at the end (``by_signal``: a second stop signal cut it short; else the
+        attempt ended some other way, its reason in :attr:`last_failure`): logged, and its reason returned (None:
+        none was in progress); its directory (claimed by this coordinator, so no one else writes it) is removed once
+        local ranks have exited; ranks started by srun may still write it, so it stays (incomplete: never resumed
+        from; retain removes it later)."""
         tag, self.in_progress = self.in_progress, None
         if tag is None:
             return None
-        reason = f"checkpoint {tag} abandoned (a second stop signal cut it short); resume point stays {self.job.state.checkpoint or 'none'}"
+        why = "a second stop signal cut it short" if by_signal else f"not completed: {self.last_failure or 'its attempt ended early'}"
+        reason = f"checkpoint {tag} abandoned ({why}); resume point stays {self.job.state.checkpoint or 'none'}"
         log.warning("%s", reason)
         self.job.events.emit("control", what="checkpoint_abandoned", reason=reason)
         if not self.svc.launcher.external:

@@ -7,6 +7,7 @@ directory with the resolved config, the event log, checkpoints and ``summary.jso
     dynaresize run configs/quickstart.yaml                 # dynamic resizing, 4 CPU ranks
     dynaresize run configs/quickstart-static.yaml          # the same job with the split held static
     dynaresize run --resume runs/quickstart-20261130-...   # continue a stopped run (same step counter)
+    dynaresize run --resume runs/quickstart-... run.steps=40  # extend a completed run to 40 steps
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
             print(f"dynaresize run: --resume: {e}", file=sys.stderr)
             return 2
         cfg = load_config(run_dir / "config.yaml", args.overrides)
+        from dynaresize.job.ranks import leftover_ranks
+        from dynaresize.job.resume_plan import ResumeRefused, plan_resume
+
+        try:  # before anything is written into the run: a refused resume leaves it as it was
+            plan = plan_resume(run_dir, load_config(run_dir / "config.yaml"), cfg, leftover_ranks(run_dir))
+        except ResumeRefused as e:
+            print(f"dynaresize run: --resume {run_dir}: refused: {e}", file=sys.stderr)
+            return 2
+        if plan.extends:
+            print(f"extending {run_dir}: from its final checkpoint (step {plan.step}) to step {plan.steps}")
     else:
         if not args.config:
             print("dynaresize run: CONFIG is required (e.g. configs/quickstart.yaml), or --resume RUN_DIR", file=sys.stderr)
@@ -86,8 +97,11 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
         print(f"run dir  {run_dir} (resume with: dynaresize run --resume {run_dir})", file=sys.stderr)
         return 1
     except FencedError as e:  # the message says who took the epoch and how (the job's owner record)
-        print(f"dynaresize run: {e}; this coordinator stops without touching the ranks or the Redis of the run",
-              file=sys.stderr)
+        # (no "resume with": the run is not stopped, the other coordinator runs it. A redis-server this process started
+        # is not shut down, but it ends with this process -- its parent-death signal: never an orphan server -- and
+        # the owner's watchdog starts it again from its append-only file, the ranks riding the gap out)
+        print(f"dynaresize run: {e}; that coordinator owns the run now: this one stops without touching its ranks or "
+              f"its Redis (nothing to resume)", file=sys.stderr)
         return 3
     except EpochTaken as e:  # a fresh start found the job's epoch taken: nothing was started
         print(f"dynaresize run: {e}", file=sys.stderr)

@@ -141,6 +141,7 @@ class Coordinator:
                 except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
                     fenced = True
                     srv.detach()
+                    p.ranks.stop_superseded()  # only this one's own processes of a launch the job left behind
                     raise
                 except BaseException as e:  # a rank died or a command failed: the last checkpoint stays the resume point
                     checkpoint = False

@@ -61,7 +61,9 @@ from dynaresize.job.rollout import BuiltBatch, batch_key
 from dynaresize.job.reporting import TrainedBatch
 from dynaresize.job.runtime import Job, StepTimes
 from dynaresize.job.state import policy_from_dict, policy_to_dict
-from dynaresize.job.takeover import Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, redo_id
+from dynaresize.job.takeover import (
+    Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover, fence_aborted, last_segment, redo_id,
+)
 from dynaresize.job.switching import Started
 from dynaresize.job.transport import InFlight, Phase
 from dynaresize.job.workload import batch_workload
@@ -143,9 +145,15 @@ class ContinuousSchedule:
         self.cfg = job.cfg
         st = job.state
         self.published: set[int] = set()
-        resumed = self.check_generated_before(st.step)
-        self.core_cfg = (decode(takeover.header["config"]) if takeover is not None else
-                         scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step), resumed))
+        if takeover is not None:  # the core's configuration as the segment's coordinator started it
+            self.core_cfg = decode(takeover.header["config"])
+            self.generated = self.core_cfg.generated
+            self.check_generated_before(st.step)
+        else:
+            self.generated = generated_before(job)  # an extended run: the batches from there on were never generated
+            resumed = self.check_generated_before(st.step)
+            self.core_cfg = scheduler_config(self.cfg, st.n_train, st.step, parts.validation.passes(st.step), resumed,
+                                             self.generated)
         self.policy = PlannedPolicy(parts.planner.policy, self.cfg.policy.forced_splits, self.cfg.policy.enabled)
         self.core = PipelineScheduler(self.core_cfg, self.policy)
         self.core.policy_state = parts.planner.pstate  # a resume goes on with the checkpoint's policy state
@@ -231,7 +239,9 @@ class ContinuousSchedule:
         groups), what the core starts from (``SchedulerConfig.resumed``)."""
         q, rollout, a = self.p.svc.queue, self.p.rollout, self.p.svc.assembler
         out = []
-        for j in range(k, min(k + self.cfg.pipeline.staleness_bound, self.cfg.run.steps)) if k > 0 else ():
+        last = min(k + self.cfg.pipeline.staleness_bound, self.cfg.run.steps,
+                   self.cfg.run.steps if self.generated is None else self.generated)
+        for j in range(k, last) if k > 0 else ():
             items, _ = rollout.work(j)
             q.publish(j, items)
             self.published.add(j)
@@ -915,9 +925,26 @@ class ContinuousSchedule:
             self.stopping = True  # the final checkpoint is taken when the ranks shut down
             return
         if p.checkpointer.due(k) and not (self.replaying and self.takeover.replays_checkpoint(k, self.at)):
-            p.checkpointer.checkpoint(self.at)  # (a takeover's replay: one the old coordinator did not write)
+            p.checkpointer.periodic(self.at)  # (a takeover's replay: one the old coordinator did not write)
         if not self.replaying:
             p.journal.write()
         self.drain = None
         parked, self.parked = self.parked, []
         self.act(parked)
+
+
+def generated_before(job: Job) -> int | None:
+    """A resume past the end of the run that wrote its checkpoint (an extended run): the first batch that run never
+    generated (its ``run.steps``), from the checkpoint's state (``JobState.run_steps``) or, for a state written before
+    that field, from the core's configuration at the start of the last ``schedule.jsonl`` segment. None: a fresh
+    start, or every batch the resume needs was generated before the checkpoint (batches k .. k+s-1)."""
+    st, steps = job.state, job.cfg.run.steps
+    if st.step == 0:
+        return None
+    made = st.run_steps
+    if made is None:
+        seg = last_segment(job.run_dir)
+        made = decode(seg.header["config"]).steps if seg is not None and "config" in seg.header else steps
+    if made >= min(st.step + job.bound, steps):
+        return None
+    return made

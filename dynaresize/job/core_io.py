@@ -23,14 +23,14 @@ from dynaresize.schedule.codec import encode
 
 
 def scheduler_config(cfg: Config, n_train: int, resume_step: int, validations: tuple[tuple[int, int], ...] = (),
-                     resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()) -> SchedulerConfig:
+                     resumed: tuple[tuple[int, tuple[int, ...]], ...] = (), generated: int | None = None) -> SchedulerConfig:
     """The core's configuration for this run (what ``schedule.jsonl`` records, and a replay rebuilds)."""
     pl = cfg.pipeline
     return SchedulerConfig(
         n_ranks=cfg.cluster.gpus, n_train=n_train, groups=(cfg.rollout.prompts_per_step,) * cfg.run.steps,
         staleness=pl.staleness_bound, mechanisms=mechanisms(cfg),
         stream_min_groups=pl.stream_min_groups, train_queue=pl.train_queue, collective_switch=True, resume_step=resume_step, validations=validations,
-        sampling=sampling(cfg), resumed=resumed,
+        sampling=sampling(cfg), resumed=resumed, generated=generated,
     )
 
 

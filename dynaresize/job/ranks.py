@@ -39,6 +39,9 @@ class Ranks:
         from dynaresize.job.launcher import LocalLauncher
 
         job, svc, world = self.job, self.svc, self.job.world
+        # a coordinator another one took the run over from while it started (a second --resume): it writes no
+        # launch, puts back no claim of the other's (FencedError: it says who owns the run)
+        svc.bus.check_epoch()
         # a new launch: every rank slot is usable again, and processes of an earlier launch are refused
         svc.registry.begin_launch(job.state.incarnation, world)
         if job.state.lost:  # new processes in every slot (a restart, a resume, a requeue): nobody is lost any more
@@ -77,9 +80,29 @@ class Ranks:
         launcher = self.svc.launcher
         dead = launcher.dead() if hasattr(launcher, "dead") else {}
         if dead:
+            # its ranks were refused because another coordinator took the run over and began a newer launch (a
+            # second --resume while this one started): that one owns the run; this one is fenced (FencedError), it
+            # neither reports a failure of the run nor touches its Redis
+            self.svc.bus.check_epoch()
             r, code = next(iter(dead.items()))
             tail = launcher.log_tail(r) if hasattr(launcher, "log_tail") else ""
             raise JobError(f"rank {r} exited with code {code}; last lines of its log:\n{tail}")
+
+    def stop_superseded(self) -> None:
+        """A fenced coordinator's own rank processes of a launch the job has left behind (another coordinator began a
+        newer one): they can never serve the run, so they are stopped. Ranks it took over, or that a newer
+        coordinator took over from it (the same launch), are left alone."""
+        from dynaresize.job.launcher import LocalLauncher
+
+        launcher, job = self.svc.launcher, self.job
+        if not isinstance(launcher, LocalLauncher):  # started by srun, or ranks this coordinator took over
+            return
+        try:
+            superseded = self.svc.registry.launch() > job.state.incarnation
+        except redis.RedisError:
+            return
+        if superseded:
+            launcher.stop(grace_s=0.0)
 
     def shut_down(self, at: Phase, checkpoint: bool, checkpointer: Checkpointer, stop: OperatorStop | None) -> None:
         """The end of a run: the final checkpoint (``checkpoint``, when no rank of the launch is dead), then
@@ -91,6 +114,7 @@ class Ranks:
             return
         self.stopping = True
         told: list[int] = []  # the ranks sent the shutdown
+        cut = False  # a second stop signal cut the final checkpoint short
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):
                 try:
@@ -98,7 +122,7 @@ class Ranks:
                     if stop is not None and tag is not None:
                         stop.checkpoint = tag
                 except KeyboardInterrupt:
-                    pass
+                    cut = True
                 self.svc.bus.send("shutdown", job.alive(), {})
                 told = job.alive()
             elif not self.tx.writes_refused:  # else it would wait for Redis once more: just stop them
@@ -112,7 +136,7 @@ class Ranks:
         launcher.stop()
         if told and launcher.external:
             self._await_departures(told)
-        abandoned = checkpointer.abandon_in_progress()
+        abandoned = checkpointer.abandon_in_progress(by_signal=cut)
         if stop is not None and abandoned is not None:
             stop.abandoned = abandoned
         if stop is not None:

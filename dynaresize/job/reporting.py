@@ -128,7 +128,7 @@ def summary(job: Job, status: str, stop: OperatorStop | None, incomplete: str | 
         "reward_last3": _mean([rewards[str(s)] for s in steps_done[-3:]]),
         "switches": st.switches,
         "switch_critical_path_s": round(sum(s["critical_path_s"] or 0.0 for s in st.switches), 4),
-        "final_split": f"{st.n_train}:{job.world - st.n_train}",
+        "final_split": final_split(job),
         **validation_summary(st.validation),
         "policy": "dynamic" if job.cfg.policy.enabled else "static",
         "rollout_engine": job.cfg.rollout.engine,
@@ -149,6 +149,13 @@ def summary(job: Job, status: str, stop: OperatorStop | None, incomplete: str | 
         out["summary_not_written"] = f"{run_dir / 'summary.json'}: {os_error_text(e)}"
         log.warning("%s", out["summary_not_written"])
     return out
+
+
+def final_split(job: Job) -> str:
+    """``trainers:rollout ranks`` at the end, over the live ranks: a rank fenced off (a shrink) is in neither."""
+    lost = set(job.state.lost)
+    trainers = sum(1 for r in range(job.state.n_train) if r not in lost)
+    return f"{trainers}:{len(job.rollouts())}"
 
 
 def validation_summary(val: dict[str, dict]) -> dict[str, Any]:

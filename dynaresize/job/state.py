@@ -35,6 +35,9 @@ class JobState:
     incarnation: int = 0  # how many times the run was started (1 on the first start)
     lost: list[int] = field(default_factory=list)  # ranks declared lost and fenced off (the job runs without them)
     validation: dict[str, dict[str, Any]] = field(default_factory=dict)  # policy version -> validation pass record
+    # run.steps of the launch that wrote this state: batches from it on were never generated (an extended run, whose
+    # run.steps is larger, generates them after the checkpoint); None in a state written before this field
+    run_steps: int | None = None
 
     def to_json(self) -> str:
         return json.dumps({"state_version": STATE_VERSION, **asdict(self)}, indent=1, sort_keys=True)

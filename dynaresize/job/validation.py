@@ -61,6 +61,10 @@ class Validation:
         job.state.validation[str(version)] = rec
         for name in ("reward_mean", "pass_at_k"):
             job.events.emit("metric", name=f"val_{name}", value=rec[name], step=version, k=ds.val_samples)
+        if self.svc.metrics is not None:  # metrics.jsonl, TensorBoard, W&B (dynaresize.metrics: log_validation)
+            self.svc.metrics.log_validation(version, {"val/reward_mean": rec["reward_mean"],
+                                                      "val/pass_at_k": rec["pass_at_k"],
+                                                      "val/reward_errors": rec["reward_errors"]})
         with open(job.run_dir / "validation.jsonl", "a") as f:
             f.write(json.dumps(rec, separators=(",", ":")) + "\n")
         vq.clear(version)

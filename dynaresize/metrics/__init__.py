@@ -6,6 +6,13 @@ The coordinator calls ``log(step, {name: value})`` once per RL step and ``close(
 ...; ``step_metrics`` builds them).
 
 - JSONL (always): ``<run_dir>/metrics.jsonl``, one ``{"step": k, "metrics": {...}}`` per step.
+
+A validation pass (a dataset task with ``val_files``) is logged with ``log_validation(version, {...})``: names
+``val/reward_mean``, ``val/pass_at_k``, ``val/reward_errors``, against the policy version it scored (the optimizer
+steps taken before it), which is not the training step being logged when it ends. JSONL: a line
+``{"step": version, "validation": true, "metrics": {...}}``; TensorBoard: the scalars at step ``version``; W&B:
+the scalars with ``val/version`` as their x-axis (``define_metric``), logged at the current training step (W&B
+drops a step older than one it has).
 - TensorBoard (``metrics.tensorboard: true``): event files under ``<run_dir>/tensorboard/``, written with
   ``torch.utils.tensorboard`` (needs the ``tensorboard`` package: ``pip install 'dynaresize[metrics]'``), or
   ``tensorboardX`` when only that is installed. ``tensorboard --logdir RUN_DIR/tensorboard`` shows them.
@@ -34,6 +41,8 @@ class MissingLoggerError(RuntimeError):
 class MetricsLogger(Protocol):
     def log(self, step: int, metrics: dict[str, float]) -> None: ...
 
+    def log_validation(self, version: int, metrics: dict[str, float]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -54,6 +63,11 @@ class JsonlLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._f.write(json.dumps({"step": int(step), "metrics": _finite(metrics)}, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def log_validation(self, version: int, metrics: dict[str, float]) -> None:
+        line = {"step": int(version), "validation": True, "metrics": _finite(metrics)}
+        self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._f.flush()
 
     def close(self) -> None:
@@ -88,6 +102,9 @@ class TensorBoardLogger:
             self._w.add_scalar(name, value, int(step))
         self._w.flush()
 
+    def log_validation(self, version: int, metrics: dict[str, float]) -> None:
+        self.log(version, metrics)
+
     def close(self) -> None:
         self._w.close()
 
@@ -106,9 +123,16 @@ class WandbLogger:
         run_dir = Path(run_dir)
         self._run = wandb.init(mode="offline", dir=str(run_dir), project=cfg.project, name=cfg.name or run_dir.name,
                                tags=list(cfg.tags) or None, config=config, reinit=True)
+        self._run.define_metric("val/version")
+        self._run.define_metric("val/*", step_metric="val/version")
+        self._step = 0  # the newest training step logged: W&B refuses an older one
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        self._step = max(self._step, int(step))
         self._run.log(_finite(metrics), step=int(step))
+
+    def log_validation(self, version: int, metrics: dict[str, float]) -> None:
+        self._run.log({**_finite(metrics), "val/version": int(version)}, step=self._step)
 
     def close(self) -> None:
         import wandb
@@ -129,6 +153,15 @@ class Loggers:
         for b in list(self.backends):
             try:
                 b.log(step, metrics)
+            except Exception as e:  # noqa: BLE001 - a logger's failure must not stop training
+                self._warn(f"metrics logger {type(b).__name__} failed ({e}); it is switched off for this run")
+                self.backends.remove(b)
+
+    def log_validation(self, version: int, metrics: dict[str, float]) -> None:
+        """A validation pass's scalars (``val/...``) against the policy version it scored."""
+        for b in list(self.backends):
+            try:
+                b.log_validation(version, metrics)
             except Exception as e:  # noqa: BLE001 - a logger's failure must not stop training
                 self._warn(f"metrics logger {type(b).__name__} failed ({e}); it is switched off for this run")
                 self.backends.remove(b)

@@ -88,6 +88,11 @@ class SchedulerConfig:
     # With ``sampling``, a resume's batches generated before the checkpoint (``resume_step`` ..): for each, the prompts
     # generated (every round) and the groups its training selected (the driver replays the selection from the samples).
     resumed: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    # A resume past the end of the run that wrote the checkpoint (an extended run: ``run.steps`` raised after it
+    # completed): batches from ``generated`` on were never generated. Each of them is generated now with the oldest
+    # version there is, the checkpoint's (``max(version_of(j), resume_step)``), not with ``version_of(j)``: the
+    # versions before the checkpoint are gone. None: every batch resume_step .. resume_step+s-1 was generated.
+    generated: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_train < self.n_ranks:
@@ -100,6 +105,8 @@ class SchedulerConfig:
             raise ValueError("a rollout rank needs at least one weight buffer")
         if not 0 <= self.resume_step <= len(self.groups):
             raise ValueError(f"resume step {self.resume_step} outside the run's {len(self.groups)} steps")
+        if self.generated is not None and not 0 <= self.generated <= len(self.groups):
+            raise ValueError(f"batches generated before the checkpoint: {self.generated} outside the run's {len(self.groups)} steps")
         for v, n in self.validations:
             if not self.resume_step <= v <= len(self.groups) or n < 1:
                 raise ValueError(f"validation of version {v} with {n} groups: versions {self.resume_step}.."
@@ -108,6 +115,18 @@ class SchedulerConfig:
     @property
     def steps(self) -> int:
         return len(self.groups)
+
+    @property
+    def generated_before(self) -> int:
+        """Batches below this one were generated before the checkpoint (0 on a fresh start)."""
+        k = self.resume_step
+        return 0 if k == 0 else max(k, min(k + self.staleness, self.steps, self.steps if self.generated is None else self.generated))
+
+    def batch_version(self, batch: int) -> int:
+        """The version ``batch`` is generated with: ``version_of(batch)``, except an extended run's batches that were
+        not generated before its checkpoint, which get the checkpoint's version at the oldest (``generated``)."""
+        v = version_of(batch, self.staleness)
+        return v if self.resume_step == 0 or batch < self.generated_before else max(v, self.resume_step)
 
 
 # --- events (driver -> core) ---------------------------------------------------------------------------------------

@@ -280,6 +280,10 @@ def test_validation_on_the_barrier_free_schedule_measures_what_the_barrier_run_d
     assert [v["version"] for v in val_f] == [v["version"] for v in val_s] == [0, 2, 4, 6]
     for f, s in zip(val_f, val_s):
         assert (f["prompts"], f["k"], f["reward_mean"], f["pass_at_k"]) == (s["prompts"], s["k"], s["reward_mean"], s["pass_at_k"])
+    # the passes reach the metric loggers too (metrics.jsonl: a line marked validation, against its version)
+    logged = [l for l in jsonl(f_dir / "metrics.jsonl") if l.get("validation")]
+    assert [(l["step"], l["metrics"]["val/reward_mean"], l["metrics"]["val/pass_at_k"]) for l in logged] == [
+        (v["version"], v["reward_mean"], v["pass_at_k"]) for v in val_f]
     b_f, b_s = jsonl(f_dir / "batches.jsonl"), jsonl(s_dir / "batches.jsonl")
     n_train = [b["n_train"] for b in b_f]
     assert 1 in n_train and 3 in n_train, n_train  # resized both ways

@@ -186,6 +186,38 @@ def test_a_final_checkpoint_on_a_full_disk_waits_for_space_and_the_run_completes
     assert_every_step_once(run_dir)
 
 
+def test_a_checkpoint_on_a_full_disk_mid_run_is_waited_out_then_stops_the_run(tmp_path, tmpfs, no_strays, model_cache):
+    """A checkpoint at a step boundary fails on the full disk (step 4 of 8; step 2's fits): it is waited out for
+    faults.disk_full_wait_s, then the run stops there with one message saying why, where it stopped and what a
+    resume trains again -- instead of training on for steps no checkpoint could hold (before: 26 more steps, then
+    "checkpoint step-28 abandoned (a second stop signal cut it short)" with no signal sent). Space freed, the
+    resume goes on from step 2 to the end."""
+    run_dir = tmp_path / "run"
+    ck = tmpfs(run_dir / "checkpoints", 20 << 20)
+    driver = DRIVER.replace("s = Coordinator(", "from dynaresize.job.errors import JobError\ntry:\n    s = Coordinator(") \
+        .replace(".run()\n", ".run()\nexcept JobError as e:\n    print(f'dynaresize run: {e}'); sys.exit(1)\n", 1)
+    argv = [sys.executable, "-c", driver, str(run_dir), *BASE, f"model.cache_dir={model_cache}", "run.steps=8",
+            "faults.disk_full_wait_s=2"]
+    out = _run(argv, no_strays, expect=1)
+    assert "waiting up to 2 s for space (faults.disk_full_wait_s)" in out, out[-4000:]
+    errors = [l for l in out.splitlines() if l.startswith("dynaresize run:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-4000:]
+    assert errors[0].startswith("dynaresize run: the checkpoint of step 4 failed on a full disk and no space came "
+                                "back within faults.disk_full_wait_s (2 s): step-4: rank "), errors[0]
+    assert "ENOSPC" in errors[0] and "free on its filesystem" in errors[0], errors[0]
+    assert errors[0].endswith("the run stopped before step 4; the last checkpoint is checkpoints/step-2 (step 2): a "
+                              "resume starts there and trains 2 step(s) again (steps 2..3); free space first"), errors[0]
+    assert "abandoned" not in out and "signal" not in out, out[-4000:]
+    assert [b["step"] for b in batches(run_dir)] == [0, 1, 2, 3]  # no step trained past the failed checkpoint
+    assert not controls(run_dir, "checkpoint_abandoned") and state(run_dir)["checkpoint"] == "checkpoints/step-2"
+    ends = [json.loads(l) for l in (run_dir / "events.jsonl").read_text().splitlines() if '"run_end"' in l]
+    assert [e["status"] for e in ends] == ["failed"]
+
+    subprocess.run(["mount", "-o", "remount,size=64m", str(ck)], check=True)  # the operator frees space
+    resume(run_dir, no_strays)
+    assert_every_step_once(run_dir, 8)
+
+
 def _flip_byte(path: Path, offset: int) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)

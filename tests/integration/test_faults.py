@@ -147,6 +147,8 @@ def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_c
     assert "possible trainer counts [1, 2]" in shrinks[0]["reason"] and "possible trainer counts [1]" in shrinks[1]["reason"]
     state = json.loads((rd / "checkpoints" / "coordinator.json").read_text())
     assert state["lost"] == [2, 3] and state["n_train"] == 1
+    summary = json.loads((rd / "summary.json").read_text())  # the split over the live ranks (before: "1:3")
+    assert summary["final_split"] == "1:1" and "split now 1:1 " in out, out[-2000:]
     log2 = (rd / "logs" / "rank2.log").read_text(errors="replace")
     assert "superseded" in log2 or "declared lost" in log2, log2[-3000:]
     assert stopped_at < steps, "rank 2 was stopped before the run ended"

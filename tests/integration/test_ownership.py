@@ -4,6 +4,8 @@
   same second), on ONE external redis-server: each has its own job id, so its own keys, ranks and epochs; both
   complete and train exactly what a job alone trains (same seed: the same samples, rewards and losses as each
   other). Before, both got the same job id, the first was fenced and the second trained on the first's ranks.
+- A second ``--resume`` while the first coordinator is still starting its ranks: the first says who owns the run
+  (exit 3), never "resume with", and leaves the run's Redis alone.
 - A second coordinator (``--resume``) that restarts the ranks, on both schedules: the first hangs (SIGSTOP), the
   second takes the run over (its ranks restart from the checkpoint), the first comes back and finds its ranks
   gone: it restarts nothing, takes no epoch, says who took over, exits 3; the second completes with every step
@@ -125,3 +127,43 @@ def test_a_second_coordinator_that_restarts_the_ranks_fences_the_first_for_good(
     assert not controls(rd, "rank_lost") and not controls(rd, "shrink"), "nor fenced a rank of the second one's"
     ends = [e for e in events(rd) if e.get("type") == "run_end"]
     assert len(ends) == 1 and ends[0]["status"] == "completed"
+
+
+def test_a_second_resume_while_the_first_coordinator_starts_leaves_the_run_to_the_second(tmp_path, model_cache):
+    """The first coordinator hangs (SIGSTOP) while its ranks start; a second ``--resume`` takes the run over and
+    starts a newer launch, so the first one's ranks are refused ("it belongs to launch 1") and exit. The first, once
+    it goes on, must say that another coordinator owns the run (exit 3) -- not that a rank failed, not "resume
+    with" -- and neither shut the run's Redis down nor send anything to its ranks."""
+    steps = 3
+    a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", wait=False)
+
+    def starting():
+        dirs = [d for d in tmp_path.iterdir() if d.is_dir()] if tmp_path.exists() else []
+        return dirs[0] if dirs and (dirs[0] / "launch.json").exists() else None
+
+    rd = wait_for(starting, "the first coordinator to start its ranks", a, timeout=600)
+    os.kill(a.pid, signal.SIGSTOP)
+    try:
+        assert not (rd / "ranks.json").exists(), "the ranks were up before the first coordinator hung"
+        b = run(tmp_path, model_cache, resume=rd, wait=False)
+
+        def refused_all() -> bool:  # every rank process of launch 1 was refused (the second began launch 2) and left
+            logs = [rd / "logs" / f"rank{r}.log" for r in range(4)]
+            return all(f.exists() and "dynaresize worker:" in f.read_text(errors="replace") for f in logs)
+
+        wait_for(refused_all, "the first coordinator's ranks to be refused", b, timeout=600)
+        # the first goes on now, typically before the second one's ranks are up: it finds its own ranks dead
+    finally:
+        os.kill(a.pid, signal.SIGCONT)
+    out_a, _ = a.communicate(timeout=300)
+    assert a.returncode == 3, out_a[-3000:]
+    assert "took this run over with `dynaresize run --resume`" in out_a, out_a[-3000:]
+    assert "that coordinator owns the run now" in out_a and "could not shut the ranks down" not in out_a, out_a[-3000:]
+    assert "resume with" not in out_a and "exited with code" not in out_a and "Traceback" not in out_a, out_a[-3000:]
+    out_b, _ = b.communicate(timeout=900)
+    assert b.returncode == 0, out_b[-4000:]
+    assert_nothing_lost(rd, steps)
+    # the run's Redis was not shut down by the fenced one; the server it started ends with its process (parent-death
+    # signal) and the owner's watchdog starts it again from its append-only file: every step above, once
+    ends = [e for e in events(rd) if e.get("type") == "run_end"]
+    assert [e["status"] for e in ends] == ["completed"], "the fenced coordinator logged no end of the run"

@@ -81,7 +81,7 @@ class World:
             self.held[r] = {k} if r >= self.cfg.n_train else set()
             self.inflight[r] = []
             self.vinflight[r] = []
-        for j in range(min(k + s, self.cfg.steps) if k else 0):  # a resume: generated (and trained) before
+        for j in range(self.cfg.generated_before):  # a resume: generated (and trained) before
             for g in range(self.cfg.groups[j]):
                 self.generated[(j, g)] = version_of(j, s)
             if j < k:
@@ -113,7 +113,7 @@ class World:
             match a:
                 case Assign(rank, batch, groups, version):
                     assert rank not in self.lost, "work for a lost rank"
-                    assert version == version_of(batch, self.cfg.staleness), "sample-to-version map broken"
+                    assert version == self.cfg.batch_version(batch), "sample-to-version map broken"
                     assert self.core.role(rank) is Role.ROLLOUT, "work for a rank that is not a rollout rank"
                     assert version in self.held[rank], f"rank {rank} lacks version {version}"
                     assert all(v == version for _, _, v in self.inflight[rank]), "two versions on one rank"
@@ -287,7 +287,7 @@ def check_finished(w: World) -> None:
     for j in range(w.cfg.steps):
         n, chosen = static_selection(w, j)
         assert {g for (b, g) in w.generated if b == j} == set(range(n)), f"batch {j} not generated exactly once"
-        assert all(w.generated[(j, g)] == version_of(j, w.cfg.staleness) for g in range(n))
+        assert all(w.generated[(j, g)] == w.cfg.batch_version(j) for g in range(n))
         assert w.trained[j] == set(chosen), f"batch {j} trained {sorted(w.trained[j])}, the static run {chosen}"
     for v, n in w.cfg.validations:
         if v not in w.core.vals_abandoned:

@@ -161,3 +161,35 @@ def test_compare_ratios_against_baseline(tmp_path):
     assert rows["switches"]["ratios"] == [None, None]  # zero baseline: undefined, not infinite
     c2 = compare([a, b], baseline=1)
     assert {r["metric"]: r for r in c2["rows"]}["span_s"]["ratios"] == [pytest.approx(10 / 15.5, abs=1e-4), 1.0]
+
+
+def test_a_core_runs_steps_without_step_start_have_a_step_time_a_reward_and_validation(tmp_path):
+    """The scheduler core logs no ``step_start`` (its steps overlap): a step's time is its window, optimizer step to
+    optimizer step (before: ``-`` for every step on the default schedule); the reward is the step's mean reward; the
+    validation passes' figures are in the totals (before: not shown)."""
+    from dynaresize.analysis.report import render
+
+    log = EventLog(tmp_path / "events.jsonl", t0=0.0)
+    e = log.emit_at
+    e(0.0, "run_start", run_id="core", source="runtime", world_size=4, wall_time=0.0)
+    e(0.0, "topology", step=0, train_ranks="0-1", rollout_ranks="2-3")
+    e(3.0, "stage", step=0, stage="rollout", ranks="2-3", start=0.5, end=3.0, tokens=100)
+    e(5.0, "stage", step=0, stage="train", ranks="0-1", start=3.0, end=5.0, tokens=100)
+    e(5.0, "step_end", step=0, samples=8, tokens_generated=100, reward_mean=0.25)
+    e(6.0, "stage", step=1, stage="rollout", ranks="2-3", start=3.0, end=6.0, tokens=120)
+    e(8.5, "stage", step=1, stage="train", ranks="0-1", start=5.0, end=8.5, tokens=120)
+    e(8.5, "step_end", step=1, samples=8, tokens_generated=120, reward_mean=0.5)
+    for v, (r, p) in {0: (0.078, 0.25), 2: (0.152, 0.44)}.items():  # validation passes (Validation.record)
+        e(8.6, "metric", name="val_reward_mean", value=r, step=v, k=4)
+        e(8.6, "metric", name="val_pass_at_k", value=p, step=v, k=4)
+    e(9.0, "run_end", status="completed", steps=2)
+    log.close()
+    s = analyze(load_run(tmp_path))
+    assert [(r.duration_s, r.reward) for r in s.steps] == [(4.5, 0.25), (3.5, 0.5)]  # from the span's start, then 5 -> 8.5
+    assert s.totals["step_time_mean_s"] == 4.0
+    text = render(s)
+    header = next(l for l in text.splitlines() if l.startswith("step  step_s"))
+    assert " reward " in header and "step time mean / median s" in text and "4.00 / 4.00" in text
+    assert s.totals["validation"] == {0: {"reward_mean": 0.078, "pass_at_k": 0.25, "k": 4},
+                                      2: {"reward_mean": 0.152, "pass_at_k": 0.44, "k": 4}}
+    assert "validation mean reward / pass@4 (version 0 -> 2, 2 passes)" in text and "0.078 -> 0.152 / 0.250 -> 0.440" in text

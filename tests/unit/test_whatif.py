@@ -150,3 +150,57 @@ def test_a_continuous_emulated_run_maps_to_continuous_batching_over_its_ranks_sl
     assert (cfg.sim.rollout.max_seqs_per_gpu, cfg.sim.pipeline.claim_groups) == (2 * g, 2)
     cfg, _ = emulated_sim_config(_emulated_run(tmp_path / "c", *more[:-2], "rollout.pull_batch=24"))  # null: pull_batch
     assert (cfg.sim.rollout.max_seqs_per_gpu, cfg.sim.pipeline.claim_groups) == (24, 1)
+
+
+def _rewrite(src: Path, dst: Path, stage_fn, step_fn=None) -> Path:
+    """A copy of a run directory whose event log went through ``stage_fn`` (stage event -> events) and ``step_fn``."""
+    shutil.copytree(src, dst)
+    out = []
+    for line in (src / "events.jsonl").read_text().splitlines():
+        e = json.loads(line)
+        if e.get("type") == "stage":
+            out += stage_fn(e)
+        elif e.get("type") == "step_end" and step_fn is not None:
+            out.append(step_fn(e))
+        else:
+            out.append(e)
+    (dst / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in out))
+    return dst
+
+
+def test_a_barrier_free_runs_stage_counts_each_rank_once_and_an_unfittable_span_falls_back_to_busy_seconds(tmp_path):
+    """The barrier-free runtime logs one interval per command, several per rank and step (before: each counted as a
+    rank, so tokens per rank came out several times too small), and its stage spans hold waits: a train span that
+    does not grow with the tokens (the main job's own run: "the run's stage throughputs cannot be fitted ... nothing
+    to replay") is fitted from the steps' busy seconds instead; with neither fittable, the message says why."""
+    from dynaresize.analysis.fit import fit_costs
+    from dynaresize.analysis.reader import load_run
+
+    def commands(e):  # each interval as three commands of the same rank(s)
+        d = (e["end"] - e["start"]) / 3
+        return [{**e, "start": e["start"] + i * d, "end": e["start"] + (i + 1) * d,
+                 **({"tokens": e["tokens"] // 3} if "tokens" in e else {})} for i in range(3)]
+
+    split = _rewrite(TRACE_RUN, tmp_path / "split", commands)
+    want, got = load_run(TRACE_RUN), load_run(split)
+    assert {k: s.ranks for k, s in got.stage_spans.items()} == {k: s.ranks for k, s in want.stage_spans.items()}
+    assert fit_costs(got)["rollout"]["tokens_per_s_per_gpu"] == pytest.approx(
+        fit_costs(want)["rollout"]["tokens_per_s_per_gpu"], rel=0.05)
+
+    def flat_train(e):  # train spans that shrink as tokens grow (waits, not work)
+        if e["stage"] == "train":
+            e = {**e, "end": e["start"] + 1.0 - e["tokens"] / 1e4}
+        return [e]
+
+    flat = _rewrite(TRACE_RUN, tmp_path / "flat", flat_train)
+    assert fit_costs(load_run(flat))["train"]["tokens_per_s_per_gpu"] is None
+    w = whatif(flat)
+    _check_rows(w)
+    assert any("train from its busy seconds per step (its wall spans: its time does not grow with its tokens per rank"
+               in n for n in w["notes"]), w["notes"]
+
+    both = _rewrite(TRACE_RUN, tmp_path / "both", flat_train, lambda e: {**e, "train_s": 1.0 - e["tokens_trained"] / 1e4})
+    with pytest.raises(ConfigError, match=r"the run's train throughput cannot be fitted: its stage spans: its time does "
+                                          r"not grow with its tokens per rank over \d+ steps .*its busy seconds \(step_end "
+                                          r"train_s\): its time does not grow .* lets it be fitted"):
+        whatif(both)
