@@ -47,7 +47,9 @@ class Setup:
 
 def setup(cfg: Config) -> Setup:
     sim, cl, sw = cfg.sim, cfg.cluster, cfg.switching
-    cands = from_cluster(cl)
+    from dynaresize.config.memory import feasible_trainer_counts
+
+    cands = from_cluster(cl, feasible_trainer_counts(cfg))  # the splits that fit in GPU memory (all if unknown)
     table = StageTable(sim, cfg.run.seed, sim.steps, cl.gpus)
     return Setup(
         cfg, table, cands, Topology(cl.initial_train, cl.gpus - cl.initial_train),
