@@ -250,6 +250,9 @@ def rollout(arch: Architecture, s: Settings, n_train: int, capacity: int | None)
     else:
         kv = s.kv_bytes if s.kv_bytes is not None else s.kv_tokens * arch.kv_bytes_per_token(s.weight_bytes)
         parts = (Part("weights", wb), Part("kv cache", kv, f"{kv // arch.kv_bytes_per_token(s.weight_bytes):,} tokens"))
+        if s.rollout_engine == "torch" and s.kv_bytes is None:  # transformers' SDPA path repeats one layer's K and V to every query head
+            parts += (Part("attention workspace", kv // arch.layers * arch.heads // arch.kv_heads,
+                           "one layer's KV repeated to all heads (HF repeat_kv)"),)
     parts += (Part("next weights", wb, "the next version, received while decoding", host=s.second_weights_on_host),
               Part("runtime", s.overhead))
     return RankMemory("rollout", n_train, parts)
