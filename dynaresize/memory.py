@@ -116,12 +116,13 @@ class Architecture:
         scalars = 4 * (2 + self.heads + ((self.heads + self.kv_heads) if self.qk_norm else 0))
         return 2 * norm + attn + 4 * b * i + scalars, norm + 8 + 4  # outside: the final norm, the ids, its statistic
 
-    def loss_head_per_token(self, b: int) -> int:
+    def loss_head_per_token(self) -> int:
         """Peak bytes of the loss head per token (``dynaresize.rl.grpo.sequence_logprobs``): the logits in fp32
-        (``.float()``), divided by the temperature, ``log_softmax`` (kept for the backward), then in the backward
-        the gather's gradient and the log-softmax's: three fp32 [tokens, vocab] tensors at once, plus the compute
-        dtype's logits where that is not fp32."""
-        return (12 + (b if b != 4 else 0)) * self.vocab
+        (``.float()``), divided by the temperature, ``log_softmax`` (kept for the backward); at the start of the
+        backward the kept log-probabilities, the gather's gradient and the log-softmax's: three fp32 [tokens, vocab]
+        tensors at once (the compute dtype's logits are gone by then; in the forward they, the fp32 copy and its
+        quotient make at most 10 bytes)."""
+        return 12 * self.vocab
 
 
 def load_architecture(path: str | Path, what: str = "model.architecture") -> Architecture:
@@ -217,9 +218,9 @@ def model_states(arch: Architecture, s: Settings, n_train: int) -> tuple[Part, .
 
 def activations(arch: Architecture, s: Settings, tokens: int) -> Part:
     """Peak activation bytes of one forward/backward of ``tokens`` tokens, the loss head's logits included."""
-    b = arch_b = s.compute_bytes
+    b = s.compute_bytes
     layer, outside = arch.saved_per_token(b)
-    head = arch.loss_head_per_token(arch_b)
+    head = arch.loss_head_per_token()
     if s.activation_checkpointing:  # each layer keeps its input; one layer's activations are recomputed at a time
         per_token = arch.layers * b * arch.hidden + layer + outside + head
         note = f"{tokens} tokens, checkpointed"
