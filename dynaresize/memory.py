@@ -331,14 +331,26 @@ class MemoryTable:
         return out
 
     def refusal(self) -> str | None:
-        """Why no split fits, with the figures (ZeRO-3/FSDP and tensor-parallel rollout are out of scope), or None."""
+        """Why no split fits, with the figures, or None. Where the model states alone fit the fewest-byte trainer, the
+        activations are the cause and the hints say what would fit; where they do not, the model needs ZeRO-3/FSDP
+        or tensor-parallel rollout, which are out of scope."""
         if self.capacity is None or self.feasible():
             return None
-        best = min(self.splits, key=lambda x: x.trainer.device)
+        cap = self.capacity
         gpus = self.splits[0].n_train + self.splits[0].n_rollout if self.splits else 0
-        return (f"no split of {gpus} GPUs fits {self.capacity / GIB:.1f} GiB: the fewest trainer bytes "
-                f"are {best.trainer.device / GIB:.1f} GiB at {best.n_train} trainers ({best.trainer.describe()} GiB); "
-                f"a model that needs its weights sharded (ZeRO-3/FSDP) or tensor-parallel rollout is out of scope")
+        head = f"no split of {gpus} GPUs fits {cap / GIB:.1f} GiB"
+        roll = self.splits[0].rollout if self.splits else None
+        if roll is not None and roll.device > cap:
+            return f"{head}: a rollout rank needs {roll.device / GIB:.1f} GiB ({roll.describe()} GiB)"
+        best = min(self.splits, key=lambda x: x.trainer.device)
+        t = best.trainer
+        figures = f"the fewest trainer bytes are {t.device / GIB:.1f} GiB at {best.n_train} trainers ({t.describe()} GiB)"
+        if t.device - t.part("activations") <= cap:
+            hints = self.hints(best.n_train)
+            return (f"{head}: {figures}; the activations do not fit"
+                    + (f"; would fit with: {', '.join(hints)}" if hints else ""))
+        return (f"{head}: {figures}; a model that needs its weights sharded (ZeRO-3/FSDP) or tensor-parallel rollout "
+                "is out of scope")
 
 
 def plan(arch: Architecture, s: Settings, gpus: int, capacity: int | None, unit: int = 1) -> MemoryTable:

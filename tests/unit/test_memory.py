@@ -167,7 +167,14 @@ def test_bad_memory_inputs_are_one_message_each(tmp_path):
 
 def test_a_model_that_fits_no_split_is_refused_with_figures():
     cfg = load_config("configs/gpu-8x1.yaml", ["cluster.gpu_memory_gb=24"])
-    with pytest.raises(ConfigError, match=r"no split of 8 GPUs fits 22.4 GiB.*ZeRO-3/FSDP"):
+    with pytest.raises(ConfigError, match=r"no split of 8 GPUs fits 22.4 GiB.*adam moments 8.7.*ZeRO-3/FSDP"):
+        check_config(cfg)
+    # the model states fit, a whole slice's activations do not: the message says what would fit, not ZeRO-3
+    cfg = load_config("configs/gpu-8x1.yaml", ["train.micro_batch_tokens=null", "train.activation_checkpointing=false"])
+    with pytest.raises(ConfigError, match=r"activations do not fit; would fit with: train.micro_batch_tokens <= \d+$"):
+        check_config(cfg)
+    cfg = load_config("configs/gpu-8x1.yaml", ["rollout.vllm.gpu_memory_utilization=0.99"])
+    with pytest.raises(ConfigError, match=r"a rollout rank needs 74.8 GiB \(weights 15.3, kv cache"):
         check_config(cfg)
 
 
