@@ -5,7 +5,7 @@ measurement runs in a fresh subprocess and reports the growth of its resident me
 /proc/self/clear_refs after the imports and the baseline) minus the baseline (VmRSS), with glibc's allocator told to
 give large blocks back at once (MALLOC_MMAP_THRESHOLD_), so that the peak is the live tensors'.
 
-- trainer: two bf16 training steps in DeepSpeed's ZeRO-1/2 layout at one rank, built in torch (bf16 weights and
+- trainer: a bf16 training step (its gradient buffers and Adam moments allocated first) in DeepSpeed's ZeRO-1/2 layout at one rank, built in torch (bf16 weights and
   gradients, an fp32 flat master copy and its fp32 gradient, fused AdamW moments on it), the loss through the
   project's own ``sequence_logprobs`` (fp32 log-softmax over the vocabulary): predicted = the model states at n = 1
   plus the activations at the step's tokens (without checkpointing, and with HF gradient checkpointing);
@@ -123,9 +123,12 @@ def measure(size: str, role: str, warm: bool = True) -> int:
         o += p.numel()
     master.grad = flat_grad
     opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+    for p in params:  # the steady state of the first step: gradient buffers and Adam moments allocated up front
+        p.grad = torch.zeros_like(p)
+    opt.step()  # a zero gradient: allocates the moments
     tokens = SIZES[size]["tokens"]
     seq = 256
-    for _ in range(2):
+    for _ in range(1):
         ids = torch.randint(0, cfg.vocab_size, (tokens // seq, seq))
         mask = torch.ones_like(ids)
         logp = sequence_logprobs(m, ids, mask, mask)

@@ -60,26 +60,21 @@ class Emulator:
 
     # -- memory -------------------------------------------------------------------------------------------------
     def check_split(self, to_train: int, rank: int) -> None:
-        """Raise :class:`EmulatedOutOfMemory` on every rank of a switch into a split that does not fit: a rank
-        whose own role does not fit names its figures (the OOM a GPU would raise), the others name that rank (so
+        """Raise :class:`EmulatedOutOfMemory` on every rank of a switch into a split that does not fit, all with the
+        same message: the first rank whose role does not fit (rank 0 for trainers, the first rollout rank for
+        rollout), its role and figures (whichever rank's error the coordinator meets first, it reads the same; and
         no rank waits in the switch's collectives for one that failed)."""
         if self.memory is None:
             return
         sp = self.memory.split(to_train)
         if sp.fits:
             return
-        cap = self.memory.capacity / (1 << 30)
-        role = "trainer" if rank < to_train else "rollout"
-        mine = sp.trainer if role == "trainer" else sp.rollout
-        if mine.device > self.memory.capacity:
-            raise EmulatedOutOfMemory(
-                f"emulated GPU out of memory: rank {rank} as a {role} of the split {to_train}:{sp.n_rollout} needs "
-                f"{mine.device / (1 << 30):.1f} GiB of {cap:.1f} GiB ({mine.describe()} GiB); the switch was not made")
-        other, m = sp.over()[0]
-        first = 0 if other == "trainer" else to_train
+        role, m = sp.over()[0]
+        first = 0 if role == "trainer" else to_train
         raise EmulatedOutOfMemory(
-            f"emulated GPU out of memory: rank {first} as a {other} of the split {to_train}:{sp.n_rollout} would need "
-            f"{m.device / (1 << 30):.1f} GiB of {cap:.1f} GiB; rank {rank} abandons the switch with it")
+            f"emulated GPU out of memory: rank {first} as a {role} of the split {to_train}:{sp.n_rollout} needs "
+            f"{m.device / (1 << 30):.1f} GiB of {self.memory.capacity / (1 << 30):.1f} GiB ({m.describe()} GiB); "
+            f"the switch was not made (rank {rank} stopped before moving anything)")
 
     # -- switches -----------------------------------------------------------------------------------------------
     def begin_switch(self, from_train: int, to_train: int, rank: int) -> None:

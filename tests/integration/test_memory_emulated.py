@@ -11,6 +11,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +41,7 @@ def test_forced_split_that_does_not_fit_fails_as_an_oom(tmp_path, model_cache):
     rd = run_dir_of(tmp_path)
     got = batches(rd)
     assert [b["n_train"] for b in got] == [2, 2], got  # steps 0 and 1 trained at 2:2, no step at 1:3
-    assert (rd / "checkpoints" / "step-2").is_dir() or any((rd / "checkpoints").glob("step-*")), out[-2000:]
+    assert any((rd / "checkpoints").glob("step-*")), out[-2000:]  # the checkpoint before the switch is kept
     assert f"--resume {rd}" in out
 
 
@@ -47,14 +51,10 @@ def test_emulated_8b_rehearsal_never_enters_a_split_that_does_not_fit(tmp_path, 
     cfg = load_config("configs/emulated-8gpu.yaml", over)
     fits = set(memory_report(cfg).table.feasible())
     assert 4 not in fits and 6 in fits, fits  # ZeRO-1: 4:4 does not fit 96 GB
-    import subprocess
-    import sys
-    from pathlib import Path
-
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "-m", "dynaresize.cli", "run", "configs/emulated-8gpu.yaml", *over, "--quiet"],
                        cwd=root, capture_output=True, text=True, timeout=900,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     rd = run_dir_of(tmp_path)
     splits = {b["n_train"] for b in batches(rd)}
