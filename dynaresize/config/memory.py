@@ -14,6 +14,9 @@ else (cpu, emulated without a figure) nothing is checked.
 
 from __future__ import annotations
 
+import functools
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,15 +37,19 @@ class MemoryReport:
     capacity_source: str
 
 
+@functools.lru_cache(maxsize=1)
 def cuda_memory_bytes() -> int | None:
-    """Total memory of this process's CUDA device (``torch.cuda.mem_get_info``), or None without one."""
+    """Total memory of the first visible CUDA device (``torch.cuda.mem_get_info``), or None without one. Asked in a
+    short child process: a CUDA context made here would stay in the coordinator's process for the whole run and take
+    ~0.5 GiB of the GPU a rank computes on."""
+    code = "import torch; print(torch.cuda.mem_get_info()[1] if torch.cuda.is_available() else 0)"
     try:
-        import torch
-    except ImportError:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            return None
+        return int(out.stdout.strip().splitlines()[-1]) or None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
         return None
-    if not torch.cuda.is_available():
-        return None
-    return int(torch.cuda.mem_get_info()[1])
 
 
 def tiny_architecture(tiny) -> Architecture:
@@ -157,11 +164,12 @@ def check_config(cfg, read_device=cuda_memory_bytes) -> MemoryReport:
     return rep
 
 
-def feasible_trainer_counts(cfg) -> set[int] | None:
+def feasible_trainer_counts(cfg, read_device=cuda_memory_bytes) -> set[int] | None:
     """The trainer counts that fit, or None where nothing is known (every count allowed). Raises nothing: a config
-    that passed :func:`check_config` gives the same figures here."""
+    that passed :func:`check_config` gives the same figures here. The simulator passes ``read_device=lambda: None``:
+    its GPUs are not this host's, only ``cluster.gpu_memory_gb`` sizes them."""
     try:
-        rep = memory_report(cfg)
+        rep = memory_report(cfg, read_device)
     except ConfigError:
         return None
     if rep.table is None or rep.table.capacity is None:

@@ -204,3 +204,22 @@ def test_plan_of_the_8b_job():
     assert (p2.part("weights") + p2.part("gradients") + p2.part("fp32 master") + p2.part("adam moments")) / 1e9 == \
         pytest.approx(73.7, abs=0.2)
     assert sp.rollout.part("kv cache") == int(0.45 * 80e9) - t.arch.params * 2
+
+
+def test_run_refuses_a_split_that_does_not_fit_before_any_rank_starts(tmp_path):
+    for over, want in ((["cluster.initial_train=1"], "a trainer rank of the split 1:7 needs 163.2 GiB"),
+                       (["train.micro_batch_tokens=100"], "train.micro_batch_tokens = 100 is below one sequence's length")):
+        p = subprocess.run([sys.executable, "-m", "dynaresize.cli", "run", "configs/gpu-8x1.yaml", *over,
+                            f"run.output_dir={tmp_path}", "--quiet"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and want in p.stderr and "Traceback" not in p.stderr, p.stderr
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert not any(tmp_path.iterdir())  # no run directory, no rank
+
+
+def test_simulator_plays_the_splits_that_fit():
+    from dynaresize.sim.compare import setup
+
+    cfg = load_config("configs/emulated-8gpu.yaml", ["train.zero_stage=1", "sim.steps=4"])
+    assert [c.n_train for c in setup(cfg).candidates] == [5, 6, 7]
+    cfg = load_config("configs/emulated-8gpu.yaml", ["cluster.gpu_memory_gb=null", "sim.steps=4"])
+    assert [c.n_train for c in setup(cfg).candidates] == list(range(1, 8))  # no figure: every split
