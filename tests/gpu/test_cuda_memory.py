@@ -1,7 +1,7 @@
 """The CUDA paths the memory model and bf16 training need, on a real GPU: UNVERIFIED until this runs (no GPU was
 lent to the work that wrote it; tools/gpu_check.sh runs it). Skips cleanly without CUDA.
 
-- bf16 training on CUDA in DeepSpeed's ZeRO-1/2 layout at one rank (tools/bench_memory.py's step): finite loss, and
+- a bf16 training step on CUDA in DeepSpeed's ZeRO-1/2 layout at one rank (tools/bench_memory.py's step): finite loss, and
   peak allocated memory within 15% of the memory model's trainer figure (model states + activations);
 - a rollout rank's weights and KV cache: within 15% of the model's rollout figure;
 - an NCCL process group (world of one) reduces bf16 tensors;
@@ -50,24 +50,32 @@ def test_bf16_step_on_cuda_within_the_memory_model(ckpt):
     if ckpt:
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = list(m.parameters())
-    master = torch.cat([p.detach().float().reshape(-1) for p in params])
+    total = sum(p.numel() for p in params)
+    master = torch.empty(total, dtype=torch.float32, device="cuda")  # the ZeRO partition at n = 1, as the bench
     master.grad = torch.zeros_like(master)
+    o = 0
+    for p in params:
+        master[o:o + p.numel()].copy_(p.detach().reshape(-1))
+        p.grad = torch.zeros_like(p)
+        o += p.numel()
     opt = torch.optim.AdamW([master], lr=1e-4, fused=True)
+    opt.step()  # a zero gradient: allocates the moments
     tokens = B.SIZES["medium"]["tokens"]
-    for _ in range(2):
-        ids = torch.randint(0, cfg.vocab_size, (tokens // 256, 256), device="cuda")
-        mask = torch.ones_like(ids)
-        loss = -sequence_logprobs(m, ids, mask, mask).sum() / mask.sum()
-        loss.backward()
-        assert torch.isfinite(loss)
-        master.grad.copy_(torch.cat([p.grad.float().reshape(-1) for p in params]))
+    ids = torch.randint(0, cfg.vocab_size, (tokens // 256, 256), device="cuda")
+    mask = torch.ones_like(ids)
+    loss = -sequence_logprobs(m, ids, mask, mask).sum() / mask.sum()
+    loss.backward()
+    assert torch.isfinite(loss)
+    o = 0
+    with torch.no_grad():
+        for p in params:  # into the fp32 partition and back, slice by slice (no whole-model temporaries)
+            master.grad[o:o + p.numel()].copy_(p.grad.reshape(-1))
+            o += p.numel()
         opt.step()
         o = 0
-        with torch.no_grad():
-            for p in params:
-                p.copy_(master[o:o + p.numel()].view_as(p))
-                p.grad.zero_()
-                o += p.numel()
+        for p in params:
+            p.copy_(master[o:o + p.numel()].view_as(p))
+            o += p.numel()
     got = torch.cuda.max_memory_allocated() - base
     arch = Architecture.from_config(B.hf_config("medium"))
     s = Settings(precision="bf16", zero_stage=2, activation_checkpointing=ckpt)
@@ -87,8 +95,11 @@ def test_rollout_weights_and_kv_cache_within_the_memory_model():
         m(input_ids=torch.zeros(8, 1, dtype=torch.long, device="cuda"), past_key_values=cache, use_cache=True,
           cache_position=torch.tensor([0], device="cuda"), logits_to_keep=1)
     got = torch.cuda.max_memory_allocated() - base
-    want = rollout(Architecture.from_config(B.hf_config("medium")), Settings(kv_tokens=B.KV_TOKENS), 1, None).device
-    assert abs(got - want) / got <= 0.15, (got, want)
+    r = rollout(Architecture.from_config(B.hf_config("medium")), Settings(kv_tokens=B.KV_TOKENS), 1, None)
+    # the attention workspace (K and V repeated to all heads) is what transformers' SDPA path does on the CPU; on CUDA
+    # it may pass the KV heads to SDPA as they are (enable_gqa): either figure, within 15%
+    floor = r.device - r.part("attention workspace")
+    assert 0.85 * floor <= got <= 1.15 * r.device, (got, floor, r.device)
 
 
 def test_nccl_group_reduces_bf16(tmp_path):
