@@ -1,7 +1,8 @@
 """``dynaresize config``: document every field, check a config, show it fully resolved.
 
     dynaresize config fields [SECTION]          one line per field: key, type, default, description
-    dynaresize config check CONFIG [k=v ...]    validate; exit 2 with one clear message if invalid
+    dynaresize config check CONFIG [k=v ...]    validate, print the memory table (docs/memory.md); exit 2 with one
+                                                clear message if invalid or the initial split does not fit
     dynaresize config show CONFIG [k=v ...]     the fully resolved YAML (what a run writes to its run directory)
     dynaresize config from-verl VERL.yaml [k=v ...] -o OUT.yaml
                                                 a verl GRPO/DAPO config (and verl-style overrides) in this project's
@@ -39,6 +40,10 @@ def main(args: argparse.Namespace) -> int:
         return from_verl(args)
     cfg = load_config(args.target, args.overrides)
     if args.action == "check":
+        from dynaresize.config.memory import check_config, format_table
+
+        rep = check_config(cfg)  # MemoryFitError (a ConfigError): one line, exit 2
+        print(format_table(rep, cfg.cluster.initial_train))
         print(f"{args.target or '<defaults>'}: ok")
     else:
         print(dump_config(cfg), end="")

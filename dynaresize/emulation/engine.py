@@ -18,6 +18,11 @@ from dynaresize.events import SwitchOp
 OVERRUNS_METRIC = "emulation.pacing"  # the metric event a rank writes with its cumulative pacing record
 
 
+class EmulatedOutOfMemory(RuntimeError):
+    """A switch into a split whose ranks the emulated GPU cannot hold (the memory model, docs/memory.md): what a real
+    GPU's out-of-memory error would be, raised before the switch moves anything."""
+
+
 class Emulator:
     """A rank's timing model and pacer, and the bookkeeping that spans commands: the switch in progress (its ops'
     modelled seconds on this rank) and, after a switch into training, the training that may hide the deferred
@@ -31,6 +36,10 @@ class Emulator:
         self._switched: tuple[int, int] | None = None  # (from, to) trainers of the last switch, until its stage-in
         self._trained_s = 0.0  # modelled training seconds since that switch
         self._reported = -1
+        from dynaresize.config.memory import memory_report
+
+        rep = memory_report(cfg)  # the emulated GPU's memory: enforced when a figure is known (gpu_memory_gb)
+        self.memory = rep.table if rep.table is not None and rep.table.capacity is not None else None
 
     # -- training -----------------------------------------------------------------------------------------------
     def fwd_bwd_s(self, prompt_lens: Sequence[int], response_lens: Sequence[int], n_train: int) -> float:
@@ -48,6 +57,24 @@ class Emulator:
             extra = self.model.deferred_stage_in_s(*self._switched, self.world, self._trained_s)
             self._switched = None
         return self.model.optimizer_step_s() + extra
+
+    # -- memory -------------------------------------------------------------------------------------------------
+    def check_split(self, to_train: int, rank: int) -> None:
+        """Raise :class:`EmulatedOutOfMemory` on every rank of a switch into a split that does not fit, all with the
+        same message: the first rank whose role does not fit (rank 0 for trainers, the first rollout rank for
+        rollout), its role and figures (whichever rank's error the coordinator meets first, it reads the same; and
+        no rank waits in the switch's collectives for one that failed)."""
+        if self.memory is None:
+            return
+        sp = self.memory.split(to_train)
+        if sp.fits:
+            return
+        role, m = sp.over()[0]
+        first = 0 if role == "trainer" else to_train
+        raise EmulatedOutOfMemory(
+            f"emulated GPU out of memory: rank {first} as a {role} of the split {to_train}:{sp.n_rollout} needs "
+            f"{m.device / (1 << 30):.1f} GiB of {self.memory.capacity / (1 << 30):.1f} GiB ({m.describe()} GiB); "
+            f"the switch was not made (rank {rank} stopped before moving anything)")
 
     # -- switches -----------------------------------------------------------------------------------------------
     def begin_switch(self, from_train: int, to_train: int, rank: int) -> None:

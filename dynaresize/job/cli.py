@@ -69,6 +69,11 @@ def main(args: argparse.Namespace, launcher_factory=None) -> int:
     except MissingLoggerError as e:
         print(f"dynaresize run: {e}", file=sys.stderr)
         return 2
+    from dynaresize.config.memory import check_config
+
+    # memory: a split no GPU can hold, a micro-batch below one sequence, a model without the fields the memory model
+    # needs: refused here, before any rank starts (ConfigError: one line, exit 2; docs/memory.md)
+    check_config(cfg)
     if run_dir is None:
         run_dir = create_run_dir(cfg.run.output_dir, cfg.run.name)
     # torch and DeepSpeed are imported only once the config is valid: a bad config is refused within a second

@@ -1,5 +1,5 @@
 """What splits are possible: the resizing policy over the splits still possible (the trainer set is a prefix without
-a lost rank, at least one rank rolls out), rebuilt after a shrink, and its state; the scheduler core consults it
+a lost rank, at least one rank rolls out, its trainers fit in GPU memory: docs/memory.md), rebuilt after a shrink, and its state; the scheduler core consults it
 (``dynaresize.job.core_io.PlannedPolicy``, which also applies ``policy.forced_splits``)."""
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ from dynaresize.job.state import policy_from_dict
 class Planner:
     def __init__(self, job: Job):
         self.job = job
+        from dynaresize.config.memory import feasible_trainer_counts
+
+        self.fits = feasible_trainer_counts(job.cfg)  # trainer counts the memory model admits (None: all)
         self.reset()
 
     def reset(self) -> None:
@@ -27,7 +30,8 @@ class Planner:
         lost = set(self.job.state.lost if lost is None else lost)
         cap = min(lost) if lost else world
         n_alive = world - len(lost)
-        return [t for t in candidate_trainer_counts(world, unit_from_cluster(self.job.cfg.cluster)) if t <= cap and n_alive - t >= 1]
+        return [t for t in candidate_trainer_counts(world, unit_from_cluster(self.job.cfg.cluster))
+                if t <= cap and n_alive - t >= 1 and (self.fits is None or t in self.fits)]
 
     def rebuild(self) -> None:
         """The policy plans over the live ranks only: after a shrink its candidates are the splits still possible."""

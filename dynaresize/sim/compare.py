@@ -47,7 +47,10 @@ class Setup:
 
 def setup(cfg: Config) -> Setup:
     sim, cl, sw = cfg.sim, cfg.cluster, cfg.switching
-    cands = from_cluster(cl)
+    from dynaresize.config.memory import feasible_trainer_counts
+
+    # the splits that fit in GPU memory (cluster.gpu_memory_gb; all when unset: the simulated GPUs are not this host's)
+    cands = from_cluster(cl, feasible_trainer_counts(cfg, read_device=lambda: None))
     table = StageTable(sim, cfg.run.seed, sim.steps, cl.gpus)
     return Setup(
         cfg, table, cands, Topology(cl.initial_train, cl.gpus - cl.initial_train),

@@ -31,6 +31,11 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Parameter dtype of the trainer and rollout engines (auto: the model directory's own, float32 if unset)"
     )
+    architecture: str | None = Field(
+        None, description="The model's config.json (or a directory holding one) that the memory model sizes ranks and "
+        "splits from (docs/memory.md); null: model.path's config.json when that directory is on this host, else the "
+        "tiny model's shape. For a submit host without the model, and for an emulated run of a bigger model"
+    )
     cache_dir: str | None = Field(None, description="Where built models are cached (default: ~/.cache/dynaresize/models)")
 
 

@@ -1019,6 +1019,8 @@ class Worker:
             return {"role": self.role.value, "ops": []}
         old_role = self.role
         emu = self.setup.emulator
+        if emu is not None:  # a split the emulated GPU cannot hold fails here, before anything moved (its OOM)
+            emu.check_split(to_train, self.rank)
         if emu is not None:  # the modelled seconds of each op of this switch on this rank
             emu.begin_switch(from_train, to_train, self.rank)
         self.incoming.clear()  # fetched versions are for rollout engines: a rank that switches drops them
