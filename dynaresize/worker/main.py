@@ -289,6 +289,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
     finally:
         receiver.close()
         hb.stop(deregister=True)
+        worker.close()  # vLLM's engine first: it destroys its own groups on this world, and the world (if it did not)
         events.close()
         import torch.distributed as dist
 

@@ -8,6 +8,8 @@ contract the worker relies on, against a real engine built once for the module f
   ones within float32 kernel differences;
 - weights: load_weights goes into the running engine in place (on CPU by a copy of each tensor, vLLM's reload for
   what does not map); a version change resets the prefix cache and is refused while requests run;
+- vLLM's layer-wise reload (the install of weights copy_in_place cannot map) warns about no layer that no
+  checkpoint can feed (rotary caches, the tied LM head), and still about a layer whose weight is missing;
 - chat template: a prompt rendered by the directory's own template generates like any token prompt;
 - CPU has no sleep mode: sleep keeps the engine and refuses generate until wake_up.
 
@@ -217,11 +219,54 @@ def test_a_cpu_install_copies_in_place_and_leaves_what_it_cannot_map_to_vllms_re
     weights = [(n, t.detach()) for n, t in load_model(model_dir, torch.float32).named_parameters()]
 
     def install(named):
-        return engine.llm.collective_rpc(lambda w: copy_in_place(w.model_runner.get_model(), named))
+        return engine.engine.collective_rpc(lambda w: copy_in_place(w.model_runner.get_model(), named))
 
     assert install(weights) == [True]  # the directory's own weights again: the engine is unchanged
     assert install([*weights[:-1], ("model.no_such_module.weight", weights[-1][1])]) == [False]
     assert install(weights[1:]) == [True]  # a parameter left out keeps its weights (a partial update is allowed)
+
+
+def test_vllms_reload_warns_only_about_weights_really_missing(engine, prompts, model_dir, monkeypatch):
+    """The install vLLM's own reload takes (weights copy_in_place cannot map; CUDA always): no ``Failed to load
+    weights`` for the layers no checkpoint feeds (the tied LM head, the rotary embedding's cache), which used to
+    come on every install; the same message for a layer whose weight is left out still reaches the log, and the
+    weights installed are the new ones."""
+    import logging
+
+    from dynaresize.engines import rollout_vllm
+    from dynaresize.models import load_model
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")  # its filters run first
+    handler = Keep(level=logging.WARNING)
+    layerwise.addHandler(handler)
+    monkeypatch.setattr(rollout_vllm, "copy_in_place", lambda model, weights: False)  # vLLM's reload, as on CUDA
+    model = load_model(model_dir, torch.float32)
+    weights = [(n, t.detach()) for n, t in model.named_parameters()]
+    before = engine.generate(prompts[:1], [5], P)[0]
+    try:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(1.5)  # the tied head moves with it
+        engine.load_weights(weights)
+        engine.finish_weight_update(1)
+        assert seen == []
+        after = engine.generate(prompts[:1], [5], P)[0]
+        assert after.logprobs == pytest.approx(hf_logprobs(model, list(prompts[0]), after.token_ids, 1.0), abs=2e-3)
+        engine.load_weights([(n, t) for n, t in weights if n != "model.layers.1.mlp.down_proj.weight"])
+        engine.finish_weight_update(2)
+        assert seen == ["RowParallelLinear: Failed to load weights"]
+    finally:
+        layerwise.removeHandler(handler)
+        monkeypatch.undo()
+        orig = load_model(model_dir, torch.float32)
+        engine.load_weights([(n, t.detach()) for n, t in orig.named_parameters()])
+        engine.finish_weight_update(0)
+    assert engine.generate(prompts[:1], [5], P)[0].token_ids == before.token_ids
 
 
 def test_a_chat_template_prompt_generates_like_its_token_ids(engine, tok, eos):
