@@ -227,29 +227,48 @@ class ZeroTrainer:
         start = self.dp_rank * base + min(self.dp_rank, extra)
         return start, start + base + (1 if self.dp_rank < extra else 0)
 
-    def _local_part(self, batch: dict[str, torch.Tensor], what: str) -> tuple[dict[str, torch.Tensor], int, int, int]:
-        """This rank's slice of ``batch`` (per-sample tensors cut, 0-d ones kept), its size ``n`` and ``[a, b)``."""
+    def _local_part(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, int, int]:
+        """This rank's slice of ``batch`` (per-sample tensors cut, 0-d ones kept), the batch's size ``n`` and the
+        slice's ``[a, b)``. With more trainers than samples some slices are empty (``a == b``): see
+        :meth:`_backward`."""
         n = int(next(iter(batch.values())).shape[0])
-        if n < self.dp:
-            raise TrainerError(f"{what} of {n} samples is smaller than the {self.dp} trainers (every trainer takes a part)")
+        if n < 1:
+            raise TrainerError("a batch of 0 samples: nothing to train")
         a, b = self.slice_of(n)
-        return {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}, n, a, b
+        return _rows(batch, n, a, b), n, a, b
+
+    def _backward(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], n: int, a: int, b: int,
+                  loss_fn: LossFn, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and ``engine.backward(loss * weight)`` of this rank's slice ``local`` = ``batch[a:b]``.
+
+        Every trainer must run a backward for every chunk, also one whose slice is empty (more trainers than the
+        chunk's samples): ZeRO-2 reduces gradients inside backward, ZeRO-1 at the step, and a trainer left out
+        would hang the others' collective or miss its share. An empty slice therefore runs the forward of the
+        batch's first sample (a real, well-formed row that its own trainer trains too) with the loss multiplied by
+        0: every parameter gets a zero gradient through the same graph, the reduction sees every trainer, and the
+        sum of the gradients is the non-empty slices' alone. Its figures are zeros (it trained no token)."""
+        if b > a:
+            loss, stats = loss_fn(self.engine.module, local)
+            self.engine.backward(loss * weight)
+            return loss.detach(), stats
+        loss, stats = loss_fn(self.engine.module, _rows(batch, n, 0, 1))
+        self.engine.backward(loss * 0.0)
+        return torch.zeros(()), {k: 0.0 for k in stats}
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn = token_nll_loss) -> dict[str, float]:
-        """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice)."""
+        """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice,
+        possibly empty: a batch smaller than the trainer count trains too)."""
         if self._chunks:
             raise TrainerError(f"a whole-batch step while {self._chunks} streamed chunks wait for their step")
-        local, n, a, b = self._local_part(batch, "batch")
+        local, n, a, b = self._local_part(batch)
         self.engine.train()
-        loss, stats = loss_fn(self.engine.module, local)
         # DeepSpeed averages gradients over dp ranks. With a global ``loss_denominator`` the loss function already
         # normalises to the global batch (undo the average: x dp); otherwise weight each slice by its share.
         share = 1.0 if "loss_denominator" in batch else (b - a) / n
-        scaled = loss * (self.dp * share)
-        self.engine.backward(scaled)
+        loss, stats = self._backward(batch, local, n, a, b, loss_fn, self.dp * share)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        out = {"loss_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+        out = {"loss_local": float(loss), "samples_local": float(b - a), **stats}
         if norm is not None:
             out["grad_norm"] = float(norm)
         return out
@@ -261,14 +280,15 @@ class ZeroTrainer:
         sequence count) is not known yet: the loss is taken as a SUM (``loss_denominator`` = 1, so ``loss_fn`` must
         honour it, as :class:`~dynaresize.rl.grpo.GrpoLoss` does) and the gradients add up across chunks and trainers;
         :meth:`step` divides them by the whole batch's count. Every trainer must pass every chunk (ZeRO-2 reduces
-        gradients inside each backward), so a chunk needs at least one sample per trainer."""
-        local, _, a, b = self._local_part(chunk, "chunk")
-        local["loss_denominator"] = torch.tensor(1.0)
+        gradients inside each backward); a chunk of fewer samples than trainers leaves some slices empty, and those
+        trainers take part with a zero contribution (:meth:`_backward`)."""
+        chunk = {**chunk, "loss_denominator": torch.tensor(1.0)}
+        local, n, a, b = self._local_part(chunk)
         self.engine.train()
-        loss, stats = loss_fn(self.engine.module, local)
-        self.engine.backward(loss * self.dp)  # DeepSpeed averages over the dp ranks: x dp makes it a sum
+        # DeepSpeed averages over the dp ranks: x dp makes it a sum
+        loss, stats = self._backward(chunk, local, n, a, b, loss_fn, float(self.dp))
         self._chunks += 1
-        return {"loss_sum_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+        return {"loss_sum_local": float(loss), "samples_local": float(b - a), **stats}
 
     def step(self, denominator: float) -> dict[str, float]:
         """The optimizer step of a batch trained by :meth:`accumulate`: the summed gradients are divided by
@@ -389,6 +409,11 @@ class ZeroTrainer:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return module
+
+
+def _rows(batch: dict[str, torch.Tensor], n: int, a: int, b: int) -> dict[str, torch.Tensor]:
+    """Rows ``[a, b)`` of every per-sample tensor of a batch of ``n`` samples (0-d ones, e.g. the denominator, kept)."""
+    return {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
