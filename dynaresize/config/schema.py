@@ -269,6 +269,28 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _training_fits_the_model(self) -> "Config":
+        """``train.micro_batch_tokens`` must hold one whole sequence (a response of ``rollout.max_tokens`` after a
+        prompt of at least one token, or ``rollout.max_prompt_tokens`` where set), and an explicit
+        ``train.precision`` must agree with an explicit ``model.dtype`` (dynaresize.engines.precision: one dtype per
+        rank; with ``model.dtype: auto`` the run checks the model directory's before any rank starts)."""
+        t, ro = self.train, self.rollout
+        prompt = getattr(ro, "max_prompt_tokens", None)
+        need = ro.max_tokens + (prompt or 1)
+        if t.micro_batch_tokens is not None and t.micro_batch_tokens < need:
+            what = f"rollout.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token"
+            raise RuleError(("train", "micro_batch_tokens"), t.micro_batch_tokens,
+                            f"a micro-batch must hold one whole sequence: rollout.max_tokens={ro.max_tokens} response "
+                            f"tokens after {what} need at least {need} (more: the longest prompt)")
+        want = {"bfloat16": "bf16", "float32": "fp32"}.get(self.model.dtype)
+        if t.precision != "auto" and want is not None and t.precision != want:
+            raise RuleError(("train", "precision"), t.precision,
+                            f"model.dtype={self.model.dtype} trains in {want} (a rank holds one copy of the weights, "
+                            f"for both roles, in the model's dtype): set train.precision={want} or auto, or "
+                            f"model.dtype={'bfloat16' if t.precision == 'bf16' else 'float32'}")
+        return self
+
+    @model_validator(mode="after")
     def _algorithm_fits_the_rollout(self) -> "Config":
         ds, ov, ro = self.algorithm.dynamic_sampling, self.algorithm.overlong, self.rollout
         if ds.enabled and ro.group_size < 2:

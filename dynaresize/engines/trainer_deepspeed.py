@@ -4,7 +4,10 @@ Why it looks like this (see docs/workers.md, "DeepSpeed on a new group without n
 
 - DeepSpeed gets the trainer group through an ``mpu`` object (:class:`GroupMPU`) and ``dist_init_required=False``;
   without an ``mpu`` it clones the world group with a collective ``new_group``. Only members build the engine.
-- ZeRO stage 1/2 with ``round_robin_gradients: false``, fp32, ``torch_adam: true`` (no FusedAdam JIT on CPU).
+- ZeRO stage 1/2 with ``round_robin_gradients: false``, ``torch_adam: true`` (no FusedAdam JIT on CPU), fp32 or
+  bf16 with fp32 master weights and moments (``train.precision``: ``dynaresize.engines.precision`` has the settings
+  and why they keep the ZeRO optimizer). A slice goes through in micro-batches of ``train.micro_batch_tokens``
+  (every trainer the same number of backward passes), with ``train.activation_checkpointing`` optionally.
 - The global batch is fixed whatever the trainer count: each trainer gets a slice, and the loss of a slice is
   scaled by ``dp * local_samples / global_samples`` so that DeepSpeed's gradient average over ``dp`` ranks is the
   gradient of the global-batch mean, also when the batch does not divide evenly.
@@ -29,6 +32,8 @@ from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
+
+from dynaresize.engines.precision import PrecisionError, ds_precision, resolve_precision
 
 # Must be set before deepspeed is imported: its accelerator (and hence gloo vs NCCL) is chosen once, at import.
 os.environ.setdefault("DS_ACCELERATOR", "cuda" if torch.cuda.is_available() else "cpu")
@@ -166,7 +171,7 @@ class Partition:
         return {f"g{g}.master": self.master, f"g{g}.exp_avg": self.exp_avg, f"g{g}.exp_avg_sq": self.exp_avg_sq}
 
 
-def ds_config(train_cfg, global_batch: int, dp: int) -> dict[str, Any]:
+def ds_config(train_cfg, global_batch: int, dp: int, precision: str = "fp32") -> dict[str, Any]:
     micro = max(1, math.ceil(global_batch / dp))
     return {
         "train_batch_size": micro * dp,
@@ -185,8 +190,7 @@ def ds_config(train_cfg, global_batch: int, dp: int) -> dict[str, Any]:
         # The caller owns the accumulation boundary: every ``step()`` finalises the gradients of all backward passes
         # since the last one (``train_step``: one; streaming, ``accumulate`` x k then ``step``: k).
         "managed_gradient_accumulation": False,
-        "fp16": {"enabled": False},
-        "bf16": {"enabled": False},
+        **ds_precision(precision, int(train_cfg.zero_stage)),  # bf16 or fp32: dynaresize.engines.precision
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
@@ -206,11 +210,25 @@ class ZeroTrainer:
         self.dp = len(ranks)
         self.dp_rank = self.ranks.index(dist.get_rank())
         self.global_batch = int(global_batch)
+        model_dtype = next(module.parameters()).dtype
+        try:
+            self.precision = resolve_precision(getattr(train_cfg, "precision", "auto"), model_dtype)
+        except PrecisionError as e:
+            raise TrainerError(str(e)) from None
+        self.micro_batch_tokens: int | None = getattr(train_cfg, "micro_batch_tokens", None)
+        self.checkpointing = bool(getattr(train_cfg, "activation_checkpointing", False))
+        if self.checkpointing:
+            if not callable(getattr(module, "gradient_checkpointing_enable", None)):
+                raise TrainerError(f"train.activation_checkpointing: {type(module).__name__} is not a Hugging Face model "
+                                   "(no gradient_checkpointing_enable)")
+            # recompute each decoder layer in the backward; non-reentrant, so ZeRO's gradient hooks fire once per
+            # parameter as without it (HF's default reentrant checkpoint re-enters backward)
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._hooks_before = _hook_keys(module)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=module,
             model_parameters=[p for p in module.parameters() if p.requires_grad],
-            config=ds_config(train_cfg, global_batch, self.dp),
+            config=ds_config(train_cfg, global_batch, self.dp, self.precision),
             mpu=GroupMPU(group, self.ranks),
             dist_init_required=False,
         )
@@ -227,29 +245,93 @@ class ZeroTrainer:
         start = self.dp_rank * base + min(self.dp_rank, extra)
         return start, start + base + (1 if self.dp_rank < extra else 0)
 
-    def _local_part(self, batch: dict[str, torch.Tensor], what: str) -> tuple[dict[str, torch.Tensor], int, int, int]:
-        """This rank's slice of ``batch`` (per-sample tensors cut, 0-d ones kept), its size ``n`` and ``[a, b)``."""
+    def _local_part(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int, int, int]:
+        """This rank's slice of ``batch`` (per-sample tensors cut, 0-d ones kept), the batch's size ``n`` and the
+        slice's ``[a, b)``. With more trainers than samples some slices are empty (``a == b``): see
+        :meth:`_backward`."""
         n = int(next(iter(batch.values())).shape[0])
-        if n < self.dp:
-            raise TrainerError(f"{what} of {n} samples is smaller than the {self.dp} trainers (every trainer takes a part)")
+        if n < 1:
+            raise TrainerError("a batch of 0 samples: nothing to train")
         a, b = self.slice_of(n)
-        return {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}, n, a, b
+        return _rows(batch, n, a, b), n, a, b
+
+    def _backward(self, batch: dict[str, torch.Tensor], local: dict[str, torch.Tensor], n: int, a: int, b: int,
+                  loss_fn: LossFn, weight: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and ``engine.backward(loss * weight)`` of this rank's slice ``local`` = ``batch[a:b]``, in
+        micro-batches of at most ``train.micro_batch_tokens`` padded tokens (:meth:`micro_batches`). Returns the
+        slice's loss and figures, as one forward of the whole slice would give them.
+
+        Every trainer runs the same number of backward passes for a batch (:meth:`rounds`: the largest slice's
+        micro-batch count), also one whose slice is empty (more trainers than samples) or shorter: ZeRO-2 reduces
+        gradients inside every backward, ZeRO-1 at the step, and a trainer with fewer passes would leave the others
+        in a collective it never joins (gloo: "Received data size doesn't match"). A pass without rows of its own
+        runs the forward of the batch's first sample (a real, well-formed row that its own trainer trains too) with
+        the loss multiplied by 0: every parameter gets a zero gradient through the same graph, the reduction sees
+        every trainer, and the gradient sum is the real rows' alone. It adds nothing to the figures."""
+        spans = self.micro_batches(local)
+        rounds = self.rounds(n, int(batch["input_ids"].shape[1]))
+        # a globally normalised loss (loss_denominator: the batch's count, or 1 for a streamed sum) adds up over the
+        # micro-batches as it is; a mean over the slice is weighted by each micro-batch's share of the slice
+        summed = "loss_denominator" in local
+        parts: list[tuple[float, dict[str, float], int]] = []
+        empty: dict[str, float] = {}
+        for lo, hi in spans:
+            micro = local if (lo, hi) == (0, b - a) else _rows(local, b - a, lo, hi)
+            share = 1.0 if summed else (hi - lo) / (b - a)
+            loss, stats = loss_fn(self.engine.module, micro)
+            self.engine.backward(loss * (weight * share))
+            parts.append((float(loss.detach()) * share, stats, hi - lo))
+        for _ in range(rounds - len(spans)):
+            loss, stats = loss_fn(self.engine.module, _rows(batch, n, 0, 1))
+            self.engine.backward(loss * 0.0)
+            if not parts:
+                empty = {k: 0.0 for k in stats}
+        if not parts:
+            return torch.zeros(()), empty
+        if len(parts) == 1:
+            return torch.tensor(parts[0][0]), parts[0][1]
+        total = sum(p[0] for p in parts)
+        return torch.tensor(total), _merge_stats(parts, total)
+
+    def _per_micro(self, length: int) -> int | None:
+        """Sequences of padded ``length`` per micro-batch (None: no limit)."""
+        if self.micro_batch_tokens is None:
+            return None
+        per = self.micro_batch_tokens // length
+        if per < 1:
+            raise TrainerError(f"train.micro_batch_tokens={self.micro_batch_tokens} is below one sequence: this "
+                               f"batch is padded to {length} tokens (prompt + response); set it to at least {length}")
+        return per
+
+    def micro_batches(self, local: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        """``[lo, hi)`` rows of a slice per forward: as many sequences as fit ``train.micro_batch_tokens`` at the
+        slice's padded length (the whole slice when unset; none for an empty slice). The split changes how much is
+        held at once, not what is computed: the micro-batches' gradients add up to the slice's (to float rounding)."""
+        rows = int(local["input_ids"].shape[0])
+        per = self._per_micro(int(local["input_ids"].shape[1]))
+        step = rows if per is None else per
+        return [(lo, min(rows, lo + step)) for lo in range(0, rows, max(1, step))]
+
+    def rounds(self, n: int, length: int) -> int:
+        """Backward passes every trainer runs for a batch of ``n`` samples padded to ``length``: the micro-batch
+        count of the largest slice (``ceil(n / dp)`` rows), so that all trainers meet in the same collectives."""
+        per = self._per_micro(length)
+        return 1 if per is None else math.ceil(math.ceil(n / self.dp) / per)
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn = token_nll_loss) -> dict[str, float]:
-        """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice)."""
+        """One optimizer step on the *global* batch (every trainer passes the same batch; each takes its slice,
+        possibly empty: a batch smaller than the trainer count trains too)."""
         if self._chunks:
             raise TrainerError(f"a whole-batch step while {self._chunks} streamed chunks wait for their step")
-        local, n, a, b = self._local_part(batch, "batch")
+        local, n, a, b = self._local_part(batch)
         self.engine.train()
-        loss, stats = loss_fn(self.engine.module, local)
         # DeepSpeed averages gradients over dp ranks. With a global ``loss_denominator`` the loss function already
         # normalises to the global batch (undo the average: x dp); otherwise weight each slice by its share.
         share = 1.0 if "loss_denominator" in batch else (b - a) / n
-        scaled = loss * (self.dp * share)
-        self.engine.backward(scaled)
+        loss, stats = self._backward(batch, local, n, a, b, loss_fn, self.dp * share)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()
-        out = {"loss_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+        out = {"loss_local": float(loss), "samples_local": float(b - a), **stats}
         if norm is not None:
             out["grad_norm"] = float(norm)
         return out
@@ -261,14 +343,15 @@ class ZeroTrainer:
         sequence count) is not known yet: the loss is taken as a SUM (``loss_denominator`` = 1, so ``loss_fn`` must
         honour it, as :class:`~dynaresize.rl.grpo.GrpoLoss` does) and the gradients add up across chunks and trainers;
         :meth:`step` divides them by the whole batch's count. Every trainer must pass every chunk (ZeRO-2 reduces
-        gradients inside each backward), so a chunk needs at least one sample per trainer."""
-        local, _, a, b = self._local_part(chunk, "chunk")
-        local["loss_denominator"] = torch.tensor(1.0)
+        gradients inside each backward); a chunk of fewer samples than trainers leaves some slices empty, and those
+        trainers take part with a zero contribution (:meth:`_backward`)."""
+        chunk = {**chunk, "loss_denominator": torch.tensor(1.0)}
+        local, n, a, b = self._local_part(chunk)
         self.engine.train()
-        loss, stats = loss_fn(self.engine.module, local)
-        self.engine.backward(loss * self.dp)  # DeepSpeed averages over the dp ranks: x dp makes it a sum
+        # DeepSpeed averages over the dp ranks: x dp makes it a sum
+        loss, stats = self._backward(chunk, local, n, a, b, loss_fn, float(self.dp))
         self._chunks += 1
-        return {"loss_sum_local": float(loss.detach()), "samples_local": float(b - a), **stats}
+        return {"loss_sum_local": float(loss), "samples_local": float(b - a), **stats}
 
     def step(self, denominator: float) -> dict[str, float]:
         """The optimizer step of a batch trained by :meth:`accumulate`: the summed gradients are divided by
@@ -395,11 +478,42 @@ class ZeroTrainer:
                     p.data = p.data.clone()
                 p.grad = None
         _remove_new_hooks(module, self._hooks_before)
+        if self.checkpointing:
+            module.gradient_checkpointing_disable()  # a rollout engine's forward keeps its KV cache
         self.engine = self.optimizer = None  # type: ignore[assignment]
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return module
+
+
+def _rows(batch: dict[str, torch.Tensor], n: int, a: int, b: int) -> dict[str, torch.Tensor]:
+    """Rows ``[a, b)`` of every per-sample tensor of a batch of ``n`` samples (0-d ones, e.g. the denominator, kept)."""
+    return {k: (v[a:b] if v.dim() and v.shape[0] == n else v) for k, v in batch.items()}
+
+
+def _merge_stats(parts: list[tuple[float, dict[str, float], int]], loss: float) -> dict[str, float]:
+    """One slice's figures from its micro-batches' (``(weighted loss, figures, samples)`` each), as one forward of
+    the slice reports them: mismatch/TIS sums added and maxima maxed (``reduce_stats``), ``tokens`` added, ``loss``
+    the slice's, other figures (KL, clip fraction, ratio, ...) token-weighted means (sample-weighted without
+    ``tokens``). A key only some micro-batches report is left out."""
+    from dynaresize.rl.mismatch import reduce_stats
+
+    stats = [p[1] for p in parts]
+    keys = [k for k in stats[0] if all(k in st for st in stats)]
+    out = reduce_stats(stats)
+    tokens = [float(st.get("tokens", 0.0)) for st in stats]
+    weights = tokens if "tokens" in keys and sum(tokens) > 0 else [float(p[2]) for p in parts]
+    for k in keys:
+        if k in out:
+            continue
+        if k == "tokens":
+            out[k] = sum(tokens)
+        elif k == "loss":
+            out[k] = loss
+        else:
+            out[k] = sum(float(st[k]) * w for st, w in zip(stats, weights)) / sum(weights)
+    return {k: out[k] for k in keys}
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")

@@ -65,12 +65,22 @@ def prepare(job: Job) -> Prepared:
         task.check_run(cfg.run.steps, cfg.rollout.prompts_per_step)
     load_reward(cfg, task)  # an import path that does not resolve fails here, before any rank starts
     model_dir = ensure_model(cfg)
+    _check_precision(cfg, model_dir)
     tokenizer = load_tokenizer(model_dir)
     _check_prompts(task, tokenizer, model_dir)
     _check_prompt_lengths(job, task, tokenizer, model_dir)
     if cfg.rollout.engine == "vllm":
         _check_vllm(job, model_dir)
     return Prepared(task, model_dir, tokenizer, BatchAssembler.from_config(cfg, task, tokenizer))
+
+
+def _check_precision(cfg, model_dir: Path) -> None:
+    """``train.precision`` against the model directory's dtype (``model.dtype: auto``): one message, not every
+    trainer's error at its first engine build."""
+    from dynaresize.engines.precision import resolve_precision
+    from dynaresize.models.hf import model_dtype
+
+    resolve_precision(cfg.train.precision, model_dtype(model_dir, cfg.model.dtype))
 
 
 def _check_prompts(task, tokenizer, model_dir: Path) -> None:

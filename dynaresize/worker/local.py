@@ -35,12 +35,15 @@ class LocalWorkerError(RuntimeError):
 
 
 def tiny_qwen2(spec: dict[str, Any], seed: int = 0):
-    """A config-built Qwen2 causal LM (no hub access); the same seed gives the same weights on every rank."""
+    """A config-built Qwen2 causal LM (no hub access); the same seed gives the same weights on every rank.
+    ``spec["dtype"]`` (e.g. ``"bfloat16"``): its parameters' dtype (default float32)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    spec = dict(spec)
+    dtype = getattr(torch, spec.pop("dtype", "float32"))
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**spec))
+    return Qwen2ForCausalLM(Qwen2Config(**spec)).to(dtype)
 
 
 def rollout_rank(module, data, staging_dir: Path, weights_dir: Path | None = None, rollout: dict[str, Any] | None = None,

@@ -1,4 +1,4 @@
-"""ZeRO-2 optimizer state is bit-exact across 2 -> 4 -> 2 trainers (four processes, DeepSpeed on CPU), installed at
+"""ZeRO-1/2 optimizer state (fp32, and fp32 master and moments under bf16 training) is bit-exact across 2 -> 4 -> 2 trainers (four processes, DeepSpeed on CPU), installed at
 once (``switching.optimizations.deferred_optimizer=false``; test_worker_switch.py covers the deferred install)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from dynaresize.engines.reshard import plan
 from dynaresize.events import read_events
-from dynaresize.worker.local import LocalCluster
+from dynaresize.worker.local import TINY_MODEL, LocalCluster
 from tests.support.hooks import HOOKS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -25,12 +25,16 @@ def test_plan_covers_every_element_once():
         assert bool((cover == 1).all()), (length, old_dp, new_dp)
 
 
-def test_zero2_reshard_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("stage,dtype", [(2, "float32"), (1, "bfloat16"), (2, "bfloat16")])
+def test_zero_reshard_is_bit_exact(tmp_path, stage, dtype):
+    # bf16 (train.precision auto on a bfloat16 model): the fp32 master and moments still move bit for bit, on the
+    # ZeRO optimizer that engines/precision.py's settings keep for both stages
     ids = torch.randint(3, 48, (12, 16), generator=torch.Generator().manual_seed(3)).tolist()
-    cfg = {"train": {"lr": 5e-3, "zero_stage": 2}, "cluster": {"gpus": 5, "initial_train": 2},
+    cfg = {"train": {"lr": 5e-3, "zero_stage": stage}, "cluster": {"gpus": 5, "initial_train": 2},
            "switching": {"optimizations": {"deferred_optimizer": False}}}
     events = tmp_path / "events.jsonl"
-    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg, events=events, hooks=HOOKS) as c:
+    model = {**TINY_MODEL, "dtype": dtype}
+    with LocalCluster(5, 2, tmp_path, global_batch=12, config=cfg, events=events, hooks=HOOKS, model=model) as c:
         for v in (1, 2):
             c.call("train_direct", {"input_ids": ids, "n_train": 2, "version_after": v}, ranks=[0, 1])
         d2 = c.call("state_digest", ranks=[0, 1])[0]["optimizer"]
@@ -42,6 +46,8 @@ def test_zero2_reshard_is_bit_exact(tmp_path):
         assert d4b["step"] == "3.0" and d4b["master"] != d2["master"]
         c.call("switch_role", {"switch_id": "down", "step": 3, "from_train": 4, "to_train": 2})
         assert c.call("state_digest", ranks=[0, 1])[0]["optimizer"] == d4b
+        # every rank, trainer or (ranks 2-4) rollout, holds the weights in the model's dtype
+        assert all(s["dtypes"] == [f"torch.{dtype}"] for s in c.call("state_digest").values())
         assert all(s["created_after_startup"] == 0 for s in c.call("comm_stats").values())
     ops = [e["op"] for e in read_events(events) if e.type.value == "switch_op"]
     assert "optimizer_reshard" in ops and "optimizer_stage_in" not in ops  # not deferred: no install inside a step

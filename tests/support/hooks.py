@@ -54,7 +54,7 @@ def state_digest(w: Worker) -> dict[str, Any]:
         h.update(n.encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     out: dict[str, Any] = {"weights": h.hexdigest(), "version": w.version, "role": w.role.value,
-                           "incoming": sorted(w.incoming)}
+                           "incoming": sorted(w.incoming), "dtypes": sorted({str(p.dtype) for p in w.module.parameters()})}
     if w.trainer is not None:
         out["optimizer"] = R.state_digest(w.trainer.export_partitions(), w.groups.trainer_group(w.n_train), w._dev)
     return out

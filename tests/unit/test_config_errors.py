@@ -61,6 +61,12 @@ BAD = [
      "multiples of 4 from 4 to 4"),
     ("open-redis", {"redis": {"bind": "0.0.0.0", "require_password": False}}, "redis.require_password", "False",
      "require_password must be true"),
+    ("micro-below-a-sequence", {"rollout": {"max_tokens": 48}, "train": {"micro_batch_tokens": 40}},
+     "train.micro_batch_tokens", "40", "rollout.max_tokens=48 response tokens after a prompt of at least 1 token need at least 49"),
+    ("bf16-on-a-float32-model", {"model": {"dtype": "float32"}, "train": {"precision": "bf16"}}, "train.precision",
+     "'bf16'", "model.dtype=float32 trains in fp32"),
+    ("fp32-on-a-bfloat16-model", {"model": {"dtype": "bfloat16"}, "train": {"precision": "fp32"}}, "train.precision",
+     "'fp32'", "set train.precision=bf16 or auto, or model.dtype=float32"),
     ("curriculum-inverted", {"task": {"curriculum": {"min_len": 5, "max_len_start": 3}}}, "task.curriculum.max_len_start",
      "3", "below min_len=5"),
 ]
