@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, model_validator
 
 from dynaresize.config.base import RuleError, Section
 
@@ -14,7 +14,14 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 class RedisConfig(Section):
     url: str | None = Field(
         None,
-        description="External Redis URL (redis://[:password@]host:port/db); when unset a private redis-server is started for the run",
+        description="External Redis URL (redis://[:password@]host:port/db); when unset a private redis-server is started for the "
+        "run. A password in it is copied into the run's 0600 redis/password and written everywhere else as *** "
+        "(config.yaml included); better: give it with password_file",
+    )
+    password_file: str | None = Field(
+        None,
+        description="File holding the password of the external Redis (redis.url), readable by its owner only (mode 0600 "
+        "or stricter, checked at every start and resume); read, never copied",
     )
     bind: str = Field("127.0.0.1", description="Interface the embedded redis-server binds to (loopback for local runs)")
     port: int = Field(0, ge=0, le=65535, description="Port of the embedded redis-server; 0 picks a free port")
@@ -76,8 +83,25 @@ class RedisConfig(Section):
         1 << 20, ge=1024, description="Largest accepted control-plane message; larger ones are rejected and logged"
     )
 
+    @field_serializer("url")
+    def _url_redacted(self, url: str | None) -> str | None:
+        """Every dump of the config (config.yaml, loggers' config, ``config show``) has the password redacted."""
+        from dynaresize.control.secret import redact
+
+        return redact(url) if url else url
+
     @model_validator(mode="after")
     def _no_open_bind_without_password(self) -> "RedisConfig":
+        from dynaresize.control.secret import url_password
+
+        if self.password_file is not None and self.url is None:
+            raise RuleError("password_file", self.password_file,
+                            "redis.password_file is the password of an external Redis: set redis.url too (the "
+                            "embedded server generates its own password)")
+        if self.password_file is not None and url_password(self.url) is not None:
+            raise RuleError("password_file", self.password_file,
+                            "redis.url holds a password and redis.password_file names another: give it once "
+                            "(remove it from redis.url)")
         if self.bind not in LOOPBACK and not self.require_password:
             raise RuleError(
                 "require_password", self.require_password,

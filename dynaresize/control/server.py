@@ -846,20 +846,30 @@ class RedisServer:
         _write_private(self.endpoint_file, json.dumps(data) + "\n", 0o644)
 
     def _adopt_url(self, url: str) -> Endpoint:
+        """An external server: its password (see :mod:`.secret`: ``redis.password_file``, the URL's, or the run's
+        own copy of a redacted URL's) in the run's 0600 ``redis/password``, which ``redis.json`` names for the
+        ranks (a user's password_file is named directly, not copied)."""
+        from dynaresize.control.secret import SecretError, external_password, redact
+
         u = urlparse(url)
         if u.scheme not in ("redis", "rediss"):
-            raise RedisServerError(f"redis.url={url!r}: allowed schemes: redis://, rediss://")
+            raise RedisServerError(f"redis.url={redact(url)!r}: allowed schemes: redis://, rediss://")
+        try:
+            password = external_password(url, self.cfg.password_file, self.run_dir)
+        except SecretError as e:
+            raise RedisServerError(str(e)) from None
         pw_file = None
-        if u.password:
+        if self.cfg.password_file:
+            pw_file = Path(self.cfg.password_file).expanduser().resolve()
+        elif password is not None:
             pw_file = self.dir / PASSWORD_FILE
-            _write_private(pw_file, unquote(u.password) + "\n")
+            _write_private(pw_file, password + "\n")
         ep = Endpoint(u.hostname or "127.0.0.1", u.port or 6379, str(pw_file) if pw_file else None,
                       int((u.path or "/0").lstrip("/") or 0))
         self.endpoint = ep
         self.port = ep.port
         self._write_endpoint(ep)
         return ep
-
 
 if __name__ == "__main__":  # python -m dynaresize.control.server RUN_DIR: start a server until Ctrl-C
     logging.basicConfig(level=logging.INFO)
