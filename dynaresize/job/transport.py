@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dynaresize.control.health import lost_ranks, stall_grace_s
 from dynaresize.control.server import RedisRefusesWrites, redis_error_text
 from dynaresize.disk import is_disk_full
 from dynaresize.events import format_ranks
 from dynaresize.job.errors import JobError, RanksLost, where_stopped
 from dynaresize.job.runtime import Job, Services
+
+log = logging.getLogger("dynaresize.job")
 
 if TYPE_CHECKING:
     from dynaresize.job.takeover import Takeover
@@ -56,6 +60,7 @@ class Transport:
         # a takeover replaying the schedule (it sets and clears this): a command is computed and held, not sent; a
         # wait is answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
         self.replay: Takeover | None = None
+        self._lost_announced: set[int] = set()  # the lost ranks at the last Redis-stall announcement
 
     def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None,
              reply_to: str | None = None) -> InFlight:
@@ -92,19 +97,53 @@ class Transport:
 
     def check_alive(self, ranks, what: str) -> None:
         """Raise :class:`RanksLost` for the ranks among ``ranks`` whose process exited or whose heartbeat is older
-        than the deadline (and wait, bounded, while Redis refuses writes)."""
+        than the deadline (and wait, bounded, while Redis refuses writes). A window in which Redis itself was slow
+        or unreachable is not a rank's silence (:mod:`dynaresize.control.health`); a stall longer than
+        ``redis.write_wait_s`` stops the run naming Redis."""
         launcher, registry = self.svc.launcher, self.svc.registry
         registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
         exited = launcher.dead() if hasattr(launcher, "dead") else {}
         gone = {r: f"process exited with code {exited[r]}" for r in ranks if r in exited}
         silent = registry.dead()
-        gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in ranks if r in silent and r not in gone})
+        now = time.monotonic()
+        silent = {r: age for r, age in silent.items() if r in ranks and r not in gone}
+        health = getattr(self.svc, "health", None)
+        if health is None:
+            gone.update({r: f"no heartbeat for {age:.1f} s" for r, age in silent.items()})
+        else:
+            stalls = health.stalls()
+            self._stop_on_long_stall(stalls)
+            rc = self.job.cfg.redis
+            lost = lost_ranks({r: now - age for r, age in silent.items()}, now, stalls, rc.dead_after_s,
+                              stall_grace_s(rc))
+            gone.update({r: v.why() for r, v in lost.items()})
         if gone:
             err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
             if hasattr(launcher, "log_tail") and any(r in exited for r in gone):
                 r0 = next(r for r in sorted(gone) if r in exited)
                 err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
             raise err
+
+    def _stop_on_long_stall(self, stalls) -> None:
+        """Announce each Redis stall once it is over (one line, one event); stop when a reply took longer than
+        ``redis.write_wait_s`` (the bound the ranks' and the coordinator's waits on Redis share)."""
+        rc, st = self.job.cfg.redis, self.job.state
+        worst = max(stalls, key=lambda s: s.slowest_s, default=None)
+        if worst is not None and worst.slowest_s > rc.write_wait_s:
+            self.writes_refused = True  # the shutdown does not wait for Redis once more
+            raise JobError(f"Redis replies took {worst.slowest_s:.1f} s{' and still wait' if worst.ongoing else ''}, "
+                           f"longer than redis.write_wait_s ({rc.write_wait_s:g} s): the run's Redis was slow or "
+                           f"unreachable (not a rank: no rank was declared lost for it); "
+                           f"{where_stopped(st.step, st.checkpoint)}; check Redis first")
+        if not self.svc.health.pending():  # the lost ranks before a stall: those lost after it are named with it
+            self._lost_announced = set(st.lost)
+        for s in self.svc.health.finished(stall_grace_s(rc) + rc.dead_after_s):  # long enough for a loss to show
+            lost = sorted(set(st.lost) - self._lost_announced)
+            tail = "no rank lost" if not lost else f"rank(s) {format_ranks(lost)} lost meanwhile"
+            text = f"Redis replies took {s.slowest_s:.1f} s; ranks waited; {tail}"
+            log.warning("%s", text)
+            if self.job.events is not None:
+                self.job.events.emit("control", what="redis_slow", reason=text, delay_s=round(s.slowest_s, 2))
 
     def require(self, res, what: str, ranks) -> None:
         if res.missing:
