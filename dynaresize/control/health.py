@@ -104,21 +104,22 @@ class RoundTrips:
         self.clock = clock
         self._lock = threading.Lock()
         self._done: list[Stall] = []
-        self._inflight: dict[int, float] = {}  # token -> start
+        self._inflight: dict[int, tuple[float, float]] = {}  # token -> (start, blocked_s)
         self._next = 0
         self._announced_to = float("-inf")  # stalls ending up to here were announced
 
-    def begin(self) -> int:
+    def begin(self, blocked_s: float = 0.0) -> int:
+        """A call starts; ``blocked_s``: how long it may block on the server by design (a blocking read)."""
         with self._lock:
             self._next += 1
-            self._inflight[self._next] = self.clock()
+            self._inflight[self._next] = (self.clock(), max(0.0, blocked_s))
             return self._next
 
-    def end(self, token: int, blocked_s: float = 0.0) -> None:
+    def end(self, token: int) -> None:
         now = self.clock()
         with self._lock:
-            start = self._inflight.pop(token, now)
-            took = now - start - max(0.0, blocked_s)
+            start, blocked = self._inflight.pop(token, (now, 0.0))
+            took = now - start - blocked
             if took > self.slow_after_s:
                 self._done.append(Stall(start, now, took))
             self._done = [s for s in self._done if s.end >= now - self.keep_s]
@@ -128,20 +129,24 @@ class RoundTrips:
         now = self.clock()
         with self._lock:
             out = list(self._done)
-            out += [Stall(t, now, now - t, ongoing=True) for t in self._inflight.values() if now - t > self.slow_after_s]
+            out += [Stall(t, now, now - t - b, ongoing=True) for t, b in self._inflight.values()
+                    if now - t - b > self.slow_after_s]
         return out
 
-    def pending(self) -> bool:
-        """Whether a stall (over or not) was not returned by :meth:`finished` yet."""
-        return any(s.end > self._announced_to for s in self.stalls())
+    def pending(self, at_least_s: float = 0.0) -> bool:
+        """Whether a stall (over or not) with a reply slower than ``at_least_s`` was not returned by
+        :meth:`finished` yet."""
+        return any(s.end > self._announced_to and s.slowest_s >= at_least_s for s in self.stalls())
 
-    def finished(self, join_s: float) -> list[Stall]:
-        """Stalls over for at least ``join_s`` (the retried calls of one stall are one) and not returned before:
-        each is returned once (its announcement)."""
+    def finished(self, join_s: float, over_s: float, at_least_s: float = 0.0) -> list[Stall]:
+        """Stalls with a reply slower than ``at_least_s`` (windows less than ``join_s`` apart are one: the retried
+        calls of one stall), over for at least ``over_s``, and not returned before: each is returned once (its
+        announcement). Shorter hiccups are left out first, so that a loaded machine's late replies never keep a
+        stall from being over."""
         now = self.clock()
-        merged = merge(self.stalls(), join_s)
+        merged = merge([s for s in self.stalls() if s.slowest_s >= at_least_s], join_s)
         with self._lock:
-            out = [s for s in merged if not s.ongoing and s.end + join_s <= now and s.end > self._announced_to]
+            out = [s for s in merged if not s.ongoing and s.end + over_s <= now and s.end > self._announced_to]
             if out:
                 self._announced_to = max(s.end for s in out)
         return out

@@ -311,11 +311,11 @@ class TimedRedis(redis.Redis):
     round_trips = None  # RoundTrips; set by client_for
 
     def execute_command(self, *args, **options):
-        token = self.round_trips.begin()
+        token = self.round_trips.begin(_block_s(args))
         try:
             return super().execute_command(*args, **options)
         finally:
-            self.round_trips.end(token, _block_s(args))
+            self.round_trips.end(token)
 
     def pipeline(self, transaction=True, shard_hint=None):
         pipe = _TimedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)

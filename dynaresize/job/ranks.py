@@ -90,6 +90,7 @@ class Ranks:
         if launcher is None:
             return
         self.stopping = True
+        self.tx.check_redis(final=True)  # a Redis stall not announced yet (the last steps'): announced now
         told: list[int] = []  # the ranks sent the shutdown
         try:
             if checkpoint and not (set(launcher.dead()) - set(job.state.lost)):

@@ -19,6 +19,10 @@ from dynaresize.job.runtime import Job, Services
 
 log = logging.getLogger("dynaresize.job")
 
+# a Redis stall is announced when its slowest reply took this many heartbeat periods (the ranks missed that many
+# beats): one late reply is scheduling noise on a loaded machine, two missed periods a stall a user should hear of
+ANNOUNCE_PERIODS = 2
+
 if TYPE_CHECKING:
     from dynaresize.job.takeover import Takeover
 
@@ -90,6 +94,7 @@ class Transport:
             return stored
         while True:
             res = self.svc.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
+            self.check_redis()
             if not res.missing:
                 self.require(res, what, ranks)
                 return res
@@ -111,8 +116,7 @@ class Transport:
         if health is None:
             gone.update({r: f"no heartbeat for {age:.1f} s" for r, age in silent.items()})
         else:
-            stalls = health.stalls()
-            self._stop_on_long_stall(stalls)
+            stalls = self.check_redis()
             rc = self.job.cfg.redis
             lost = lost_ranks({r: now - age for r, age in silent.items()}, now, stalls, rc.dead_after_s,
                               stall_grace_s(rc))
@@ -124,26 +128,34 @@ class Transport:
                 err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
             raise err
 
-    def _stop_on_long_stall(self, stalls) -> None:
+    def check_redis(self, final: bool = False) -> list:
         """Announce each Redis stall once it is over (one line, one event); stop when a reply took longer than
-        ``redis.write_wait_s`` (the bound the ranks' and the coordinator's waits on Redis share)."""
+        ``redis.write_wait_s`` (the bound the ranks' and the coordinator's waits on Redis share). Called wherever
+        the coordinator waits (its loop, every wait for acks, every liveness check), and at the end of the run
+        (``final``: what is left is announced, nothing stops); returns the stalls seen."""
+        if getattr(self.svc, "health", None) is None:
+            return []
+        stalls = self.svc.health.stalls()
         rc, st = self.job.cfg.redis, self.job.state
         worst = max(stalls, key=lambda s: s.slowest_s, default=None)
-        if worst is not None and worst.slowest_s > rc.write_wait_s:
+        if worst is not None and worst.slowest_s > rc.write_wait_s and not final:
             self.writes_refused = True  # the shutdown does not wait for Redis once more
             raise JobError(f"Redis replies took {worst.slowest_s:.1f} s{' and still wait' if worst.ongoing else ''}, "
                            f"longer than redis.write_wait_s ({rc.write_wait_s:g} s): the run's Redis was slow or "
                            f"unreachable (not a rank: no rank was declared lost for it); "
                            f"{where_stopped(st.step, st.checkpoint)}; check Redis first")
-        if not self.svc.health.pending():  # the lost ranks before a stall: those lost after it are named with it
+        at_least = ANNOUNCE_PERIODS * rc.heartbeat_s  # shorter: not counted as silence, but not announced either
+        if not self.svc.health.pending(at_least):  # the lost ranks before a stall: those lost after it are named with it
             self._lost_announced = set(st.lost)
-        for s in self.svc.health.finished(stall_grace_s(rc) + rc.dead_after_s):  # long enough for a loss to show
+        over = 0.0 if final else stall_grace_s(rc) + rc.dead_after_s  # a loss had time to show
+        for s in self.svc.health.finished(stall_grace_s(rc), over, at_least):
             lost = sorted(set(st.lost) - self._lost_announced)
             tail = "no rank lost" if not lost else f"rank(s) {format_ranks(lost)} lost meanwhile"
             text = f"Redis replies took {s.slowest_s:.1f} s; ranks waited; {tail}"
             log.warning("%s", text)
             if self.job.events is not None:
                 self.job.events.emit("control", what="redis_slow", reason=text, delay_s=round(s.slowest_s, 2))
+        return stalls
 
     def require(self, res, what: str, ranks) -> None:
         if res.missing:

@@ -60,10 +60,25 @@ def test_round_trips_record_slow_calls_as_stalls_announced_once():
     rt.end(b)
     clock.t = 12.4
     rt.end(c)  # a retried call of the same stall: one stall of 12.1 s
-    d = rt.begin()
+    d = rt.begin(blocked_s=0.5)
     clock.t = 13.0
-    rt.end(d, blocked_s=0.5)  # a blocking read's own block is not a delay
-    assert rt.finished(join_s=3.0) == []  # not over long enough: a retry may still join it
+    rt.end(d)  # a blocking read: its own block is not a delay
+    assert rt.finished(join_s=3.0, over_s=3.0) == []  # not over long enough: a retry may still join it
     clock.t = 16.0
-    assert rt.finished(join_s=3.0) == [Stall(0.3, 12.4, pytest.approx(12.1))]
-    assert rt.finished(join_s=3.0) == [] and not rt.pending()  # announced once
+    assert rt.finished(join_s=3.0, over_s=3.0) == [Stall(0.3, 12.4, pytest.approx(12.1))]
+    assert rt.finished(join_s=3.0, over_s=3.0) == [] and not rt.pending()  # announced once
+
+
+def test_a_loaded_machines_late_replies_never_keep_a_stall_from_being_announced():
+    clock = Clock()
+    rt = RoundTrips(slow_after_s=1.0, clock=clock)
+    big = rt.begin()
+    clock.t = 3.0
+    rt.end(big)
+    for t in range(4, 20, 2):  # a 1.2 s reply every 2 s after it: slow, but below the announcement's bar
+        clock.t = t
+        small = rt.begin()
+        clock.t = t + 1.2
+        rt.end(small)
+    assert rt.finished(join_s=5.0, over_s=5.0) == []  # all of them one stall, never over for 5 s
+    assert rt.finished(join_s=5.0, over_s=5.0, at_least_s=2.0) == [Stall(0.0, 3.0, 3.0)]
