@@ -65,7 +65,9 @@ class RedisConfig(Section):
         60.0, ge=0, description="How long a Redis call waits while Redis refuses writes (-OOM: maxmemory reached, "
         "-MISCONF: it cannot write to disk, -READONLY: a read-only replica) before it gives up; meanwhile silent "
         "heartbeats are not deaths. Past it the job stops with one message naming the cause and the resume command. "
-        "0: fail at the first refusal",
+        "Also the longest Redis reply (a stall: a slow disk, a fork, the network) the coordinator waits out: a window "
+        "in which Redis was slow is no rank's silence; a reply slower than this stops the job naming Redis. "
+        "0: fail at the first refusal or stall",
     )
     block_ms: int = Field(
         500, ge=1, description="Longest server-side block of one blocking read (XREAD BLOCK, pub/sub wait); below socket_timeout_s"
