@@ -115,11 +115,13 @@ class RoundTrips:
             self._inflight[self._next] = (self.clock(), max(0.0, blocked_s))
             return self._next
 
-    def end(self, token: int) -> None:
+    def end(self, token: int, blocked_s: float | None = None) -> None:
+        """The call ended; ``blocked_s``: how long it blocked by design after all (a blocking read that got data at
+        once did not block: 0), else what :meth:`begin` was told."""
         now = self.clock()
         with self._lock:
             start, blocked = self._inflight.pop(token, (now, 0.0))
-            took = now - start - blocked
+            took = now - start - (blocked if blocked_s is None else blocked_s)
             if took > self.slow_after_s:
                 self._done.append(Stall(start, now, took))
             self._done = [s for s in self._done if s.end >= now - self.keep_s]

@@ -311,11 +311,15 @@ class TimedRedis(redis.Redis):
     round_trips = None  # RoundTrips; set by client_for
 
     def execute_command(self, *args, **options):
-        token = self.round_trips.begin(_block_s(args))
+        block = _block_s(args)
+        token = self.round_trips.begin(block)
+        blocked = None  # unknown (an error): the block asked for
         try:
-            return super().execute_command(*args, **options)
+            reply = super().execute_command(*args, **options)
+            blocked = block if block and not reply else 0.0  # a blocking read that got data: it may not have blocked
+            return reply
         finally:
-            self.round_trips.end(token)
+            self.round_trips.end(token, blocked)
 
     def pipeline(self, transaction=True, shard_hint=None):
         pipe = _TimedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)

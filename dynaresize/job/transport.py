@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import redis
+
 from dynaresize.control.health import lost_ranks, stall_grace_s
 from dynaresize.control.server import RedisRefusesWrites, redis_error_text
 from dynaresize.disk import is_disk_full
@@ -19,9 +21,10 @@ from dynaresize.job.runtime import Job, Services
 
 log = logging.getLogger("dynaresize.job")
 
-# a Redis stall is announced when its slowest reply took this many heartbeat periods (the ranks missed that many
-# beats): one late reply is scheduling noise on a loaded machine, two missed periods a stall a user should hear of
-ANNOUNCE_PERIODS = 2
+# a Redis stall is announced when its slowest reply took this many heartbeat periods (the ranks missed a beat and
+# more): a reply a little late is scheduling noise on a loaded machine. Not 2: a call already blocked in the server
+# when Redis stalls is not delayed, so the coordinator measures a stall of 3 periods as about 2
+ANNOUNCE_PERIODS = 1.5
 
 if TYPE_CHECKING:
     from dynaresize.job.takeover import Takeover
@@ -151,11 +154,24 @@ class Transport:
         for s in self.svc.health.finished(stall_grace_s(rc), over, at_least):
             lost = sorted(set(st.lost) - self._lost_announced)
             tail = "no rank lost" if not lost else f"rank(s) {format_ranks(lost)} lost meanwhile"
-            text = f"Redis replies took {s.slowest_s:.1f} s; ranks waited; {tail}"
+            theirs = self._ranks_view() if not final else ""
+            text = f"Redis replies took {s.slowest_s:.1f} s{theirs}; ranks waited; {tail}"
             log.warning("%s", text)
             if self.job.events is not None:
                 self.job.events.emit("control", what="redis_slow", reason=text, delay_s=round(s.slowest_s, 2))
         return stalls
+
+    def _ranks_view(self) -> str:
+        """The ranks' own measure of the stall (their slowest heartbeat round trips), as a clause; empty when none
+        reported one or it cannot be read."""
+        try:
+            seen = self.svc.registry.reported_slow()
+        except redis.RedisError:
+            return ""
+        if not seen:
+            return ""
+        r = max(seen, key=seen.get)
+        return f" (the ranks' heartbeats up to {seen[r]:.1f} s, rank {r})"
 
     def require(self, res, what: str, ranks) -> None:
         if res.missing:

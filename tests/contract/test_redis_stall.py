@@ -1,7 +1,7 @@
 """A Redis that stalls is not a dead rank (issue 47, item 1), on the coordinator's real liveness check
 (``Transport.check_alive``) with ranks heartbeating through a delaying proxy (``faultproxy.FaultProxy.hold``) in front
 of a real redis-server: a stall longer than the heartbeat deadline and than the socket timeout declares nobody lost
-and is announced once; a rank that dies during a stall is seen once Redis answers; a stall past
+and is announced once, with the coordinator's measure and the ranks' own; a rank that dies during a stall is seen once Redis answers; a stall past
 ``redis.write_wait_s`` stops with one message naming Redis."""
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ def test_a_stall_longer_than_the_deadline_and_the_socket_timeout_loses_no_rank_a
     assert len(lines) == 1 and lines[0].endswith("; ranks waited; no rank lost"), lines
     took = float(lines[0].split("took ")[1].split(" s")[0])
     assert 3.0 <= took <= 8.0, lines  # the measured delay
+    theirs = float(lines[0].split("the ranks' heartbeats up to ")[1].split(" s")[0])  # the ranks report theirs
+    assert 3.0 <= theirs <= 8.0, lines
 
 
 def test_a_rank_that_dies_during_a_stall_is_seen_once_redis_answers(harness):
