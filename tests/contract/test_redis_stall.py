@@ -23,6 +23,8 @@ from dynaresize.job.transport import Transport
 from conftest import make_registration
 from faultproxy import FaultProxy
 
+pytestmark = [pytest.mark.contract, pytest.mark.timeout(120)]
+
 # a 1 s heartbeat deadline and a 2 s socket timeout: the stalls below outlast both
 FAST = ["redis.heartbeat_s=0.2", "redis.dead_after_heartbeats=5", "redis.socket_timeout_s=2", "redis.block_ms=100",
         "redis.connect_timeout_s=2", "redis.retries=8"]

@@ -7,6 +7,8 @@ import pytest
 
 from dynaresize.control.health import RoundTrips, Stall, lost_ranks, merge
 
+pytestmark = pytest.mark.unit
+
 DEADLINE, GRACE = 5.0, 2.0
 
 

@@ -14,6 +14,8 @@ from dynaresize.control.secret import SecretError, external_password, read_passw
 from dynaresize.control.server import RedisServer, RedisServerError
 from dynaresize.rundir import create_run_dir
 
+pytestmark = pytest.mark.unit
+
 PW = "s3cr3t-Pa55"
 URL = f"redis://:{PW}@10.0.0.7:6390/2"
 
@@ -81,3 +83,15 @@ def test_an_external_server_with_a_password_file_is_adopted_without_copying_it(t
     f.chmod(0o640)
     with pytest.raises(RedisServerError, match="mode 0640"):
         RedisServer(cfg, create_run_dir(tmp_path / "runs", "r")).start()
+
+
+def test_the_sbatch_script_and_the_submitted_run_directory_hold_no_password(tmp_path):
+    from dynaresize.slurm.jobdir import new_run_dir
+    from dynaresize.slurm.sbatch import render_sbatch
+    from dynaresize.slurm.spec import build_spec
+
+    cfg = load_config("configs/quickstart.yaml", [f"redis.url={URL}", f"run.output_dir={tmp_path}"])
+    run_dir = new_run_dir(cfg)  # what `dynaresize submit` writes before sbatch
+    assert PW not in render_sbatch(build_spec(cfg, str(run_dir), python="/usr/bin/python3"))
+    holders = [p.name for p in run_dir.rglob("*") if p.is_file() and PW in p.read_text(errors="replace")]
+    assert holders == ["password"] and (run_dir / "redis" / "password").stat().st_mode & 0o777 == 0o600
