@@ -13,6 +13,11 @@ the directory is created, so two runs with the same ``run.name`` started in the 
 directories, on one shared Redis, never share a key, a rank or a fencing epoch; a directory without one (made by
 an older version, or by a test) gets the name plus a digest of its absolute path. Only ``--resume`` of the same
 directory reaches the same job again.
+
+A run directory is created with mode 0700 (its owner only): it lives on storage that a cluster shares between
+users, and holds the run's logs, prompts, rewards and weights; its secrets (the Redis password) are in 0600 files
+besides. Not 0750: on many clusters every user's primary group is one shared group (``users``), so group access
+would be everyone's. Share a finished run on purpose (``chmod -R g+rX``), not by default.
 """
 
 from __future__ import annotations
@@ -40,11 +45,12 @@ def create_run_dir(parent: str | Path, name: str, now: float | None = None) -> P
     run_dir, n = base, 1
     while True:
         try:
-            run_dir.mkdir()
+            run_dir.mkdir(mode=0o700)
             break
         except FileExistsError:
             n += 1
             run_dir = base.with_name(f"{base.name}.{n}")
+    run_dir.chmod(0o700)  # mkdir's mode is narrowed by the umask, never widened: exact here
     write_marker(run_dir)
     return run_dir
 

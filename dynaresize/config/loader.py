@@ -24,7 +24,13 @@ EXTENDS_KEY = "extends"
 
 
 class ConfigError(ValueError):
-    """A config that cannot be loaded: the message names the source, the key path, the value and what is allowed."""
+    """A config that cannot be loaded: the message names the source, the key path, the value and what is allowed
+    (a URL's password redacted: the message is printed and logged)."""
+
+    def __init__(self, message: str):
+        from dynaresize.control.secret import redact
+
+        super().__init__(redact(str(message)))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -213,7 +219,11 @@ def dump_config(cfg: Config) -> str:
 
 
 def write_resolved(cfg: Config, run_dir: str | Path) -> Path:
-    """Write the resolved config into the run directory as ``config.yaml`` (atomically) and return its path."""
+    """Write the resolved config into the run directory as ``config.yaml`` (atomically) and return its path. A
+    password in ``redis.url`` goes to the run's 0600 ``redis/password`` instead (config.yaml shows it redacted)."""
+    from dynaresize.control.secret import keep_url_password
+
+    keep_url_password(cfg.redis.url, run_dir)
     out = Path(run_dir) / "config.yaml"
     return atomic.write_text(out, dump_config(cfg))
 

@@ -28,6 +28,8 @@ key                            type      meaning
                                          them, never lowered): a registration of another launch is refused
 ``dr:<job>:journal``           string    the coordinator's state after its last finished step (JSON; written
                                          only by the current epoch): what a coordinator that takes over reads
+``dr:<job>:slow``              hash      rank -> the longest heartbeat round trip (s) it saw since the coordinator
+                                         last read it, written only when slower than a heartbeat period
 =============================  ========  =====================================================================
 """
 
@@ -86,6 +88,10 @@ class Keys:
     @property
     def journal(self) -> str:
         return f"{self.ns}:journal"
+
+    @property
+    def slow(self) -> str:
+        return f"{self.ns}:slow"
 
     def rank(self, r: int) -> str:
         return f"{self.ns}:rank:{int(r)}"

@@ -6,6 +6,9 @@ Importing this package imports nothing heavy (no redis); import the modules you 
 - ``wire``     JSON message models (:class:`Command`, :class:`Ack`, :class:`Registration`) and :class:`WireError`
 - ``registry`` :class:`Registry` (register, heartbeat, liveness) and the rank-side :class:`Heartbeater`
 - ``commands`` coordinator :class:`CommandBus` (send, await_acks) and rank-side :class:`CommandReceiver`
+- ``health``   the coordinator's Redis round trips (:class:`RoundTrips`) and the pure liveness decision that does not
+  count a window in which Redis was slow (:func:`lost_ranks`)
+- ``secret``   an external Redis's password: owner-only files, and :func:`redact` for every URL written or logged
 - ``keys``     the key layout; ``demo`` the ``dynaresize demo`` command
 
 Protocol in short (all keys under ``dr:<job_id>:``, so jobs sharing a Redis never see each other):

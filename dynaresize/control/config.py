@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_serializer, model_validator
 
 from dynaresize.config.base import RuleError, Section
 
@@ -14,7 +14,14 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 class RedisConfig(Section):
     url: str | None = Field(
         None,
-        description="External Redis URL (redis://[:password@]host:port/db); when unset a private redis-server is started for the run",
+        description="External Redis URL (redis://[:password@]host:port/db); when unset a private redis-server is started for the "
+        "run. A password in it is copied into the run's 0600 redis/password and written everywhere else as *** "
+        "(config.yaml included); better: give it with password_file",
+    )
+    password_file: str | None = Field(
+        None,
+        description="File holding the password of the external Redis (redis.url), readable by its owner only (mode 0600 "
+        "or stricter, checked at every start and resume); read, never copied",
     )
     bind: str = Field("127.0.0.1", description="Interface the embedded redis-server binds to (loopback for local runs)")
     port: int = Field(0, ge=0, le=65535, description="Port of the embedded redis-server; 0 picks a free port")
@@ -58,7 +65,9 @@ class RedisConfig(Section):
         60.0, ge=0, description="How long a Redis call waits while Redis refuses writes (-OOM: maxmemory reached, "
         "-MISCONF: it cannot write to disk, -READONLY: a read-only replica) before it gives up; meanwhile silent "
         "heartbeats are not deaths. Past it the job stops with one message naming the cause and the resume command. "
-        "0: fail at the first refusal",
+        "Also the longest Redis reply (a stall: a slow disk, a fork, the network) the coordinator waits out: a window "
+        "in which Redis was slow is no rank's silence; a reply slower than this stops the job naming Redis. "
+        "0: fail at the first refusal or stall",
     )
     block_ms: int = Field(
         500, ge=1, description="Longest server-side block of one blocking read (XREAD BLOCK, pub/sub wait); below socket_timeout_s"
@@ -76,8 +85,25 @@ class RedisConfig(Section):
         1 << 20, ge=1024, description="Largest accepted control-plane message; larger ones are rejected and logged"
     )
 
+    @field_serializer("url")
+    def _url_redacted(self, url: str | None) -> str | None:
+        """Every dump of the config (config.yaml, loggers' config, ``config show``) has the password redacted."""
+        from dynaresize.control.secret import redact
+
+        return redact(url) if url else url
+
     @model_validator(mode="after")
     def _no_open_bind_without_password(self) -> "RedisConfig":
+        from dynaresize.control.secret import url_password
+
+        if self.password_file is not None and self.url is None:
+            raise RuleError("password_file", self.password_file,
+                            "redis.password_file is the password of an external Redis: set redis.url too (the "
+                            "embedded server generates its own password)")
+        if self.password_file is not None and url_password(self.url) is not None:
+            raise RuleError("password_file", self.password_file,
+                            "redis.url holds a password and redis.password_file names another: give it once "
+                            "(remove it from redis.url)")
         if self.bind not in LOOPBACK and not self.require_password:
             raise RuleError(
                 "require_password", self.require_password,

@@ -144,6 +144,13 @@ return {tostring(now), redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - tonumb
 """
 
 
+_REPORT_SLOW = """
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+
+
 class RegistrationRefused(FencedRankError):
     """The registry refused this process the rank (declared lost, an earlier launch, or a live process of the
     current launch holds it); :attr:`reason` says which in one line. The process must exit."""
@@ -188,6 +195,7 @@ class Registry:
         self._dead = client.register_script(_DEAD)
         self._fence = client.register_script(_FENCE)
         self._begin_launch = client.register_script(_BEGIN_LAUNCH)
+        self._report_slow = client.register_script(_REPORT_SLOW)
         self._refused_count: int | None = None  # Redis's count of refused writes at the last look (INFO errorstats)
         self._refused_at: float | None = None  # monotonic time at which that count was last seen to grow
         self._server_major: int | None = None  # Redis's major version (which errors count as refused writes)
@@ -358,6 +366,19 @@ class Registry:
             self._refused_count = n
         return float("inf") if self._refused_at is None else now - self._refused_at
 
+    def report_slow(self, rank: int, seconds: float) -> None:
+        """Rank side: a heartbeat took ``seconds`` to get through (kept if the longest since the coordinator's
+        last look): the ranks' view of a Redis stall, beside the coordinator's own."""
+        self._report_slow(keys=[self.keys.slow], args=[int(rank), float(seconds)])
+
+    def reported_slow(self) -> dict[int, float]:
+        """Coordinator side: the ranks' slowest heartbeat round trips since the last call (then forgotten)."""
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hgetall(self.keys.slow)
+        pipe.delete(self.keys.slow)
+        got = pipe.execute()[0] or {}
+        return {int(r): float(v) for r, v in got.items()}
+
     def live(self) -> dict[int, Registration]:
         return self.liveness().live
 
@@ -492,10 +513,17 @@ class Heartbeater:
 
     def _loop(self) -> None:
         period = self.registry.cfg.heartbeat_s
+        slowest = 0.0  # the longest round trip of a beat not reported yet (a Redis stall as this rank saw it)
         while not self._stop.wait(period):
+            t0 = time.monotonic()
             try:
                 self.beat_once()
+                slowest = max(slowest, time.monotonic() - t0)
+                if slowest > period:  # reported once Redis answers again: the coordinator names it with the stall
+                    self.registry.report_slow(self.registration.rank, round(slowest, 3))
+                    slowest = 0.0
             except redis.RedisError as e:
+                slowest = max(slowest, time.monotonic() - t0)
                 self.errors += 1
                 log.warning("rank %d: heartbeat failed (%s); retrying next period", self.registration.rank, e)
 

@@ -60,6 +60,7 @@ from redis.retry import Retry
 from dynaresize import atomic
 from dynaresize.disk import SpaceWatch, describe, free_bytes, is_disk_full, size_text
 from dynaresize.control.config import LOOPBACK, RedisConfig
+from dynaresize.control.health import BACKOFF_CAP_S  # longest sleep of a client between two retries (its lag after a restart)
 from dynaresize.net import free_port
 
 log = logging.getLogger("dynaresize.control.server")
@@ -69,7 +70,6 @@ ENDPOINT_FILE = "redis.json"
 PASSWORD_FILE = "password"
 CONF_FILE = "redis.conf"
 LOG_FILE = "redis.log"
-BACKOFF_CAP_S = 1.0  # longest sleep of a client between two retries (so also its lag after a server restart)
 RESTART_BACKOFF_CAP_S = 5.0  # longest wait of the watchdog between two restart attempts
 WATCH_POLL_S = 0.1  # how often the watchdog looks at the server process
 OWNER_STOP_GRACE_S = 2.0  # a clean exit of the server counts as the owner's stop if it begins within this time
@@ -306,11 +306,59 @@ class SafeRetry(Retry):
                 pause = min(1.0, pause * 2)
 
 
+class TimedRedis(redis.Redis):
+    """A client that reports every call's round trip (retries included) to a
+    :class:`~dynaresize.control.health.RoundTrips`: how the coordinator knows when Redis itself was slow."""
+
+    round_trips = None  # RoundTrips; set by client_for
+
+    def execute_command(self, *args, **options):
+        block = _block_s(args)
+        token = self.round_trips.begin(block)
+        blocked = None  # unknown (an error): the block asked for
+        try:
+            reply = super().execute_command(*args, **options)
+            blocked = block if block and not reply else 0.0  # a blocking read that got data: it may not have blocked
+            return reply
+        finally:
+            self.round_trips.end(token, blocked)
+
+    def pipeline(self, transaction=True, shard_hint=None):
+        pipe = _TimedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.round_trips = self.round_trips
+        return pipe
+
+
+class _TimedPipeline(redis.client.Pipeline):
+    round_trips = None
+
+    def execute(self, raise_on_error: bool = True):
+        token = self.round_trips.begin()
+        try:
+            return super().execute(raise_on_error)
+        finally:
+            self.round_trips.end(token)
+
+
+def _block_s(args: tuple) -> float:
+    """The server-side block a call asked for (``XREAD``/``XREADGROUP ... BLOCK ms``): waiting, not a delay."""
+    if not args or str(args[0]).upper() not in ("XREAD", "XREADGROUP"):
+        return 0.0
+    for i, a in enumerate(args[:-1]):
+        if isinstance(a, (str, bytes)) and (a.decode() if isinstance(a, bytes) else a).upper() == "BLOCK":
+            try:
+                return int(args[i + 1]) / 1000
+            except (TypeError, ValueError):
+                return 0.0
+    return 0.0
+
+
 def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", password: str | None = None,
-               outage: Callable[[], bool] | None = None) -> redis.Redis:
+               outage: Callable[[], bool] | None = None, round_trips=None) -> redis.Redis:
     """A redis-py client with explicit timeouts, a bounded exponential-backoff retry on connection errors, and a
-    bounded wait (``redis.write_wait_s``) while Redis refuses writes (:class:`SafeRetry`)."""
-    return redis.Redis(
+    bounded wait (``redis.write_wait_s``) while Redis refuses writes (:class:`SafeRetry`). ``round_trips``: a
+    :class:`~dynaresize.control.health.RoundTrips` told every call's round trip (:class:`TimedRedis`)."""
+    client = (redis.Redis if round_trips is None else TimedRedis)(
         host=endpoint.host,
         port=endpoint.port,
         db=endpoint.db,
@@ -325,10 +373,13 @@ def client_for(endpoint: Endpoint, cfg: RedisConfig, role: str = "client", passw
         client_name=f"dr-{role}"[:64].replace(" ", "_"),
         decode_responses=False,
     )
+    if round_trips is not None:
+        client.round_trips = round_trips
+    return client
 
 
 def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = None,
-            outage: Callable[[], bool] | None = None) -> redis.Redis:
+            outage: Callable[[], bool] | None = None, round_trips=None) -> redis.Redis:
     """Client for ``target``: a ``redis://`` URL, an endpoint file (``redis.json``), or a run directory.
 
     ``role`` names the connection (``CLIENT LIST`` shows ``dr-<role>``). Timeouts and retries come from ``cfg``.
@@ -338,8 +389,9 @@ def connect(target: str | Path, role: str = "client", cfg: RedisConfig | None = 
     if t.startswith(("redis://", "rediss://", "unix://")):
         u = urlparse(t)
         ep = Endpoint(host=u.hostname or "127.0.0.1", port=u.port or 6379, db=int((u.path or "/0").lstrip("/") or 0))
-        return client_for(ep, cfg, role, password=unquote(u.password) if u.password else None, outage=outage)
-    return client_for(Endpoint.load(t), cfg, role, outage=outage)
+        return client_for(ep, cfg, role, password=unquote(u.password) if u.password else None, outage=outage,
+                          round_trips=round_trips)
+    return client_for(Endpoint.load(t), cfg, role, outage=outage, round_trips=round_trips)
 
 
 class RedisServer:
@@ -848,20 +900,30 @@ class RedisServer:
         _write_private(self.endpoint_file, json.dumps(data) + "\n", 0o644)
 
     def _adopt_url(self, url: str) -> Endpoint:
+        """An external server: its password (see :mod:`.secret`: ``redis.password_file``, the URL's, or the run's
+        own copy of a redacted URL's) in the run's 0600 ``redis/password``, which ``redis.json`` names for the
+        ranks (a user's password_file is named directly, not copied)."""
+        from dynaresize.control.secret import SecretError, external_password, redact
+
         u = urlparse(url)
         if u.scheme not in ("redis", "rediss"):
-            raise RedisServerError(f"redis.url={url!r}: allowed schemes: redis://, rediss://")
+            raise RedisServerError(f"redis.url={redact(url)!r}: allowed schemes: redis://, rediss://")
+        try:
+            password = external_password(url, self.cfg.password_file, self.run_dir)
+        except SecretError as e:
+            raise RedisServerError(str(e)) from None
         pw_file = None
-        if u.password:
+        if self.cfg.password_file:
+            pw_file = Path(self.cfg.password_file).expanduser().resolve()
+        elif password is not None:
             pw_file = self.dir / PASSWORD_FILE
-            _write_private(pw_file, unquote(u.password) + "\n")
+            _write_private(pw_file, password + "\n")
         ep = Endpoint(u.hostname or "127.0.0.1", u.port or 6379, str(pw_file) if pw_file else None,
                       int((u.path or "/0").lstrip("/") or 0))
         self.endpoint = ep
         self.port = ep.port
         self._write_endpoint(ep)
         return ep
-
 
 if __name__ == "__main__":  # python -m dynaresize.control.server RUN_DIR: start a server until Ctrl-C
     logging.basicConfig(level=logging.INFO)

@@ -159,20 +159,23 @@ def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable
     """The coordinator's clients of the run's Redis; taking the command bus fences off any older coordinator. Only a
     ``resume`` may take over a job that has an epoch already (a fresh start there is refused: ``EpochTaken``)."""
     from dynaresize.control.commands import CommandBus, owner_record
+    from dynaresize.control.health import RoundTrips
     from dynaresize.control.registry import Registry
     from dynaresize.control.server import connect as connect_redis
     from dynaresize.contract.workqueue import RolloutQueue
 
     cfg = job.cfg
     # while the watchdog brings a crashed server back (a full disk waited out included) the coordinator waits too
-    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis, outage=srv.reviving.is_set)
+    # every round trip measured: a window in which Redis was slow is nobody's silence (dynaresize.control.health)
+    health = RoundTrips(slow_after_s=cfg.redis.heartbeat_s)
+    r = connect_redis(srv.endpoint_file, role="coordinator", cfg=cfg.redis, outage=srv.reviving.is_set, round_trips=health)
     if on_redis_ready is not None:
         on_redis_ready(srv)
     owner = owner_record("resume" if resume else "start", str(job.run_dir.resolve()), incarnation=job.state.incarnation)
     bus = CommandBus(r, job.job_id, cfg.redis, events=job.events, owner=owner, fresh=not resume)  # fences any older one
     return Services(srv=srv, redis=r, bus=bus, registry=Registry(r, job.job_id, cfg.redis), queue=RolloutQueue(r, job.job_id),
                     task=prepared.task, model_dir=prepared.model_dir, tokenizer=prepared.tokenizer,
-                    assembler=prepared.assembler, metrics=metrics)
+                    assembler=prepared.assembler, metrics=metrics, health=health)
 
 
 def wire(job: Job, svc: Services, planner: Planner, launcher_factory: Callable[..., Any] | None,

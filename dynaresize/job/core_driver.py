@@ -258,6 +258,7 @@ class ContinuousSchedule:
         """The acks that arrived (up to 1 s), each with its command; a rank lost meanwhile is handled first."""
         cursors = {cid: s.cursor for cid, s in self.sent.items()}
         acks = self.p.svc.bus.read_acks(cursors, timeout=1.0)
+        self.p.tx.check_redis()  # a Redis stall: announced once over, or the run stops past redis.write_wait_s
         for cid, cur in cursors.items():
             self.sent[cid].cursor = cur
         if self.takeover is not None and self.takeover.live_at is not None:  # watched from the takeover on

@@ -113,6 +113,7 @@ class Ranks:
         if launcher is None:
             return
         self.stopping = True
+        self.tx.check_redis(final=True)  # a Redis stall not announced yet (the last steps'): announced now
         told: list[int] = []  # the ranks sent the shutdown
         cut = False  # a second stop signal cut the final checkpoint short
         try:

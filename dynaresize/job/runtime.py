@@ -109,3 +109,4 @@ class Services:
     assembler: BatchAssembler
     metrics: Loggers | None
     launcher: Any = None  # dynaresize.job.launcher.LocalLauncher / AttachedRanks, or a Slurm adapter's ranks
+    health: Any = None  # dynaresize.control.health.RoundTrips: the coordinator's Redis round trips (None: not measured)

@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import redis
+
+from dynaresize.control.health import lost_ranks, stall_grace_s
 from dynaresize.control.server import RedisRefusesWrites, redis_error_text
 from dynaresize.disk import is_disk_full
 from dynaresize.events import format_ranks
 from dynaresize.job.errors import JobError, RanksLost, where_stopped
 from dynaresize.job.runtime import Job, Services
+
+log = logging.getLogger("dynaresize.job")
+
+# a Redis stall is announced when its slowest reply took this many heartbeat periods (the ranks missed a beat and
+# more): a reply a little late is scheduling noise on a loaded machine. Not 2: a call already blocked in the server
+# when Redis stalls is not delayed, so the coordinator measures a stall of 3 periods as about 2
+ANNOUNCE_PERIODS = 1.5
 
 if TYPE_CHECKING:
     from dynaresize.job.takeover import Takeover
@@ -56,6 +67,7 @@ class Transport:
         # a takeover replaying the schedule (it sets and clears this): a command is computed and held, not sent; a
         # wait is answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
         self.replay: Takeover | None = None
+        self._lost_announced: set[int] = set()  # the lost ranks at the last Redis-stall announcement
 
     def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None,
              reply_to: str | None = None) -> InFlight:
@@ -85,6 +97,7 @@ class Transport:
             return stored
         while True:
             res = self.svc.bus.await_acks(cmd.command_id, ranks, timeout=2.0)
+            self.check_redis()
             if not res.missing:
                 self.require(res, what, ranks)
                 return res
@@ -92,19 +105,73 @@ class Transport:
 
     def check_alive(self, ranks, what: str) -> None:
         """Raise :class:`RanksLost` for the ranks among ``ranks`` whose process exited or whose heartbeat is older
-        than the deadline (and wait, bounded, while Redis refuses writes)."""
+        than the deadline (and wait, bounded, while Redis refuses writes). A window in which Redis itself was slow
+        or unreachable is not a rank's silence (:mod:`dynaresize.control.health`); a stall longer than
+        ``redis.write_wait_s`` stops the run naming Redis."""
         launcher, registry = self.svc.launcher, self.svc.registry
         registry.check_writable()  # ranks wait while Redis refuses writes: so do we (bounded), then stop
         exited = launcher.dead() if hasattr(launcher, "dead") else {}
         gone = {r: f"process exited with code {exited[r]}" for r in ranks if r in exited}
         silent = registry.dead()
-        gone.update({r: f"no heartbeat for {silent[r]:.1f} s" for r in ranks if r in silent and r not in gone})
+        now = time.monotonic()
+        silent = {r: age for r, age in silent.items() if r in ranks and r not in gone}
+        health = getattr(self.svc, "health", None)
+        if health is None:
+            gone.update({r: f"no heartbeat for {age:.1f} s" for r, age in silent.items()})
+        else:
+            stalls = self.check_redis()
+            rc = self.job.cfg.redis
+            lost = lost_ranks({r: now - age for r, age in silent.items()}, now, stalls, rc.dead_after_s,
+                              stall_grace_s(rc))
+            gone.update({r: v.why() for r, v in lost.items()})
         if gone:
             err = RanksLost(gone, what, "; ".join(f"rank {r}: {w}" for r, w in sorted(gone.items())))
             if hasattr(launcher, "log_tail") and any(r in exited for r in gone):
                 r0 = next(r for r in sorted(gone) if r in exited)
                 err.args = (f"{err}; last lines of rank {r0}'s log:\n{launcher.log_tail(r0)}",)
             raise err
+
+    def check_redis(self, final: bool = False) -> list:
+        """Announce each Redis stall once it is over (one line, one event); stop when a reply took longer than
+        ``redis.write_wait_s`` (the bound the ranks' and the coordinator's waits on Redis share). Called wherever
+        the coordinator waits (its loop, every wait for acks, every liveness check), and at the end of the run
+        (``final``: what is left is announced, nothing stops); returns the stalls seen."""
+        if getattr(self.svc, "health", None) is None:
+            return []
+        stalls = self.svc.health.stalls()
+        rc, st = self.job.cfg.redis, self.job.state
+        worst = max(stalls, key=lambda s: s.slowest_s, default=None)
+        if worst is not None and worst.slowest_s > rc.write_wait_s and not final:
+            self.writes_refused = True  # the shutdown does not wait for Redis once more
+            raise JobError(f"Redis replies took {worst.slowest_s:.1f} s{' and still wait' if worst.ongoing else ''}, "
+                           f"longer than redis.write_wait_s ({rc.write_wait_s:g} s): the run's Redis was slow or "
+                           f"unreachable (not a rank: no rank was declared lost for it); "
+                           f"{where_stopped(st.step, st.checkpoint)}; check Redis first")
+        at_least = ANNOUNCE_PERIODS * rc.heartbeat_s  # shorter: not counted as silence, but not announced either
+        if not self.svc.health.pending(at_least):  # the lost ranks before a stall: those lost after it are named with it
+            self._lost_announced = set(st.lost)
+        over = 0.0 if final else stall_grace_s(rc) + rc.dead_after_s  # a loss had time to show
+        for s in self.svc.health.finished(stall_grace_s(rc), over, at_least):
+            lost = sorted(set(st.lost) - self._lost_announced)
+            tail = "no rank lost" if not lost else f"rank(s) {format_ranks(lost)} lost meanwhile"
+            theirs = self._ranks_view() if not final else ""
+            text = f"Redis replies took {s.slowest_s:.1f} s{theirs}; ranks waited; {tail}"
+            log.warning("%s", text)
+            if self.job.events is not None:
+                self.job.events.emit("control", what="redis_slow", reason=text, delay_s=round(s.slowest_s, 2))
+        return stalls
+
+    def _ranks_view(self) -> str:
+        """The ranks' own measure of the stall (their slowest heartbeat round trips), as a clause; empty when none
+        reported one or it cannot be read."""
+        try:
+            seen = self.svc.registry.reported_slow()
+        except redis.RedisError:
+            return ""
+        if not seen:
+            return ""
+        r = max(seen, key=seen.get)
+        return f" (the ranks' heartbeats up to {seen[r]:.1f} s, rank {r})"
 
     def require(self, res, what: str, ranks) -> None:
         if res.missing:

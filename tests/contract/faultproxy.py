@@ -20,6 +20,10 @@ action        what the client sees (what the server did)
 ``restart``   the redis-server is restarted (``on_restart``) before the call, whose connection then breaks
 ============  ==========================================================================================
 
+:meth:`FaultProxy.hold` stalls the whole server for a while, as a slow disk, a fork or a network hiccup does: every
+call, connection set-up included, that arrives before the hold ends waits for its end, then reaches the server
+(a client whose socket timeout passed meanwhile has given up and retries; its retry waits too).
+
 Inside a transaction a refused write gets the error at queue time and ``EXEC`` answers ``-EXECABORT``, as Redis
 does. Connection set-up (AUTH, HELLO, CLIENT, SELECT), health-check PINGs and pub/sub connections are never faulted
 (a pub/sub connection is piped through as raw bytes once it subscribes).
@@ -157,6 +161,7 @@ class FaultProxy:
         self.calls = 0
         self.seen: Counter[str] = Counter()  # action -> calls it was applied to (faults that really happened)
         self.log: list[tuple[int, str, str]] = []  # (call number, action, command) of every fault
+        self.held_until = 0.0  # monotonic time: calls arriving before it wait until then (hold())
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._conns: list[socket.socket] = []
@@ -176,6 +181,15 @@ class FaultProxy:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def hold(self, seconds: float) -> None:
+        """Stall every call (set-up included) that arrives in the next ``seconds`` until they have passed."""
+        self.held_until = time.monotonic() + seconds
+
+    def _wait_hold(self) -> None:
+        wait = self.held_until - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
 
     def close(self) -> None:
         self._stop.set()
@@ -220,6 +234,7 @@ class FaultProxy:
         try:
             while not self._stop.is_set():
                 raw, args = cr.request()
+                self._wait_hold()
                 name = args[0].upper() if args else b""
                 if name in (b"SUBSCRIBE", b"PSUBSCRIBE", b"SSUBSCRIBE"):
                     up.sendall(raw + cr.buf)
