@@ -49,6 +49,7 @@ CHANGEABLE: dict[str, str] = {
     "redis.restart_attempts": "how the run's Redis is restarted",
     "redis.restart_backoff_s": "how the run's Redis is restarted",
     "redis.write_wait_s": "liveness timing",
+    "redis.password_file": "where the external Redis's password is read (the same server, the same data)",
 }
 
 
