@@ -10,7 +10,7 @@ The plan (who sends to whom) is the runtime's: :class:`dynaresize.schedule.relay
   last delivery as sharing the link fairly among them, which the runtime's one thread per receiver does; the first
   receivers get it earlier than under fair sharing, so the star is priced generously);
 - a relay forwards a version once it holds all of it (store and forward: a receiver checks the checksum of the whole
-  version before it forwards or installs it).
+  version before it forwards or installs it), to its receivers one after another in the order the plan made them.
 
 ``free`` (the default, the model before issue 46) charges every rank ``weight_bytes / nccl_gbps`` on its own, as if
 the sender's link were free: it keeps the golden fixture, and it is what the barrier's broadcast costs per rank.
@@ -41,6 +41,7 @@ class Links:
         self.plan = RelayPlan(origin, fanout)
         self.transfer_s, self.origin = transfer_s, origin
         self.free_at: dict[int, float] = {}
+        self.have_at: dict[tuple[int, int], float] = {}  # (rank, version) -> when it holds the whole version
         self.asked_at: dict[tuple[int, int], float] = {}  # (rank, version) -> when it asked
         self.sends: dict[tuple[int, int], int] = {}  # (sender, version) -> transfers
         self.stats = LinkStats()
@@ -52,9 +53,11 @@ class Links:
         if version not in self.published:  # the origin holds a version from the optimizer step that made it
             self.published.add(version)
             self.plan.retire(version - 2)  # a rank asks for an older version only a step or two behind
+            self.have_at = {k: x for k, x in self.have_at.items() if k[1] >= version - 2}
+            self.have_at[(self.origin, version)] = t
             out += self.plan.published(version)
-        if self.plan.holds(rank, version):  # it holds it already (asked again after a switch back): at once
-            return self._start(t, out) + [(t, Transfer(version, rank, rank))]
+        if self.plan.holds(rank, version):  # it holds it (or will) already (asked again after a switch back)
+            return self._start(t, out) + [(max(t, self.have_at[(rank, version)]), Transfer(version, rank, rank))]
         self.asked_at.setdefault((rank, version), t)
         sp = self.stats.spreads.setdefault(version, [t, t])
         sp[0] = min(sp[0], t)
@@ -62,14 +65,15 @@ class Links:
         return self._start(t, out)
 
     def arrived(self, t: float, tr: Transfer) -> list[tuple[float, Transfer]]:
-        """``tr`` ended at ``t``: its receiver holds the version; the transfers that start now."""
+        """``tr`` ended at ``t``: its receiver holds the version (its own sends were planned, and timed, when it
+        asked: they start once it holds the version). Returns the transfers that start now: none."""
         if tr.src == tr.dst:
             return []
         asked = self.asked_at.pop((tr.dst, tr.version), t)
         self.stats.delays.append(t - asked)
         sp = self.stats.spreads[tr.version]
         sp[1] = max(sp[1], t)
-        return self._start(t, self.plan.done(tr))
+        return []
 
     def leaves(self, rank: int) -> None:
         self.plan.leaves(rank)
@@ -77,9 +81,10 @@ class Links:
     def _start(self, t: float, transfers: list[Transfer]) -> list[tuple[float, Transfer]]:
         out = []
         for tr in transfers:
-            begin = max(t, self.free_at.get(tr.src, 0.0))
+            begin = max(t, self.free_at.get(tr.src, 0.0), self.have_at[(tr.src, tr.version)])
             end = begin + self.transfer_s
             self.free_at[tr.src] = end
+            self.have_at[(tr.dst, tr.version)] = end
             if tr.src == self.origin:
                 self.stats.origin_busy_s += self.transfer_s
             n = self.sends[(tr.src, tr.version)] = self.sends.get((tr.src, tr.version), 0) + 1
