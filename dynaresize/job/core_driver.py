@@ -55,6 +55,7 @@ from dynaresize.control.commands import AckResult
 from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.relay import Routes
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
@@ -162,6 +163,8 @@ class ContinuousSchedule:
         self.held_step: Step | None = None  # barrier: an optimizer step waiting for its version's sync to be sent
         # barrier-free: how versions travel (comm: rank 0 -> each rank over the world group; file: the fallback)
         self.transport = job.cfg.pipeline.weights_transport
+        # comm: who sends a version to whom (the star or the relay: dynaresize.schedule.relay, pipeline.weights_relay)
+        self.routes = Routes(job.cfg.pipeline.weights_relay) if self.transport == "comm" and not self.barrier else None
         self.gen_version: dict[int, int] = {}  # rollout rank -> newest version of the generates sent to it
         self.gen_last: dict[int, int] = {}  # rollout rank -> the version of the last generate sent to it (installed)
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
@@ -618,7 +621,7 @@ class ContinuousSchedule:
                 raise
             self.p.recovery.shrink(e.ranks, e.why)
             if any(r in e.ranks for s in self.sent.values() for r in s.flight.ranks
-                   if s.kind not in ("generate", "validate", "fetch_weights", "fetch_again", "switch_note")):
+                   if s.kind not in ("generate", "validate", "fetch_weights", "fetch_again", "switch_note", "push_weights")):
                 raise
             self.lost(sorted(e.ranks))
 
@@ -637,6 +640,25 @@ class ContinuousSchedule:
                     vq.release(v, r)  # its validation prompts go to another rank holding the version
             self.feed(RankLost(r))
         self.validated()
+        for r in ranks if self.routes is not None else ():
+            self.relay_lost(r)
+
+    def relay_lost(self, rank: int) -> None:
+        """comm: the receivers a lost rank was to forward a version to get it again from another holder (the plan's
+        choice), each with a fetch naming its new sender; nothing is lost."""
+        again, pushes = self.routes.lost(rank)
+        for t in again:
+            if t.dst in self.job.state.lost or self.core.role(t.dst) is not Role.ROLLOUT:
+                continue
+            payload = {"version": t.version, "transport": "comm", "again": True, "pushed": True,
+                       **self.routes.fetch(t.dst, t.version)}
+            log.info("relay rank %d lost: rank %d gets version %d from rank %d", rank, t.dst, t.version, t.src)
+            self.send("fetch_weights", [t.dst], payload, label="fetch_again", version=t.version)
+            dsts = self.routes.fetched_now(t.dst, t.version)
+            if dsts:
+                self.send_push(t.version, dsts, t.dst)
+        for (src, version), dsts in pushes.items():
+            self.send_push(version, dsts, src)
 
     # --- the core ------------------------------------------------------------------------------------------------
     def feed(self, ev) -> None:
@@ -759,7 +781,8 @@ class ContinuousSchedule:
             if isinstance(a, SendWeights) and not a.blocking and not (self.drain is not None and self.parks(a)):
                 to.setdefault(a.version, []).append(a.rank)
         for v, ranks in sorted(to.items()):
-            self.send_push(v, ranks)
+            for (src, _), dsts in self.routes.ask(v, ranks).items():
+                self.send_push(v, dsts, src)
 
     def send_fetch(self, rank: int, version: int) -> None:
         """The core sent ``version`` to ``rank``: the rank starts receiving it in the background (its ack is the
@@ -768,12 +791,20 @@ class ContinuousSchedule:
         payload = {"version": version, "transport": self.transport, "keep": keep}
         if self.transport == "comm":
             payload["pushed"] = True
+            payload.update(self.routes.fetch(rank, version))
         self.send("fetch_weights", [rank], payload, version=version)
+        if self.transport == "comm":
+            dsts = self.routes.fetched_now(rank, version)  # a relay forwards it to these once it holds it
+            if dsts:
+                self.send_push(version, dsts, rank)
 
-    def send_push(self, version: int, ranks: list[int]) -> None:
-        """comm: rank 0 sends ``version`` to ``ranks`` from the copy it kept at its optimizer step, on background
-        threads (acked once queued), point to point over the world group built at start-up."""
-        self.send("push_weights", [0], {"version": version, "ranks": ranks}, version=version)
+    def send_push(self, version: int, ranks: list[int], src: int = 0) -> None:
+        """comm: ``src`` sends ``version`` to ``ranks``, on background threads (acked once queued), point to point
+        over the world group built at start-up: rank 0 from the copy it kept at its optimizer step, a relay from what
+        it receives (one receiver after another)."""
+        relay = self.routes is not None and self.routes.fanout > 0
+        self.send("push_weights", [src], {"version": version, "ranks": ranks, **({"one_at_a_time": True} if relay else {})},
+                  version=version)
 
     def again(self, rank: int, version: int) -> None:
         """comm: before a generate of ``version`` on ``rank`` that the rank installed before and replaced since (a lost
@@ -853,6 +884,8 @@ class ContinuousSchedule:
         t = self.tally.setdefault(a.batch, Tally())
         # comm: rank 0 keeps copies of the versions a batch in flight may still need (as the file path keeps snapshots)
         keep = {"transport": self.transport, "keep_from": max(0, a.batch - self.core_cfg.staleness)}
+        if self.routes is not None:
+            self.routes.retire(keep["keep_from"])
         self.send("optimizer_step", list(a.ranks), {"step": a.batch, "n_train": len(a.ranks), "version_after": a.batch + 1,
                                                     "denominator": self.denominator(t), "publish": not self.barrier,
                                                     **(keep if not self.barrier else {})}, batch=a.batch)
@@ -870,6 +903,9 @@ class ContinuousSchedule:
         state); the other rollout ranks learn the new count from a note queued behind their work."""
         job, st = self.job, self.job.state
         movers = sorted(s.rank for s in switches)
+        if self.routes is not None and switches[0].to is Role.TRAIN:
+            for r in movers:  # their buffers go: they forward nothing new (their planned sends still go)
+                self.routes.leaves(r)
         old = st.n_train
         new = old + len(movers) if switches[0].to is Role.TRAIN else old - len(movers)
         if movers != list(range(min(old, new), max(old, new))):
