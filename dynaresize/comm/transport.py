@@ -19,10 +19,17 @@ marked ``pushed``: the rank then posts one receive whatever it holds (into a buf
 Any other fetch (received again, a resume's) is pushed only after its ack says it started a receive. Transfers of different versions carry different tags
 (:func:`dynaresize.comm.weights.version_tag`).
 
+The relay (``pipeline.weights_relay`` f > 0): a rollout rank's fetch may name another rollout rank as its sender
+(``src``); that relay forwards what it received (:meth:`WeightSender.relay`) once its own receive ended and its
+checksum matched, to its receivers one after another. Who sends to whom: :mod:`dynaresize.schedule.relay` (pure).
+Every transfer ends with a CRC-32 of its bytes (:mod:`dynaresize.comm.weights`): a wrong copy is refused, never
+installed or forwarded; a relay that cannot forward tells its receivers at once.
+
 Why point to point and not the pre-built sync group's broadcast: a collective needs every member at once, while
 here ranks ask at different times (each when its stream reaches the fetch), some ask again for an older version
 (a lost rank's groups handed out again), and a rank may be lost or switching meanwhile. The source sends the
-weights once per receiver (the broadcast of the barrier path sends them once per tree/ring); on NCCL the world
+weights once per receiver in the star (the relay: at most f times per rank; the broadcast of the barrier path
+once per tree/ring); on NCCL the world
 group's point-to-point sends from a second thread beside the trainers' collectives are UNVERIFIED (no GPU here).
 """
 
@@ -38,6 +45,7 @@ import torch
 
 from dynaresize.background import Background
 from dynaresize.comm.weights import Named, WeightSyncError, recv_weights_from, send_refusal, send_weights_to
+from dynaresize.schedule.relay import RELAY_MARK
 
 log = logging.getLogger("dynaresize.worker")
 
@@ -47,7 +55,7 @@ class CommFetch(Background):
 
     def __init__(self, expected: Named, src: int, version: int, bucket_bytes: int, device: torch.device | str):
         self.version, self.src = version, src
-        self.source = f"rank {src} (point to point over the world group)"
+        self.source = f"{RELAY_MARK if src else ''}rank {src} (point to point over the world group)"
         self.bytes = 0
         # ``expected`` (this rank's own weights) gives names, shapes and dtypes only: it is never written here
         want = list(expected)

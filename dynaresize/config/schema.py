@@ -117,7 +117,7 @@ class PipelineConfig(Section):
         "from shared storage per step). The barrier schedule always uses one blocking sync over the pre-built groups",
     )
     weights_relay: int = Field(
-        0, ge=0, le=16, description="weights_transport=comm: who sends a new version to the rollout ranks that fetch it "
+        2, ge=0, le=16, description="weights_transport=comm: who sends a new version to the rollout ranks that fetch it "
         "(dynaresize/schedule/relay.py plans it). 0: the star, trainer rank 0 sends it to each of them (its link "
         "carries it once per rollout rank: at 4096 GPUs longer than a step, docs/simulator.md 'Weight delivery'); "
         "f >= 1: the relay, a rank that received it forwards it from its second buffer while it decodes, one receiver "

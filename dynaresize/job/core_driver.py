@@ -43,6 +43,7 @@ Not here: gradient helpers (within-step role flow), a simulator-only mechanism (
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import statistics
 import time
@@ -56,6 +57,7 @@ from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.relay import Routes
+from dynaresize.schedule.relay import RELAY_MARK, Transfer
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
@@ -364,6 +366,8 @@ class ContinuousSchedule:
         if fence_aborted(ack) and sent.kind in ("generate", "validate"):
             self.redo(sent, ack)
             return
+        if not ack.ok and self.relay_failed(sent, ack):
+            return
         if not ack.ok:
             self.failed(sent, ack)
         sent.acks[ack.rank] = ack
@@ -643,22 +647,57 @@ class ContinuousSchedule:
         for r in ranks if self.routes is not None else ():
             self.relay_lost(r)
 
+    def relay_failed(self, sent: Sent, ack) -> bool:
+        """A generate whose install failed on the receive from its relay (the relay was lost, or its copy refused)
+        before the version was planned again: the rank gets it from another holder (the relay's loss is found now,
+        or the refused copy re-planned), then the same generate goes again (nothing was claimed: the install comes
+        first). False when the failure is another one."""
+        if (self.routes is None or sent.kind not in ("generate", "validate") or sent.version is None
+                or f"{RELAY_MARK}rank" not in (ack.error or "")):
+            return False
+        m = re.search(rf"{RELAY_MARK}rank (\d+)", ack.error or "")
+        src = int(m.group(1)) if m else None
+        rc = self.cfg.redis
+        deadline = time.monotonic() + rc.dead_after_s + rc.heartbeat_s
+        while src is not None and src not in self.job.state.lost and time.monotonic() < deadline:
+            self.check_ranks()  # the relay's loss: relay_lost plans the rank again and sends its fetch
+            if src not in self.job.state.lost:
+                time.sleep(0.5)
+        if src is not None and src not in self.job.state.lost and self.routes.plan.source(ack.rank, sent.version) == src:
+            for t in self.routes.plan.failed(Transfer(sent.version, src, ack.rank)):  # alive: its copy was refused
+                self.refetch(t)
+        log.warning("rank %d: version %d from relay rank %s failed (%s); received again from another holder, its "
+                    "generate sent again", ack.rank, sent.version, src, (ack.error or "").splitlines()[0][:200])
+        # the rank may have installed another version since (a lost rank's groups of an older one): it receives this
+        # one again first (the same rule as any generate's, ``again``)
+        self.again(ack.rank, sent.version)
+        self.redo(sent, ack)
+        return True
+
+    def refetch(self, t: Transfer) -> None:
+        """``t.dst`` receives ``t.version`` again, from ``t.src``: a fetch naming it (the receive under way from
+        another sender is dropped), and ``t.src``'s push (a relay's once its own fetch went)."""
+        payload = {"version": t.version, "transport": "comm", "again": True, "pushed": True,
+                   **self.routes.fetch(t.dst, t.version)}
+        self.send("fetch_weights", [t.dst], payload, label="fetch_again", version=t.version)
+        dsts = self.routes.fetched_now(t.dst, t.version)
+        if dsts:
+            self.send_push(t.version, dsts, t.dst)
+        if t.src == 0 or (t.src, t.version) in self.routes.fetched:
+            self.send_push(t.version, [t.dst], t.src)
+        else:
+            self.routes.pending.setdefault((t.src, t.version), []).append(t.dst)
+
     def relay_lost(self, rank: int) -> None:
         """comm: the receivers a lost rank was to forward a version to get it again from another holder (the plan's
         choice), each with a fetch naming its new sender; nothing is lost."""
-        again, pushes = self.routes.lost(rank)
-        for t in again:
+        for t in self.routes.plan.lost(rank):
             if t.dst in self.job.state.lost or self.core.role(t.dst) is not Role.ROLLOUT:
                 continue
-            payload = {"version": t.version, "transport": "comm", "again": True, "pushed": True,
-                       **self.routes.fetch(t.dst, t.version)}
             log.info("relay rank %d lost: rank %d gets version %d from rank %d", rank, t.dst, t.version, t.src)
-            self.send("fetch_weights", [t.dst], payload, label="fetch_again", version=t.version)
-            dsts = self.routes.fetched_now(t.dst, t.version)
-            if dsts:
-                self.send_push(t.version, dsts, t.dst)
-        for (src, version), dsts in pushes.items():
-            self.send_push(version, dsts, src)
+            self.refetch(t)
+        for key in [k for k in self.routes.pending if k[0] == rank]:
+            del self.routes.pending[key]
 
     # --- the core ------------------------------------------------------------------------------------------------
     def feed(self, ev) -> None:
@@ -802,7 +841,9 @@ class ContinuousSchedule:
         """comm: ``src`` sends ``version`` to ``ranks``, on background threads (acked once queued), point to point
         over the world group built at start-up: rank 0 from the copy it kept at its optimizer step, a relay from what
         it receives (one receiver after another)."""
-        relay = self.routes is not None and self.routes.fanout > 0
+        # a relay sends one receiver after another (its first receiver forwards soonest); rank 0 keeps a thread per
+        # receiver (at most f per version with the relay): a lost receiver holds up no other of its sends
+        relay = self.routes is not None and self.routes.fanout > 0 and src != 0
         self.send("push_weights", [src], {"version": version, "ranks": ranks, **({"one_at_a_time": True} if relay else {})},
                   version=version)
 

@@ -37,14 +37,6 @@ class Routes:
         self.fetched.add((rank, version))
         return self.pending.pop((rank, version), [])
 
-    def lost(self, rank: int) -> tuple[list[Transfer], dict[tuple[int, int], list[int]]]:
-        """``rank`` is gone: the receivers it was to send to, planned from other holders (each gets a fetch again
-        from its new sender), and the pushes to send now."""
-        again = self.plan.lost(rank)
-        for key in [k for k in self.pending if k[0] == rank]:
-            del self.pending[key]
-        return again, self._route(again)
-
     def leaves(self, rank: int) -> None:
         self.plan.leaves(rank)
 

@@ -34,6 +34,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+# how a receive from a relay (not rank 0) names its sender (``CommFetch.source``): an install that fails on it says
+# so, and the coordinator serves the version from another holder and sends the generate again (``relay_failed``)
+RELAY_MARK = "relay "
+
 
 @dataclass(frozen=True)
 class Transfer:

@@ -867,6 +867,10 @@ class Worker:
         try:
             tensors, meta = inc.read.result()
         except (StagingError, WeightSyncError) as e:
+            if isinstance(inc.read, CommFetch) and inc.read.src != 0 and version not in self.incoming:
+                # from a relay (lost, or its copy refused): the next generates of this version fail the same way, so
+                # the coordinator sends each again once a receive from another holder replaced this one
+                self.incoming[version] = inc
             raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
                               f"{e}") from None
         self._log_read(inc)
