@@ -73,7 +73,7 @@ def worker(rank: int, world: int, init: str, mb: int, fanout: int, repeat: int, 
             if dsts:
                 sender.relay(version, fetch, [n for n, _ in mine])
         if dsts:
-            sender.push(version, dsts, one_at_a_time=fanout > 0)
+            sender.push(version, dsts, one_at_a_time=fanout > 0 and rank != 0)  # as the coordinator asks
         end = 0.0
         if rank != 0:
             got, _ = fetch.result()
