@@ -114,11 +114,22 @@ def send_weights_p2p(
     return _transfer(named, src, move, bucket_bytes, version, sink, device)
 
 
+def bytes_crc(t: torch.Tensor, crc: int = 0) -> int:
+    """CRC-32 of a tensor's bytes (continued from ``crc``): what a point-to-point receiver checks (a relay forwards
+    bytes it received, so a corrupted copy must not spread)."""
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return zlib.crc32(flat.contiguous().view(torch.uint8).numpy(), crc)
+
+
 def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucket_bytes: int, version: int,
-              sink: Sink | None, device: torch.device | str) -> tuple[int, int]:
+              sink: Sink | None, device: torch.device | str, checksum: bool = False) -> tuple[int, int]:
     """A header (version, count, size, structure hash), then the tensors in flat buckets, each moved from ``src``
     to the others by ``move`` (a broadcast, or point-to-point sends); receivers check the header against their own
-    tensors and hand each bucket to ``sink``."""
+    tensors and hand each bucket to ``sink``. ``checksum`` (point to point): a trailer with the CRC-32 of every
+    bucket's bytes follows; a receiver whose bytes differ refuses the version (:class:`WeightSyncError`) before its
+    sink's tensors are used (the sink keeps them in a second buffer)."""
     me = dist.get_rank()
     header = torch.zeros(4, dtype=torch.int64, device=device)
     total = sum(t.numel() for _, t in named)
@@ -126,6 +137,9 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
         header.copy_(torch.tensor([version, len(named), total, structure_hash(named)], dtype=torch.int64))
     move(header)
     version_in, n, numel, shash = (int(x) for x in header.tolist())
+    if me != src and version_in == REFUSED:
+        raise WeightSyncError(f"weight sync v{version} from rank {src}: the relay holds no checked copy of it (its own "
+                              "receive failed or was refused): planned again from another holder")
     if me != src:
         if n != len(named) or numel != total:
             raise WeightSyncError(
@@ -135,7 +149,7 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
         if shash != structure_hash(named):
             raise WeightSyncError(f"weight sync v{version_in} from rank {src}: tensor names/shapes differ on rank {me}")
     sink = sink or _copy_into(named)
-    moved = 0
+    moved, crc = 0, 0
     for idx in buckets(named, bucket_bytes):
         dtype = named[idx[0]][1].dtype
         count = sum(named[i][1].numel() for i in idx)
@@ -144,6 +158,8 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
         else:
             flat = torch.empty(count, dtype=dtype, device=device)
         moved += move(flat)
+        if checksum:
+            crc = bytes_crc(flat, crc)
         if me != src:
             items, off = [], 0
             for i in idx:
@@ -151,6 +167,12 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
                 items.append((name, flat[off : off + t.numel()].view(t.shape)))
                 off += t.numel()
             sink(items)
+    if checksum:
+        trailer = torch.tensor([crc if me == src else 0], dtype=torch.int64, device=device)
+        move(trailer)
+        if me != src and int(trailer.item()) != crc:
+            raise WeightSyncError(f"weight sync v{version_in} from rank {src}: the bytes rank {me} received do not match "
+                                  f"the sender's checksum (crc32 {crc:#010x}, sent {int(trailer.item()):#010x}): refused")
     return version_in, moved
 
 
@@ -159,6 +181,16 @@ def _transfer(named: Named, src: int, move: Callable[[torch.Tensor], int], bucke
 
 
 TAG_BASE = 1 << 20  # p2p tags of weight versions: TAG_BASE + version (no other p2p traffic of the world group uses them)
+
+
+REFUSED = -1  # a header's version when a relay cannot forward a version it was to forward (its receiver is told at once)
+
+
+def send_refusal(dst: int, version: int, group=None, device: torch.device | str = "cpu") -> None:
+    """A relay whose own copy of ``version`` failed tells ``dst`` (whose receive from it is posted) at once, instead
+    of leaving it waiting: a header whose version is :data:`REFUSED`."""
+    dist.send(torch.tensor([REFUSED, 0, 0, 0], dtype=torch.int64, device=device), dst=dst, group=group,
+              tag=version_tag(version))
 
 
 def version_tag(version: int) -> int:
@@ -170,22 +202,24 @@ def send_weights_to(named: Named, dst: int, version: int, bucket_bytes: int = 64
                     device: torch.device | str = "cpu") -> int:
     """Send ``named`` (version ``version``) to global rank ``dst`` alone, point to point over ``group`` (default:
     the world group, pre-built), tagged with the version; the receiver calls :func:`recv_weights_from`. The same
-    header and buckets as :func:`broadcast_weights`. Returns the bytes sent."""
+    header and buckets as :func:`broadcast_weights`, then the bytes' checksum. ``dist.get_rank()`` may be any rank
+    holding the version: trainer rank 0, or a relay forwarding what it received. Returns the bytes sent (its
+    header and checksum trailer not counted)."""
     tag = version_tag(version)
 
     def move(t: torch.Tensor) -> int:
         dist.send(t, dst=dst, group=group, tag=tag)
         return t.numel() * t.element_size()
 
-    return _transfer(named, dist.get_rank(), move, bucket_bytes, version, None, device)[1]
+    return _transfer(named, dist.get_rank(), move, bucket_bytes, version, None, device, checksum=True)[1]
 
 
 def recv_weights_from(expected: Named, src: int, version: int, bucket_bytes: int = 64 << 20, group=None,
                       device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], int]:
     """Receive version ``version`` from global rank ``src`` (:func:`send_weights_to`) into FRESH host tensors (a
     second buffer: ``expected``, this rank's own weights, only gives names, shapes and dtypes and is not touched).
-    Returns ``(name -> tensor, bytes received)``; a sender whose model or version differs is a
-    :class:`WeightSyncError`."""
+    Returns ``(name -> tensor, bytes received)``; a sender whose model or version differs, or bytes whose checksum
+    differs from the sender's, is a :class:`WeightSyncError` (the version is refused, never installed or forwarded)."""
     tag = version_tag(version)
     out: dict[str, torch.Tensor] = {}
 
@@ -197,7 +231,7 @@ def recv_weights_from(expected: Named, src: int, version: int, bucket_bytes: int
         for name, t in items:
             out[name] = t if t.device.type == "cpu" else t.to("cpu")
 
-    got, moved = _transfer(expected, src, move, bucket_bytes, version, keep, device)
+    got, moved = _transfer(expected, src, move, bucket_bytes, version, keep, device, checksum=True)
     if got != version:
         raise WeightSyncError(f"weights from rank {src}: expected version {version}, the sender sent {got}")
     return out, moved

@@ -121,6 +121,14 @@ class PipelineConfig(Section):
         "<run_dir>/weights/v<k> at its optimizer step and each rollout rank reads it (every rank reads the whole model "
         "from shared storage per step). The barrier schedule always uses one blocking sync over the pre-built groups",
     )
+    weights_relay: int = Field(
+        2, ge=0, le=16, description="weights_transport=comm: who sends a new version to the rollout ranks that fetch it "
+        "(dynaresize/schedule/relay.py plans it). 0: the star, trainer rank 0 sends it to each of them (its link "
+        "carries it once per rollout rank: at 4096 GPUs longer than a step, docs/simulator.md 'Weight delivery'); "
+        "f >= 1: the relay, a rank that received it forwards it from its second buffer while it decodes, one receiver "
+        "at a time, to at most f of the ranks that asked after it (every link carries a version at most f times); a "
+        "lost relay's receivers get it from another holder. 2: each link twice, a tree of log2 depth",
+    )
 
 
     @model_validator(mode="before")

@@ -136,6 +136,11 @@ class FetchWeightsPayload(_Payload):
     pushed: bool = Field(False, description="comm: rank 0 was told to send this version to this rank already (push_weights "
                          "went with this fetch, not after its ack): the rank posts exactly one receive for it, into a "
                          "discarded buffer when it holds or is receiving the version already")
+    src: int = Field(0, ge=0, description="comm: the rank that sends it: trainer rank 0, or a relay (a rollout rank that "
+                     "received it; pipeline.weights_relay, planned by dynaresize/schedule/relay.py). With again and another "
+                     "src than the receive under way (its relay was lost), that receive is dropped and a new one posted")
+    forward: bool = Field(False, description="comm: this rank may be asked to forward the version (push_weights) once it "
+                          "received it and its checksum matched")
 
 
 class FetchWeightsResult(_Msg):
@@ -145,10 +150,13 @@ class FetchWeightsResult(_Msg):
 
 
 class PushWeightsPayload(_Payload):
-    version: int = Field(ge=1, description="policy version rank 0 holds (kept at its optimizer step) and sends")
+    version: int = Field(ge=1, description="policy version this rank holds and sends: rank 0 (kept at its optimizer "
+                         "step), or a relay (what its fetch_weights with forward receives, sent once that is checked)")
     ranks: list[int] = Field(min_length=1, description="rollout ranks whose fetch_weights (transport comm) started a "
                              "receive of this version, or whose fetch_weights carries pushed=true (it posts one "
                              "receive whatever it holds): each gets it once, point to point")
+    one_at_a_time: bool = Field(False, description="send to the ranks one after another (a relay: its first receiver "
+                                "can forward soonest); false: one thread per rank (the star)")
 
 
 class PushWeightsResult(_Msg):

@@ -43,6 +43,7 @@ Not here: gradient helpers (within-step role flow), a simulator-only mechanism (
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import statistics
 import time
@@ -55,6 +56,8 @@ from dynaresize.control.commands import AckResult
 from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.relay import Routes
+from dynaresize.schedule.relay import RELAY_MARK, Transfer
 from dynaresize.job.filtering import UnfilledBatchError
 from dynaresize.metrics import chunk_loss_means
 from dynaresize.job.rollout import BuiltBatch, batch_key
@@ -170,6 +173,8 @@ class ContinuousSchedule:
         self.held_step: Step | None = None  # barrier: an optimizer step waiting for its version's sync to be sent
         # barrier-free: how versions travel (comm: rank 0 -> each rank over the world group; file: the fallback)
         self.transport = job.cfg.pipeline.weights_transport
+        # comm: who sends a version to whom (the star or the relay: dynaresize.schedule.relay, pipeline.weights_relay)
+        self.routes = Routes(job.cfg.pipeline.weights_relay) if self.transport == "comm" and not self.barrier else None
         self.gen_version: dict[int, int] = {}  # rollout rank -> newest version of the generates sent to it
         self.gen_last: dict[int, int] = {}  # rollout rank -> the version of the last generate sent to it (installed)
         self.decisions: dict[int, Decision] = {}  # the core's switch id -> its decision
@@ -371,6 +376,8 @@ class ContinuousSchedule:
             return  # the same answer again (a command resent under its id by a takeover is acked twice on the stream)
         if fence_aborted(ack) and sent.kind in ("generate", "validate"):
             self.redo(sent, ack)
+            return
+        if not ack.ok and self.relay_failed(sent, ack):
             return
         if not ack.ok:
             self.failed(sent, ack)
@@ -632,7 +639,7 @@ class ContinuousSchedule:
                 raise
             self.p.recovery.shrink(e.ranks, e.why)
             if any(r in e.ranks for s in self.sent.values() for r in s.flight.ranks
-                   if s.kind not in ("generate", "validate", "fetch_weights", "fetch_again", "switch_note")):
+                   if s.kind not in ("generate", "validate", "fetch_weights", "fetch_again", "switch_note", "push_weights")):
                 raise
             self.lost(sorted(e.ranks))
 
@@ -651,6 +658,60 @@ class ContinuousSchedule:
                     vq.release(v, r)  # its validation prompts go to another rank holding the version
             self.feed(RankLost(r))
         self.validated()
+        for r in ranks if self.routes is not None else ():
+            self.relay_lost(r)
+
+    def relay_failed(self, sent: Sent, ack) -> bool:
+        """A generate whose install failed on the receive from its relay (the relay was lost, or its copy refused)
+        before the version was planned again: the rank gets it from another holder (the relay's loss is found now,
+        or the refused copy re-planned), then the same generate goes again (nothing was claimed: the install comes
+        first). False when the failure is another one."""
+        if (self.routes is None or sent.kind not in ("generate", "validate") or sent.version is None
+                or f"{RELAY_MARK}rank" not in (ack.error or "")):
+            return False
+        m = re.search(rf"{RELAY_MARK}rank (\d+)", ack.error or "")
+        src = int(m.group(1)) if m else None
+        rc = self.cfg.redis
+        deadline = time.monotonic() + rc.dead_after_s + rc.heartbeat_s
+        while src is not None and src not in self.job.state.lost and time.monotonic() < deadline:
+            self.check_ranks()  # the relay's loss: relay_lost plans the rank again and sends its fetch
+            if src not in self.job.state.lost:
+                time.sleep(0.5)
+        if src is not None and src not in self.job.state.lost and self.routes.plan.source(ack.rank, sent.version) == src:
+            for t in self.routes.plan.failed(Transfer(sent.version, src, ack.rank)):  # alive: its copy was refused
+                self.refetch(t)
+        log.warning("rank %d: version %d from relay rank %s failed (%s); received again from another holder, its "
+                    "generate sent again", ack.rank, sent.version, src, (ack.error or "").splitlines()[0][:200])
+        # the rank may have installed another version since (a lost rank's groups of an older one): it receives this
+        # one again first (the same rule as any generate's, ``again``)
+        self.again(ack.rank, sent.version)
+        self.redo(sent, ack)
+        return True
+
+    def refetch(self, t: Transfer) -> None:
+        """``t.dst`` receives ``t.version`` again, from ``t.src``: a fetch naming it (the receive under way from
+        another sender is dropped), and ``t.src``'s push (a relay's once its own fetch went)."""
+        payload = {"version": t.version, "transport": "comm", "again": True, "pushed": True,
+                   **self.routes.fetch(t.dst, t.version)}
+        self.send("fetch_weights", [t.dst], payload, label="fetch_again", version=t.version)
+        dsts = self.routes.fetched_now(t.dst, t.version)
+        if dsts:
+            self.send_push(t.version, dsts, t.dst)
+        if t.src == 0 or (t.src, t.version) in self.routes.fetched:
+            self.send_push(t.version, [t.dst], t.src)
+        else:
+            self.routes.pending.setdefault((t.src, t.version), []).append(t.dst)
+
+    def relay_lost(self, rank: int) -> None:
+        """comm: the receivers a lost rank was to forward a version to get it again from another holder (the plan's
+        choice), each with a fetch naming its new sender; nothing is lost."""
+        for t in self.routes.plan.lost(rank):
+            if t.dst in self.job.state.lost or self.core.role(t.dst) is not Role.ROLLOUT:
+                continue
+            log.info("relay rank %d lost: rank %d gets version %d from rank %d", rank, t.dst, t.version, t.src)
+            self.refetch(t)
+        for key in [k for k in self.routes.pending if k[0] == rank]:
+            del self.routes.pending[key]
 
     # --- the core ------------------------------------------------------------------------------------------------
     def feed(self, ev) -> None:
@@ -773,7 +834,8 @@ class ContinuousSchedule:
             if isinstance(a, SendWeights) and not a.blocking and not (self.drain is not None and self.parks(a)):
                 to.setdefault(a.version, []).append(a.rank)
         for v, ranks in sorted(to.items()):
-            self.send_push(v, ranks)
+            for (src, _), dsts in self.routes.ask(v, ranks).items():
+                self.send_push(v, dsts, src)
 
     def send_fetch(self, rank: int, version: int) -> None:
         """The core sent ``version`` to ``rank``: the rank starts receiving it in the background (its ack is the
@@ -782,12 +844,22 @@ class ContinuousSchedule:
         payload = {"version": version, "transport": self.transport, "keep": keep}
         if self.transport == "comm":
             payload["pushed"] = True
+            payload.update(self.routes.fetch(rank, version))
         self.send("fetch_weights", [rank], payload, version=version)
+        if self.transport == "comm":
+            dsts = self.routes.fetched_now(rank, version)  # a relay forwards it to these once it holds it
+            if dsts:
+                self.send_push(version, dsts, rank)
 
-    def send_push(self, version: int, ranks: list[int]) -> None:
-        """comm: rank 0 sends ``version`` to ``ranks`` from the copy it kept at its optimizer step, on background
-        threads (acked once queued), point to point over the world group built at start-up."""
-        self.send("push_weights", [0], {"version": version, "ranks": ranks}, version=version)
+    def send_push(self, version: int, ranks: list[int], src: int = 0) -> None:
+        """comm: ``src`` sends ``version`` to ``ranks``, on background threads (acked once queued), point to point
+        over the world group built at start-up: rank 0 from the copy it kept at its optimizer step, a relay from what
+        it receives (one receiver after another)."""
+        # a relay sends one receiver after another (its first receiver forwards soonest); rank 0 keeps a thread per
+        # receiver (at most f per version with the relay): a lost receiver holds up no other of its sends
+        relay = self.routes is not None and self.routes.fanout > 0 and src != 0
+        self.send("push_weights", [src], {"version": version, "ranks": ranks, **({"one_at_a_time": True} if relay else {})},
+                  version=version)
 
     def again(self, rank: int, version: int) -> None:
         """comm: before a generate of ``version`` on ``rank`` that the rank installed before and replaced since (a lost
@@ -869,6 +941,8 @@ class ContinuousSchedule:
         t = self.tally.setdefault(a.batch, Tally())
         # comm: rank 0 keeps copies of the versions a batch in flight may still need (as the file path keeps snapshots)
         keep = {"transport": self.transport, "keep_from": max(0, a.batch - self.core_cfg.staleness)}
+        if self.routes is not None:
+            self.routes.retire(keep["keep_from"])
         self.send("optimizer_step", list(a.ranks), {"step": a.batch, "n_train": len(a.ranks), "version_after": a.batch + 1,
                                                     "denominator": self.denominator(t), "publish": not self.barrier,
                                                     **(keep if not self.barrier else {})}, batch=a.batch)
@@ -886,6 +960,9 @@ class ContinuousSchedule:
         state); the other rollout ranks learn the new count from a note queued behind their work."""
         job, st = self.job, self.job.state
         movers = sorted(s.rank for s in switches)
+        if self.routes is not None and switches[0].to is Role.TRAIN:
+            for r in movers:  # their buffers go: they forward nothing new (their planned sends still go)
+                self.routes.leaves(r)
         old = st.n_train
         new = old + len(movers) if switches[0].to is Role.TRAIN else old - len(movers)
         if movers != list(range(min(old, new), max(old, new))):

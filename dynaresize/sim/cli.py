@@ -134,7 +134,7 @@ def _forced(cfg) -> dict[int, int]:
 
 def main(args: argparse.Namespace) -> int:
     from dynaresize.sim.mechanisms import SimMechanisms
-    from dynaresize.sim.compare import compare, format_table, run_dynamic, run_samples, run_static, setup
+    from dynaresize.sim.compare import compare, format_links, format_table, run_dynamic, run_samples, run_static, setup
 
     cfg = load_config(args.config, args.overrides)
     if args.costs:
@@ -145,6 +145,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"{cfg.run.name}: {cfg.cluster.gpus} GPUs, {cfg.sim.steps} steps, start {s.initial} (train:rollout)")
         print(format_table(out["rows"]))
         sm = out["summary"]
+        if "weight_delivery" in sm:
+            print(format_links(sm["weight_delivery"]))
         print(f"best static split {sm['best_static_split']}; DynaResize {100 * sm['gain_vs_best_static']:+.1f}% throughput, "
               f"{100 * sm['fraction_of_oracle']:.1f}% of oracle, {sm['switches']} switches, "
               f"{100 * sm['overhead_hidden_fraction']:.0f}% of switch overhead hidden")

@@ -78,10 +78,23 @@ def run_static(s: Setup, topo: Topology, log: bool = False, forced: dict[int, in
     return _pipe(s, name, StaticController(), s.costs, topo, log, forced).run()
 
 
+def link_settings(s: Setup, fanout: int | None = None) -> tuple[int, float] | None:
+    """The charged links of a run (:mod:`dynaresize.sim.links`): ``fanout`` (0 the star, f the relay) or, by
+    default, the configured ones (None when ``sim.pipeline.link_model`` is free)."""
+    p = s.cfg.sim.pipeline
+    if fanout is None:
+        if p.link_model == "free":
+            return None
+        fanout = 0 if p.link_model == "star" else p.relay_fanout
+    return fanout, s.costs.weight_bytes() / (p.link_gbps * 1e9)
+
+
 def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, name: str | None = None,
-                record_versions: bool = False, tail_share: float = TAIL_SHARE_BARRIER_FREE) -> SampleRunResult:
+                record_versions: bool = False, tail_share: float = TAIL_SHARE_BARRIER_FREE,
+                fanout: int | None = None) -> SampleRunResult:
     """One sample-level run from ``topo`` with ``mech``; resizing (``mech.resize``) uses the configured policy
-    (``tail_share``: see :data:`~dynaresize.sim.samples.TAIL_SHARE_BARRIER_FREE`)."""
+    (``tail_share``: see :data:`~dynaresize.sim.samples.TAIL_SHARE_BARRIER_FREE`; ``fanout``: charged links with the
+    star (0) or a relay of that fan-out, default: as configured)."""
     p = s.cfg.sim.pipeline
     hooks = play_hooks(mech)  # the policy's pipeline predictor plays the simulator-only mechanisms it runs
     policy = ResizePolicy(s.cfg.policy, s.costs, s.candidates, pipeline_hooks=hooks) if mech.resize else None
@@ -90,7 +103,7 @@ def run_samples(s: Setup, topo: Topology, mech: Mechanisms, log: bool = False, n
                               p.claim_groups, p.stream_chunks, record_versions, p.helper_rate, p.helper_cost_s,
                               tail_share=tail_share, train_queue=p.train_queue,
                               claim_ahead=p.claim_ahead, kv_move_gbps=p.kv_move_gbps,
-                              consolidation_min_gain=p.consolidation_min_gain)
+                              consolidation_min_gain=p.consolidation_min_gain, links=link_settings(s, fanout))
     return SamplePipeline(name, s.table, topo, mech, s.costs, policy, settings).run()
 
 
@@ -169,6 +182,22 @@ SAMPLE_ROWS = (  # (row name, summary key, mechanisms); resizing rows start from
 )
 ALL_MECHANISMS = SAMPLE_ROWS[-1][1]  # the summary key of the run with every mechanism
 RUNTIME_MECHANISMS = SAMPLE_ROWS[2][1]  # the run with the runtime's mechanisms (barrier-free: continuous + streaming)
+# the runtime's mechanisms with charged links (dynaresize.sim.links): the star and the relay of sim.pipeline.relay_fanout;
+# the rows above keep the configured link model (sim.pipeline.link_model)
+LINK_ROWS = (("dyn +c+s, star links", "star"), ("dyn +c+s, relay links", "relay"))
+
+
+def link_summary(r: SampleRunResult, free: SampleRunResult) -> dict:
+    """What a run with charged links paid for its weight delivery: per delivery the seconds from the fetch to the
+    arrival (mean, max), per version from its first fetch to its last arrival (mean), rank 0's link busy share, the
+    most copies one rank sent of one version, and its throughput against the same run with free links."""
+    L = r.links
+    spreads = [b - a for a, b in L.spreads.values()]
+    return dict(total_s=r.total_s, throughput=r.throughput, vs_free_links=r.throughput / free.throughput - 1,
+                delivery_mean_s=sum(L.delays) / max(1, len(L.delays)), delivery_max_s=max(L.delays, default=0.0),
+                version_spread_mean_s=sum(spreads) / max(1, len(spreads)),
+                rank0_link_busy=L.origin_busy_s / r.total_s, most_copies_sent_by_one_rank=L.most_sends,
+                transfers=L.transfers)
 
 
 def with_predictor(s: Setup, predictor: str) -> Setup:
@@ -199,6 +228,10 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
         for row, key, mech in SAMPLE_ROWS:
             mech_runs[key] = run_samples(s, s.initial, mech, name=row)
         extra.extend(mech_runs.values())
+        relay_f = s.cfg.sim.pipeline.relay_fanout
+        link_runs = {key: run_samples(s, s.initial, SAMPLE_ROWS[2][2], name=row, fanout=0 if key == "star" else relay_f)
+                     for row, key in LINK_ROWS}
+        extra.extend(link_runs.values())
         by_pred = {s.cfg.policy.predictor: mech_runs[ALL_MECHANISMS]}
         for p in predictors:
             if p not in by_pred:
@@ -259,6 +292,11 @@ def compare(s: Setup, samples: bool = True, predictors: tuple[str, ...] = ()) ->
                         | ({} if helpers_on(mech) else {"fraction_of_helper_free_tight_bound": free.total_s / r.total_s})
                         for (_, key, mech), r in zip(SAMPLE_ROWS, mech_runs.values())},
         )
+        free_run = mech_runs[RUNTIME_MECHANISMS]  # (charged too when the configuration says so)
+        summary["weight_delivery"] = dict(
+            link_gbps=s.cfg.sim.pipeline.link_gbps, weight_gb=s.costs.weight_bytes() / 1e9, relay_fanout=relay_f,
+            configured_link_model=s.cfg.sim.pipeline.link_model, configured_throughput=free_run.throughput,
+            **{key: link_summary(r, free_run) for key, r in link_runs.items()})
         summary["all_mechanisms_by_predictor"] = {
             p: dict(gain_vs_best_static=best.total_s / r.total_s - 1, fraction_of_bound=bound.total_s / r.total_s,
                     fraction_of_tight_bound=tight.total_s / r.total_s, switches=r.switches, wall_s=r.wall_s)
@@ -281,4 +319,18 @@ def format_table(rows: list[dict]) -> str:
         ob = f"{100 * r['of_bound']:>6.1f}%" if r.get("of_bound") is not None else f"{'-':>7}"
         out.append(f"{r['name']:<26} {r['total_s']:>11.0f} {r['throughput']:>10.3f} {100 * r['gain']:>+7.1f}% "
                    f"{100 * r['of_oracle']:>7.1f}% {ob} {sw:>8} {r['overhead_s']:>10.1f} {hid:>7}")
+    return "\n".join(out)
+
+
+def format_links(wd: dict) -> str:
+    """The weight-delivery table of ``summary['weight_delivery']``: the star against the relay."""
+    head = (f"{'weights (charged links)':<26} {'samples/s':>10} {'vs_free':>8} {'deliver_s':>9} {'max_s':>8} "
+            f"{'spread_s':>8} {'rank0_link':>10} {'max_copies':>10}")
+    out = [f"weight delivery: {wd['weight_gb']:.1f} GB per version, {wd['link_gbps']:g} GB/s per rank's link "
+           f"(ASSUMPTION), relay fan-out {wd['relay_fanout']}", head, "-" * len(head)]
+    for key in ("star", "relay"):
+        r = wd[key]
+        out.append(f"{key:<26} {r['throughput']:>10.3f} {100 * r['vs_free_links']:>+7.1f}% {r['delivery_mean_s']:>9.2f} "
+                   f"{r['delivery_max_s']:>8.2f} {r['version_spread_mean_s']:>8.2f} {100 * r['rank0_link_busy']:>9.1f}% "
+                   f"{r['most_copies_sent_by_one_rank']:>10}")
     return "\n".join(out)

@@ -220,6 +220,21 @@ class PipelineModelConfig(Section):
     consolidation_min_gain: float = Field(
         2.0, ge=1, description="model=samples: a tail moves only if it would have decoded this many times longer than the move takes"
     )
+    link_model: Literal["free", "star", "relay"] = Field(
+        "free", description="model=samples: how a weight version's delivery is priced. free: every rank receives it "
+        "weight_bytes / switching.costs.nccl_gbps after it asked, as if the sender's link were free (the model before "
+        "issue 46); star: trainer rank 0 sends it to each rollout rank over its one link (the runtime's comm "
+        "transport today); relay: every rank holding it forwards it to at most relay_fanout of the next ranks that "
+        "asked (dynaresize/schedule/relay.py). star and relay charge each sender's link (dynaresize/sim/links.py)"
+    )
+    relay_fanout: int = Field(
+        2, ge=1, le=16, description="model=samples, link_model=relay: receivers one holder of a version sends it to "
+        "(one at a time); --compare's relay row uses it whatever link_model says"
+    )
+    link_gbps: float = Field(
+        50.0, gt=0, description="model=samples, link_model=star|relay: network bandwidth of one rank's link, GB/s "
+        "(ASSUMPTION: one 400 Gb/s NIC per GPU, as on H100/H20 nodes)"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -18,7 +18,9 @@ turns its actions into simulated durations and its events into the core's inputs
   (``TrainPhysicsConfig``), the optimizer step ``step_overhead_s``; so in the barrier schedule a training stage
   costs exactly what the step-level model says;
 - a weight version reaches a rank ``weight_sync_s`` after it was sent (blocking in the barrier pipeline, in the
-  background of decoding otherwise: NCCL's copy is assumed not to slow the decode, ASSUMPTION);
+  background of decoding otherwise: NCCL's copy is assumed not to slow the decode, ASSUMPTION); with charged links
+  (``links``: :mod:`dynaresize.sim.links`) when its sender's link, shared with the sender's other transfers, has
+  carried it, the sender picked by the runtime's plan (the star or the relay);
 - a role switch costs the ops of :class:`~dynaresize.policy.SwitchCostModel`'s plan: the moving ranks' critical ops
   before they work in their new role, the staying trainers' critical ops (and any deferred optimizer state that
   the first forward/backward cannot hide) on the first training chunk of the new trainer set.
@@ -57,6 +59,7 @@ from dynaresize.sim.engine import RunResult
 from dynaresize.sim.mechanisms import (
     Help, HelpDone, HelperConfig, MovableDecodeRank, consolidation_on, helpers_on, moved_kv_tokens, sim_scheduler,
 )
+from dynaresize.sim.links import Links, LinkStats
 from dynaresize.sim.stages import StageTable
 
 _EPS = 1e-9
@@ -105,6 +108,7 @@ class SampleRunResult(RunResult):
     helped_work_s: float = 0.0  # of it, what gradient helpers computed
     moves: int = 0  # tail consolidations: a rank's sequences in flight moved to another rank
     moved_sequences: int = 0
+    links: LinkStats | None = None  # charged links: what the weight delivery cost
 
 
 @dataclass(frozen=True)
@@ -129,12 +133,15 @@ class SampleSettings:
     # when the freed rank's tail would have lasted ``consolidation_min_gain`` x the move's time
     kv_move_gbps: float = 25.0
     consolidation_min_gain: float = 2.0
+    # charged links (sim.pipeline.link_model: star|relay): (relay fan-out, 0 = the star; seconds of one version over one
+    # link); None: every rank charged weight_sync_s on its own (the model before issue 46)
+    links: tuple[int, float] | None = None
 
 
 class SamplePipeline:
     """One sample-level simulated run; ``run()`` returns a :class:`SampleRunResult`."""
 
-    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, CMD, MOVE = range(8)  # heap event kinds
+    READY, TRAIN, STEP, WEIGHTS, SWITCH, HELP, CMD, MOVE, LINK = range(9)  # heap event kinds
 
     def __init__(self, name: str, table: StageTable, initial: Topology, mechanisms: Mechanisms,
                  costs: SwitchCostModel, policy: ResizePolicy | None = None, settings: SampleSettings = SampleSettings()):
@@ -150,6 +157,7 @@ class SamplePipeline:
         sim = table.sim
         self.w = sim.rollout.iteration_fixed_s
         self.sync_s = costs.weight_sync_s()
+        self.links = Links(st.links[0], st.links[1]) if st.links is not None else None
         self.train_cfg = sim.train
         self.info: dict[int, _BatchInfo] = {}
         self.samples_of: dict[int, int] = {}  # batch -> its samples (kept when its _BatchInfo is dropped)
@@ -315,6 +323,8 @@ class SamplePipeline:
                 self._apply(t, payload)
             elif kind == self.MOVE:
                 self._moved_in(t, key, *payload)
+            elif kind == self.LINK:
+                self._link_done(t, payload)
             elif kind == self.HELP:
                 self.do(t, self.core.handle(HelpDone(key, payload)))
                 if self.core.accepting(key):
@@ -324,6 +334,7 @@ class SamplePipeline:
             raise RuntimeError(f"{self.name}: the simulated pipeline stalled at t={t:.1f}s before step {self.core.produced}")
         r = self.res
         r.total_s = t
+        r.links = self.links.stats if self.links is not None else None
         r.samples = sum(self.samples_of[j] if j in self.samples_of else self._batch(j).samples for j in range(self.K))
         r.wall_s = time.perf_counter() - t0w
         if self.log:
@@ -618,7 +629,7 @@ class SamplePipeline:
                 self.push(t + c, self.CMD, 0, a)
             elif type(a) is Assign:  # the most frequent actions, without the match's pattern tests
                 self._assign(t, a.rank, a.batch, a.groups, a.version)
-            elif type(a) is SendWeights and not (a.blocking and self.log):
+            elif type(a) is SendWeights and not (a.blocking and self.log) and self.links is None:
                 self.seq += 1
                 heapq.heappush(self.heap, (t + self.sync_s, self.seq, self.WEIGHTS, a.rank, a.version))  # self.push
             else:
@@ -649,6 +660,8 @@ class SamplePipeline:
                 self.train_busy[batch] = self.train_busy.get(batch, 0.0) + dur
                 self.res.busy_train_gpu_s += dur * len(ranks)
                 self.push(t + dur, self.STEP, batch, (t, ranks))
+            case SendWeights(rank, version, blocking) if self.links is not None:
+                self._link_start(t, self.links.request(t, rank, version), blocking)
             case SendWeights(rank, version, blocking):
                 self.push(t + self.sync_s, self.WEIGHTS, rank, version)
                 if blocking and self.log:
@@ -660,6 +673,21 @@ class SamplePipeline:
                 self._decided(t, step, dec, sid)
             case Restart():
                 raise RuntimeError("a trainer was lost in the simulator (not modelled)")
+
+    def _link_start(self, t: float, transfers, blocking: bool = False) -> None:
+        for end, tr in transfers:
+            self.push(end, self.LINK, tr.dst, (t, tr, blocking))
+
+    def _link_done(self, t: float, payload) -> None:
+        """A transfer over a charged link ended: its receiver holds the version (and may forward it)."""
+        asked, tr, blocking = payload
+        self._link_start(t, self.links.arrived(t, tr))
+        if blocking and self.log:
+            self.emit(t, EventType.STAGE, step=tr.version + self.s, stage="weight_sync", ranks=str(tr.dst),
+                      start=round(asked, 6), end=round(t, 6))
+        self.do(t, self.core.handle(WeightsArrived(tr.dst, tr.version)))
+        if self.consolidate and self._consolidate(t, tr.dst):
+            self._schedule_rank(tr.dst, t)
 
     def _assign(self, t: float, rank: int, batch: int, groups: tuple[int, ...], version: int) -> None:
         """The groups' responses start decoding on ``rank`` after their prompts' prefill; the version that makes them
@@ -815,6 +843,8 @@ class SamplePipeline:
     def _switch(self, t: float, rank: int, to: Role, sid: int) -> None:
         moving, _, _, _ = self.switch_plans.get(sid, (0.0, 0.0, 0.0, 0.0))
         dr = self.ranks[rank]
+        if self.links is not None:  # its buffers go: it forwards no version from now on
+            self.links.leaves(rank)
         if to is Role.TRAIN:
             self._idle(rank, t)
             dr.token += 1

@@ -28,8 +28,10 @@ The barrier-free schedule (``dynaresize.schedule``) uses four more commands, sti
   by rank 0's ``optimizer_step(publish=True, transport="file")``); the interval is logged (``weight_sync``,
   ``background``) at the next command. It runs beside the decode (``CONCURRENT``); ``pushed``: rank 0 sends it
   whatever this rank answers, so one receive is posted even for a version it holds (into a buffer it drops);
-- ``push_weights`` (rank 0, comm): send a version kept at the optimizer step to ranks that posted (or, ``pushed``,
-  will post) a receive, on one background thread per destination; acked once queued;
+- ``push_weights`` (comm): rank 0 sends a version kept at the optimizer step, or a relay (a rollout rank,
+  ``pipeline.weights_relay`` > 0) the version it received (once its own receive ended and checked), to ranks that
+  posted (or, ``pushed``, will post) a receive from it; rank 0's star on one background thread per destination, a
+  relay's sends (``one_at_a_time``) one after another; acked once queued; beside the decode (``CONCURRENT``);
 - ``train_chunk``: forward and backward of a chunk of complete groups, loss as a sum (``ZeroTrainer.accumulate``);
 - ``optimizer_step``: the step of the chunks accumulated since the last one, divided by the whole batch's
   normaliser (``ZeroTrainer.step``); with ``publish`` rank 0 keeps a host copy of the new weights (comm) or stages
@@ -156,7 +158,8 @@ class _Streamed:
 # may hand this rank the new version's groups while the old ones decode (no round trip at the version's boundary),
 # and a lost rank's groups of the old version after the rank installed the new one: the coordinator then has it
 # receive the old version again (comm, ``again``) or the rank reads its snapshot again (file, ``_refetch``).
-CONCURRENT = frozenset({"ping", "fetch_weights"})
+# push_weights only queues sends on background threads (a relay forwards from its second buffer while it decodes).
+CONCURRENT = frozenset({"ping", "fetch_weights", "push_weights"})
 GROUPS_CREATED_METRIC = "comm/groups_created_after_startup"  # logged by each rank at its shutdown (0 expected)
 
 
@@ -770,26 +773,31 @@ class Worker:
             self.sender = WeightSender(self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
         return self.sender
 
-    def _cmd_push_weights(self, version: int, ranks: list[int]) -> dict[str, Any]:
-        """Rank 0 sends ``version`` to each of ``ranks`` (their ``fetch_weights`` started a receive), point to point
-        on background threads, from the copy kept at the optimizer step; acked once queued. A version not kept is
-        this rank's own if it holds it (a resume, a restart: taken now)."""
-        if self.rank != 0 or self.trainer is None:
-            raise WorkerError(f"rank {self.rank}: only trainer rank 0 sends weights (push_weights)")
-        bad = sorted(r for r in ranks if r == 0 or not 0 <= r < self.setup.world)
+    def _cmd_push_weights(self, version: int, ranks: list[int], one_at_a_time: bool = False) -> dict[str, Any]:
+        """Send ``version`` to each of ``ranks`` (their ``fetch_weights`` started a receive from this rank), point to
+        point on background threads; acked once queued. Trainer rank 0 sends the copy kept at its optimizer step; a
+        rollout rank (a relay) the version it received (:meth:`WeightSender.relay`: once its own receive ended and
+        its checksum matched; a failed one tells the receivers at once). A version not kept is this rank's own if it
+        holds it (a resume, a restart: taken now). ``one_at_a_time``: the sends go one after another (the relay)."""
+        if self.rank == 0 and self.trainer is None or self.rank != 0 and self.rollout is None:
+            raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: trainer rank 0 and rollout ranks (relays) "
+                              "send weights (push_weights)")
+        bad = sorted(r for r in ranks if r == self.rank or not 0 <= r < self.setup.world)
         if bad:
-            raise WorkerError(f"rank 0 cannot send weights to rank(s) {bad} (world of {self.setup.world})")
+            raise WorkerError(f"rank {self.rank} cannot send weights to rank(s) {bad} (world of {self.setup.world})")
         sender = self._sender()
         if not sender.holds(version) and version == self.version:
             sender.hold(version, self._weights())
         try:
-            sender.push(version, ranks)
+            sender.push(version, ranks, one_at_a_time)
         except WeightSyncError as e:
-            raise WorkerError(f"rank 0: {e}") from None
+            raise WorkerError(f"rank {self.rank}: {e}") from None
+        if self.rank != 0:
+            self.setup.hooks.point(self.rank, "push_weights.relay", f"v{version}")
         return {"version": version, "ranks": list(ranks)}
 
     def _log_sends(self) -> None:
-        """Log rank 0's finished background sends (on the main thread)."""
+        """Log this rank's finished background sends (rank 0's, a relay's) on the main thread."""
         if self.sender is None:
             return
         for rec in self.sender.take_sent():
@@ -874,7 +882,8 @@ class Worker:
     # -- background weight transfer through the host -----------------------------------------------------------
 
     def _cmd_fetch_weights(self, version: int, transport: str = "file", again: bool = False,
-                           keep: list[int] | None = None, pushed: bool = False) -> dict[str, Any]:
+                           keep: list[int] | None = None, pushed: bool = False, src: int = 0,
+                           forward: bool = False) -> dict[str, Any]:
         """Start receiving ``version`` into host memory (a second buffer) on a background thread while the engine
         decodes with the one it holds: from rank 0 point to point over the world group (``comm``: rank 0 sends it
         once the coordinator pushes it), or read from the snapshot rank 0 published (``file``, the fallback).
@@ -882,8 +891,14 @@ class Worker:
         received even if held). A transfer error surfaces at the install. ``keep``: the versions the scheduler still
         counts for this rank; a fetched version it no longer counts (no batch needs it) is dropped first.
         ``pushed`` (comm): rank 0 sends this version here whatever this rank answers, so exactly one receive is posted
-        for it, even when it is not needed (into a buffer dropped when it ends) or when the fetch is refused."""
+        for it, even when it is not needed (into a buffer dropped when it ends) or when the fetch is refused.
+        ``src`` (comm): the rank that sends it (trainer rank 0, or a relay: ``dynaresize.schedule.relay`` plans who);
+        ``again`` from another ``src`` than the receive under way (its relay was lost): that one is dropped and a
+        new one posted. ``forward``: this rank may be asked to forward it (``push_weights``) once received."""
         owed = pushed and transport == "comm"
+        inc = self.incoming.get(version)
+        if again and transport == "comm" and inc is not None and isinstance(inc.read, CommFetch) and inc.read.src != src:
+            del self.incoming[version]  # its relay was lost: the receive from it fails on its own thread
         try:
             if self.rollout is None:
                 raise WorkerError(f"rank {self.rank} is a {self.role.value} rank: only a rollout rank fetches weights")
@@ -892,17 +907,18 @@ class Worker:
             if version in self.incoming or (version <= self.version and not (again and transport == "comm")):
                 self.held.add(version)  # the scheduler counts it held: a generate of it reads the snapshot again
                 return {"version": version, "started": False}
-            out = self._start_fetch(version, transport, keep)
+            out = self._start_fetch(version, transport, keep, src, forward)
             owed = False
             return out
         finally:
             if owed:  # the send on its way has its one receive (its thread holds it); what it brings is dropped
                 try:
-                    CommFetch(self._weights(), 0, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
+                    CommFetch(self._weights(), src, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
                 except Exception as e:  # noqa: BLE001 - rank 0's send to this rank then waits out its timeout
                     log.warning("rank %d: no receive posted for version %d pushed here: %s", self.rank, version, e)
 
-    def _start_fetch(self, version: int, transport: str, keep: list[int] | None) -> dict[str, Any]:
+    def _start_fetch(self, version: int, transport: str, keep: list[int] | None, src: int = 0,
+                     forward: bool = False) -> dict[str, Any]:
         if keep is not None:
             for v in [v for v in self.incoming if v not in keep]:
                 del self.incoming[v]  # a read still running ends on its own thread, its copy then freed
@@ -911,9 +927,11 @@ class Worker:
                               f"({', '.join(map(str, sorted(self.incoming)))}), at most {self.max_incoming}: "
                               f"install one (generate with its version) before fetching version {version}")
         if transport == "comm":
-            read = CommFetch(self._weights(), 0, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
+            read = CommFetch(self._weights(), src, version, self.setup.rollout_cfg.sync_bucket_mb << 20, self._dev)
             self.incoming[version] = _Incoming(version, read.source, read)
             self.held.add(version)
+            if forward:  # a relay: what it receives (its second buffer) may go on to the next ranks
+                self._sender().relay(version, read, [n for n, _ in self._weights()])
             self.setup.hooks.point(self.rank, "fetch_weights.started", f"v{version}")
             return {"version": version, "started": True}
         assert self.stager is not None
@@ -964,6 +982,10 @@ class Worker:
         try:
             tensors, meta = inc.read.result()
         except (StagingError, WeightSyncError) as e:
+            if isinstance(inc.read, CommFetch) and inc.read.src != 0 and version not in self.incoming:
+                # from a relay (lost, or its copy refused): the next generates of this version fail the same way, so
+                # the coordinator sends each again once a receive from another holder replaced this one
+                self.incoming[version] = inc
             raise WorkerError(f"rank {self.rank}: the weights of version {version} ({inc.path}) cannot be installed: "
                               f"{e}") from None
         self._log_read(inc)

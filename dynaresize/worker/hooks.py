@@ -2,7 +2,8 @@
 
 A rank calls :meth:`Hooks.point` at the named points of its work (``switch_role.offload`` right after a switch's
 offload, ``stage_state.weights`` between the weights and the optimizer state of a checkpoint,
-``fetch_weights.started`` once a background weight read started (at ``v<version>``), ``train_chunk.accumulated``
+``fetch_weights.started`` once a background weight read started (at ``v<version>``), ``push_weights.relay`` once a
+relay (a rollout rank) queued a version to forward (at ``v<version>``), ``train_chunk.accumulated``
 after a chunk's backward (at ``step-<step>``)); the production hooks do nothing there. Tests start ranks through a test-side entry (``tests/support/``) that passes other hooks:
 the fault matrix kills or stops the rank at a point, and test-only commands (inline batches, state digests) come
 in as extra handlers from :meth:`Hooks.commands`.

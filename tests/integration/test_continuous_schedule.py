@@ -295,6 +295,41 @@ def test_a_rollout_rank_lost_with_two_batches_in_flight_and_weights_on_the_way(t
     assert summary["status"] == "completed"
 
 
+def test_the_relay_keeps_rl_semantics_and_forwards_from_rollout_ranks(tmp_path, model_cache, static_run):
+    """``pipeline.weights_relay: 1`` (a chain: every version a second rollout rank asks for comes from the first):
+    the static barrier run's samples, versions, rewards and losses; some versions went from a rollout rank to
+    another (a relay), rank 0 sent each version at most once per fetch round, no process group was created."""
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
+        "pipeline.weights_relay=1")
+    rd = run_dir_of(tmp_path)
+    same_samples(batches(rd), batches(static_run))
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    sends = [e for e in events if e.get("stage") == "weight_sync" and e.get("to") is not None]
+    relayed = [(e["ranks"], e["to"], e["version"]) for e in sends if e["ranks"] != "0"]
+    assert relayed, sorted((e["ranks"], e["to"], e["version"]) for e in sends)
+    assert not any(e.get("error") for e in sends)
+    created = {e["rank"]: e["value"] for e in events if e.get("name") == "comm/groups_created_after_startup"}
+    assert set(created.values()) == {0}, created
+
+
+def test_a_relay_lost_mid_forward_its_receiver_gets_the_version_from_another_holder(tmp_path, model_cache, static_run):
+    """A rollout rank dies as it is asked to forward version 2 (the one that relays it, whichever asked first): the
+    coordinator plans its receiver again from another holder (rank 0), nothing is lost, the run finishes with the
+    static run's samples."""
+    run(tmp_path, model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
+        "pipeline.weights_relay=1",
+        faults={"DYNARESIZE_TEST_KILL_AT": "2:push_weights.relay@v2,3:push_weights.relay@v2"})
+    rd = run_dir_of(tmp_path)
+    same_samples(batches(rd), batches(static_run))
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    lost = [e["rank"] for e in events if e.get("what") == "rank_lost"]
+    assert len(lost) == 1 and lost[0] in (2, 3), lost
+    other = 5 - lost[0]
+    sends = {(e["ranks"], e["to"], e["version"]) for e in events if e.get("stage") == "weight_sync" and e.get("to") is not None}
+    assert (str(lost[0]), other, 2) not in sends and ("0", other, 2) in sends, sorted(sends)  # from another holder
+    assert json.loads((rd / "summary.json").read_text())["status"] == "completed"
+
+
 def test_a_lost_trainer_restarts_every_rank_from_the_continuous_checkpoint(tmp_path, model_cache, static_run):
     once = tmp_path / "once"
     once.mkdir()

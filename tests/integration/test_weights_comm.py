@@ -91,7 +91,7 @@ def test_versions_reach_rollout_ranks_over_the_world_group_into_a_second_buffer(
         # what rank 0 refuses: a version it kept no copy of (nor holds), a push from another rank
         with pytest.raises(LocalWorkerError, match=r"holds no copy of version 5 to send \(held: 1, 2\)"):
             c.call("push_weights", {"version": 5, "ranks": [3]}, ranks=[0])
-        with pytest.raises(LocalWorkerError, match="only trainer rank 0 sends weights"):
+        with pytest.raises(LocalWorkerError, match=r"trainer rank 0 and rollout ranks \(relays\) send weights"):
             c.call("push_weights", {"version": 2, "ranks": [3]}, ranks=[1])
         stats = c.call("comm_stats")
         assert all(s["created_after_startup"] == 0 for s in stats.values()), stats
@@ -105,3 +105,38 @@ def test_versions_reach_rollout_ranks_over_the_world_group_into_a_second_buffer(
     sends = sorted((e["to"], e["version"]) for e in stages if e.get("to") is not None)
     assert sends == [(2, 1), (2, 1), (2, 2), (3, 1), (3, 1), (3, 2), (3, 2)] and all(e["ranks"] == "0" and e.get("error") is None
                                                              for e in stages if e.get("to") is not None)
+
+
+def test_a_relay_forwards_what_it_received_from_its_second_buffer(tmp_path, redis_server):
+    """``pipeline.weights_relay``: rank 2 receives version 1 from rank 0 and forwards it from its second buffer to
+    rank 3 (its push queued before its own receive ended: it sends once that is checked); both install rank 0's
+    bytes, rank 0 sent the version once, no process group was created."""
+    job = f"wrelay-{uuid.uuid4().hex[:8]}"
+    client = connect(redis_server.endpoint_file, role="test")
+    key = f"dr:{job}:chunk:0:0"
+    client.set(key, _batch(range(0, 1)).to_json())
+    events = tmp_path / "events.jsonl"
+    gen = {"step": 1, "pull_batch": 3, "max_tokens": 6, "temperature": 1.0, "top_p": 1.0, "prompts": []}
+    trainers = [0, 1]
+    with LocalCluster(4, 2, tmp_path, global_batch=2 * GROUP, config={"train": {"lr": 1e-2}}, events=events,
+                      hooks=HOOKS, redis=(redis_server.endpoint_file, job), weights_dir=tmp_path / "weights") as c:
+        ch = c.call("train_chunk", {"step": 0, "batch_key": key, "n_train": 2, "version": 0}, ranks=trainers)
+        c.call("optimizer_step", {"step": 0, "n_train": 2, "version_after": 1, "denominator": float(ch[0]["tokens"]),
+                                  "publish": True, "transport": "comm", "keep_from": 0}, ranks=trainers)
+        v1 = c.call("state_digest", ranks=trainers)[0]["weights"]
+        comm = {"version": 1, "transport": "comm", "pushed": True}
+        # the coordinator's order: rank 0's push first, then each fetch naming its sender, a relay's push after its fetch
+        c.call("push_weights", {"version": 1, "ranks": [2], "one_at_a_time": True}, ranks=[0])
+        assert c.call("fetch_weights", {**comm, "src": 0, "forward": True}, ranks=[2])[2]["started"] is True
+        c.call("push_weights", {"version": 1, "ranks": [3], "one_at_a_time": True}, ranks=[2])
+        assert c.call("fetch_weights", {**comm, "src": 2, "forward": True}, ranks=[3])[3]["started"] is True
+        c.call("generate", {**gen, "version": 1}, ranks=[2, 3])
+        dig = c.call("state_digest", ranks=[2, 3])
+        assert all(d["weights"] == v1 and d["version"] == 1 for d in dig.values())
+
+        stats = c.call("comm_stats")
+        assert all(s["created_after_startup"] == 0 for s in stats.values()), stats
+    client.close()
+    stages = [e for e in read_events(events) if e.type.value == "stage" and e["stage"] == "weight_sync"]
+    sends = sorted((e["ranks"], e["to"], e["version"]) for e in stages if e.get("to") is not None)
+    assert sends == [("0", 2, 1), ("2", 3, 1)]  # rank 0 sent version 1 once; rank 2 forwarded it
