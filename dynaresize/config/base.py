@@ -15,6 +15,17 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from dynaresize.control.secret import redact
+
+
+class ConfigError(ValueError):
+    """A config that cannot be loaded: the message names the source, the key path, the value and what is allowed
+    (a URL's password redacted: the message is printed and logged). It lives beside the sections, below everything
+    that reads a config (the loader, the tasks that read their data at load), so none of them imports another for it."""
+
+    def __init__(self, message: str):
+        super().__init__(redact(str(message)))
+
 
 class RuleError(ValueError):
     """A rule broken by ``key`` (a dotted path or tuple, relative to the section that checks the rule) with

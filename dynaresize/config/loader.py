@@ -17,20 +17,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from dynaresize import atomic
-from dynaresize.config.base import RuleError
+from dynaresize.config.base import ConfigError, RuleError  # ConfigError: imported from here by most callers
 from dynaresize.config.schema import Config
+from dynaresize.tasks.dataset import DatasetTask
 
 EXTENDS_KEY = "extends"
-
-
-class ConfigError(ValueError):
-    """A config that cannot be loaded: the message names the source, the key path, the value and what is allowed
-    (a URL's password redacted: the message is printed and logged)."""
-
-    def __init__(self, message: str):
-        from dynaresize.control.secret import redact
-
-        super().__init__(redact(str(message)))
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -206,8 +197,6 @@ def resolve_epochs(cfg: Config) -> Config:
     """``run.epochs`` turned into ``run.steps`` (the dataset's training records are read): what the run, its
     checkpoints and its resume count in. The result holds the steps and ``run.epochs: null``, so the run directory's
     config.yaml loads again as is (a resume extends it with ``run.steps=N``)."""
-    from dynaresize.tasks.dataset import DatasetTask
-
     task = DatasetTask(cfg.task.dataset)
     steps = task.steps_for_epochs(cfg.run.epochs, cfg.rollout.prompts_per_step)
     return cfg.model_copy(update={"run": cfg.run.model_copy(update={"steps": steps, "epochs": None})})

@@ -150,18 +150,16 @@ class Loggers:
         self._warn = warn or (lambda msg: None)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for b in list(self.backends):
-            try:
-                b.log(step, metrics)
-            except Exception as e:  # noqa: BLE001 - a logger's failure must not stop training
-                self._warn(f"metrics logger {type(b).__name__} failed ({e}); it is switched off for this run")
-                self.backends.remove(b)
+        self._each("log", step, metrics)
 
     def log_validation(self, version: int, metrics: dict[str, float]) -> None:
         """A validation pass's scalars (``val/...``) against the policy version it scored."""
+        self._each("log_validation", version, metrics)
+
+    def _each(self, method: str, *args) -> None:
         for b in list(self.backends):
             try:
-                b.log_validation(version, metrics)
+                getattr(b, method)(*args)
             except Exception as e:  # noqa: BLE001 - a logger's failure must not stop training
                 self._warn(f"metrics logger {type(b).__name__} failed ({e}); it is switched off for this run")
                 self.backends.remove(b)

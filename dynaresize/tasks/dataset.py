@@ -27,7 +27,7 @@ import random
 from pathlib import Path
 from typing import Any, Iterator
 
-from dynaresize.config.loader import ConfigError
+from dynaresize.config.base import ConfigError
 from dynaresize.tasks.base import Sample
 from dynaresize.tasks.config import DatasetConfig
 

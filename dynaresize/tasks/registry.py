@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 
+from dynaresize.config.base import ConfigError
 from dynaresize.tasks.base import Curriculum, Task
 from dynaresize.tasks.config import TaskConfig
 
@@ -21,31 +22,25 @@ BUILTIN_TASKS = {
 }
 
 
-def _config_error(msg: str) -> Exception:
-    from dynaresize.config.loader import ConfigError  # late: the loader imports this package's config
-
-    return ConfigError(msg)
-
-
 def resolve_class(name: str) -> type:
     path = BUILTIN_TASKS.get(name, name)
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise _config_error(
+        raise ConfigError(
             f"task.name = {name!r}: expected 'module:Class' (e.g. 'dynaresize.tasks.reverse:ReverseDigits') "
             f"or one of {sorted(BUILTIN_TASKS)}"
         )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise _config_error(f"task.name = {name!r}: cannot import module {module_name!r}: {e}") from None
+        raise ConfigError(f"task.name = {name!r}: cannot import module {module_name!r}: {e}") from None
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise _config_error(f"task.name = {name!r}: module {module_name!r} has no attribute {attr!r}")
+            raise ConfigError(f"task.name = {name!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not inspect.isclass(obj):
-        raise _config_error(f"task.name = {name!r}: {attr!r} is a {type(obj).__name__}, expected a class")
+        raise ConfigError(f"task.name = {name!r}: {attr!r} is a {type(obj).__name__}, expected a class")
     return obj
 
 
@@ -64,13 +59,13 @@ def load_task(cfg: TaskConfig) -> Task:
     try:
         task = cls(**kwargs)
     except TypeError as e:
-        raise _config_error(f"task.params = {cfg.params!r}: {cfg.name} does not accept them: {e}") from None
+        raise ConfigError(f"task.params = {cfg.params!r}: {cfg.name} does not accept them: {e}") from None
     if callable(getattr(task, "sample", None)):  # a dataset: samples and references; reward from reward.function
         missing = [m for m in ("reference",) if not callable(getattr(task, m, None))]
     else:
         missing = [m for m in ("prompt", "answer", "reward") if not callable(getattr(task, m, None))]
     if missing:
-        raise _config_error(f"task.name = {cfg.name!r}: not a Task (missing methods {missing}); see dynaresize.tasks.base.Task")
+        raise ConfigError(f"task.name = {cfg.name!r}: not a Task (missing methods {missing}); see dynaresize.tasks.base.Task")
     return task
 
 
