@@ -78,7 +78,7 @@ def architecture_for(cfg) -> tuple[Architecture | None, str]:
 def sequence_tokens(cfg) -> int:
     """One sequence's tokens as far as the config knows: the longest prompt (rollout.max_prompt_tokens, when set)
     plus rollout.max_tokens."""
-    return int(getattr(cfg.rollout, "max_prompt_tokens", None) or 0) + cfg.rollout.max_tokens
+    return int(cfg.rollout.max_prompt_tokens or 0) + cfg.rollout.max_tokens
 
 
 def settings_from_config(cfg, arch: Architecture) -> Settings:
@@ -121,19 +121,8 @@ def capacity_for(cfg, read_device=cuda_memory_bytes) -> tuple[int | None, str]:
     return None, f"no memory figure for cluster.device={cfg.cluster.device}: set cluster.gpu_memory_gb to check"
 
 
-def check_inputs(cfg) -> None:
-    """Bad input the trainer would meet later: one message now."""
-    mbt, seq = cfg.train.micro_batch_tokens, sequence_tokens(cfg)
-    if mbt is not None and mbt < seq:
-        prompt = getattr(cfg.rollout, "max_prompt_tokens", None)
-        parts = (f"rollout.max_prompt_tokens {prompt} + " if prompt else "") + f"rollout.max_tokens {cfg.rollout.max_tokens}"
-        raise MemoryFitError(f"train.micro_batch_tokens = {mbt} is below one sequence's length ({parts} = {seq} tokens); "
-                             f"allowed: >= {seq}")
-
-
 def memory_report(cfg, read_device=cuda_memory_bytes) -> MemoryReport:
     """The memory table of ``cfg`` (None, with the reason, where no architecture or capacity is known)."""
-    check_inputs(cfg)
     arch, arch_src = architecture_for(cfg)
     capacity, cap_src = capacity_for(cfg, read_device)
     if arch is None:

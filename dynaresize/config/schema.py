@@ -283,7 +283,7 @@ class Config(Section):
         ``train.precision`` must agree with an explicit ``model.dtype`` (dynaresize.engines.precision: one dtype per
         rank; with ``model.dtype: auto`` the run checks the model directory's before any rank starts)."""
         t, ro = self.train, self.rollout
-        prompt = getattr(ro, "max_prompt_tokens", None)
+        prompt = ro.max_prompt_tokens
         need = ro.max_tokens + (prompt or 1)
         if t.micro_batch_tokens is not None and t.micro_batch_tokens < need:
             what = f"rollout.max_prompt_tokens={prompt}" if prompt else "a prompt of at least 1 token"
