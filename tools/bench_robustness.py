@@ -24,6 +24,7 @@ best static split, unless ``--no-step-level``).
     .venv/bin/python tools/bench_robustness.py --predictors capacity --consolidation   # with tail consolidation too
     .venv/bin/python tools/bench_robustness.py --predictors capacity --runtime-mechanisms --no-step-level   # ~1 min
     .venv/bin/python tools/bench_robustness.py --predictors capacity --rollout-models decode --play-checks on off --no-step-level
+    .venv/bin/python tools/bench_robustness.py --seeds 8 9 10 11 --predictors capacity --rollout-models decode --set policy.follow_shifts=true
 """
 
 from __future__ import annotations
@@ -48,10 +49,10 @@ from dynaresize.sim.samples import TAIL_SHARE_BARRIER_FREE  # noqa: E402
 BARRIER_FREE = SimMechanisms(True, True, True, True)
 
 
-def stationary(gpus: int, mean: int, seed: int, steps: int):
+def stationary(gpus: int, mean: int, seed: int, steps: int, extra: tuple[str, ...] = ()):
     return load_config(ROOT / "configs/sim/stationary_8gpu.yaml", [
         f"sim.steps={steps}", "sim.write_events=false", f"cluster.gpus={gpus}", f"cluster.initial_train={round(0.75 * gpus)}",
-        f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}", f"run.seed={seed}"])
+        f"sim.workload.response_tokens_start={mean}", f"sim.workload.response_tokens_end={mean}", f"run.seed={seed}", *extra])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="with tail consolidation too (the simulator's; the bench's all-mechanisms row has it)")
     ap.add_argument("--no-step-level", action="store_true",
                     help="skip the step-level row (the barrier schedule, the capacity policy, against the best static split)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="config overrides for every case (e.g. policy.follow_shifts=true)")
     args = ap.parse_args(argv)
     mech = replace(BARRIER_FREE, gradient_helpers=not args.runtime_mechanisms, tail_consolidation=args.consolidation)
     shares = list(dict.fromkeys(args.shares))
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[tuple, list[tuple[float, int, float]]] = {k: [] for k in rows_of}
     step_level: list[tuple[float, int]] = []  # (loss against the best static split, switches) per case
     for g, m, seed in itertools.product(args.gpus, args.means, args.seeds):
-        s = setup(stationary(g, m, seed, args.steps))
+        s = setup(stationary(g, m, seed, args.steps, tuple(args.set)))
         split, best, static_wall = "-", 0.0, 0.0
         if rows_of:  # (``--predictors`` with none: the step-level row alone)
             split, best = best_static_samples(s, mech)

@@ -41,6 +41,14 @@ class PolicyConfig(Section):
                                "variance (0.2 -> 0.1 at stop 42: at 0.2 a few calm steps halved the variance and let a "
                                "noise move through, 16 GPUs x 300 tokens seed 1 at step level, +1.08%; robustness at step "
                                "level 23 -> 24 / 24, held-out seeds 48 / 48 either way)")
+    follow_shifts: bool = Field(
+        False, description="A shift of the workload's size (tokens generated + trained a step beyond noise_z standard "
+        "deviations of its step-to-step noise, consecutive_signals steps in a row in one direction) carries the tail and "
+        "the train work to the new size at once, is not measured as noise, and restarts the play check's batches "
+        "(dynaresize/policy/predictor.py, StageModel.update). Off: a sudden x4 rise of the response length is held as "
+        "noise for 25-37 steps (configs/sim/shift_8gpu.yaml; docs/simulator.md, 'A sudden shift'). Opt-in until it is "
+        "shown not to cost the stationary cases"
+    )
     tail_cv_prior: float = Field(
         0.2, ge=0, description="Prior coefficient of variation of the tail before the variance is learned (ASSUMPTION: the "
         "longest of a few hundred lognormal responses varies by ~20% from step to step)"

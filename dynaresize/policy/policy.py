@@ -42,6 +42,11 @@ batch, ``rollout_model: decode``, the default); ``pipeline`` plays each candidat
 schedule), and then rule 3's imbalance is the predicted relative gain of the best candidate, against
 ``min_relative_gain``.
 
+Shifts (``follow_shifts``, opt-in): a step size beyond ``noise_z`` standard deviations of its noise,
+``consecutive_signals`` steps in a row, carries the estimates to the new size and restarts the play's batches
+(:meth:`StageModel.update`), so a sudden change of the response length is not taken as noise (docs/simulator.md, "A
+sudden shift").
+
 No I/O, clock or randomness: the same observations always give the same decisions.
 """
 
@@ -89,7 +94,8 @@ class ResizePolicy:
         self.costs = costs
         self.candidates = tuple(candidates)
         self.model = StageModel(cfg.ewma_alpha, cfg.train_scaling_per_doubling, cfg.tail_ewma_alpha, cfg.noise_alpha, cfg.tail_cv_prior,
-                                cfg.rollout_model == "decode", cfg.decode_shape_alpha)
+                                cfg.rollout_model == "decode", cfg.decode_shape_alpha,
+                                cfg.noise_z if cfg.follow_shifts else 0.0, cfg.consecutive_signals)
         self.pipeline = PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks) if cfg.predictor == "pipeline" else None
         # the capacity predictor's moves checked by the same play (rule 9), where the observations carry their batches
         self.checker = (PipelinePredictor(cfg.train_scaling_per_doubling, hooks=pipeline_hooks)
@@ -113,9 +119,16 @@ class ResizePolicy:
             est = replace(self.model.update(None, obs), observations=0)
         else:  # (estimates with no observation are replaced by the first clean step's)
             est = state.estimates if obs.mixed else self.model.update(state.estimates if learned else None, obs)
+        # a shift of the workload (policy.follow_shifts; StageModel.update carried the estimates to the new size): the
+        # batches before it describe another workload, so a play replays only those since (the steps beyond it), and a
+        # move held by a play is played anew
+        shifted = learned and est.shifted and not obs.mixed
+        if shifted:
+            state = replace(state, vetoed=None, vetoed_at=-1, vetoes=0)
         if self.pipeline is not None or self.checker is not None:  # the batches a play replays (a mixed step's too)
             trace = state.estimates.trace if state.estimates is not None else ()
-            trace = (trace + (obs.workload,))[-cfg.pipeline_trace_steps:] if obs.workload is not None else ()
+            keep = cfg.consecutive_signals if shifted else cfg.pipeline_trace_steps
+            trace = (trace + (obs.workload,))[-keep:] if obs.workload is not None else ()
             # the pipeline predictor plays at every step: its batches extrapolated once here; the check (rule 9) only
             # when a move is proposed: extrapolated then (_replayed)
             est = replace(est, trace=trace, play=self._replayed(trace) if self.pipeline is not None else ())

@@ -86,8 +86,10 @@ class StageModel:
     """
 
     def __init__(self, alpha: float, scaling_per_doubling: float, tail_alpha: float | None = None, noise_alpha: float = 0.2,
-                 tail_cv_prior: float = 0.0, decode: bool = False, shape_alpha: float = 0.1):
+                 tail_cv_prior: float = 0.0, decode: bool = False, shape_alpha: float = 0.1, shift_z: float = 0.0,
+                 shift_steps: int = 2):
         self.alpha = alpha
+        self.shift_z, self.shift_steps = shift_z, shift_steps  # a shift of the workload: see update
         self.decode = decode  # rollout from the observed batches' decode profile where they are observed
         self.shape_alpha = shape_alpha  # the profile's shape (longest responses relative to the mean): its EWMA weight
         self.tail_cv_prior = tail_cv_prior
@@ -114,11 +116,24 @@ class StageModel:
         m = self.measure(obs)
         if old is None:  # the variance starts at its prior and is learned from there
             return replace(m, tail_var=(self.tail_cv_prior * m.rollout_tail) ** 2)
+        # a shift of the workload's size (beyond shift_z standard deviations of its step-to-step noise, shift_steps
+        # steps in a row in one direction): the tail and the train work are carried to the new size (each scaled by
+        # the size now over the size it stands for) and a step beyond is not measured as noise until the shift is
+        # refuted (a sudden x4 of the response length, taken as noise, had held every move for 25-37 steps)
+        d_level = m.level / old.level - 1.0 if old.level > 0 and m.level > 0 else 0.0
+        out = self.shift_z > 0 and abs(d_level) > self.shift_z * math.sqrt(max(0.0, old.level_var)) > 0
+        beyond = (old.level_beyond + (1 if d_level > 0 else -1) if out and old.level_beyond * d_level >= 0 else
+                  (1 if d_level > 0 else -1) if out else 0)
+        shift = abs(beyond) >= self.shift_steps and old.tail_size > 0 and old.work_size > 0
+        rt = m.level / old.tail_size if shift else 1.0
+        rw = m.level / old.work_size if shift else 1.0
+        if shift:
+            old = replace(old, rollout_tail=old.rollout_tail * rt, tail_var=old.tail_var * rt * rt,
+                          train_work=old.train_work * rw, tail_size=m.level, work_size=m.level, level=m.level)
         n = old.observations + 1  # a running mean until the EWMA's window is reached (the prior counts as one)
         a, ta, na = self.alpha, self.tail_alpha, self.noise_alpha
         d_tail = m.rollout_tail - old.rollout_tail
         d_train = m.train_work / old.train_work - 1.0 if old.train_work > 0 else 0.0
-        d_level = m.level / old.level - 1.0 if old.level > 0 and m.level > 0 else 0.0
         both = old.decode is not None and m.decode is not None
         # the ratio is the profile's error on the split measured: a running mean from the move there (the model's
         # error differs from split to split), down to RATIO_MIN_WEIGHT (a window for slow drift)
@@ -132,15 +147,18 @@ class StageModel:
             rollout_tail=old.rollout_tail + ta * d_tail,
             train_work=ewma(old.train_work, m.train_work, a),
             sync=ewma(old.sync, m.sync, a),
-            tail_var=(1 - na) * (old.tail_var + na * d_tail * d_tail),
-            train_var=(1 - na) * (old.train_var + na * d_train * d_train),
+            tail_var=old.tail_var if out else (1 - na) * (old.tail_var + na * d_tail * d_tail),
+            train_var=old.train_var if out else (1 - na) * (old.train_var + na * d_train * d_train),
             observations=n,
             decode=blend(old.decode, m.decode, a, max(1.0 / n, self.shape_alpha)) if both else m.decode,
             rollout_ratio=ewma(old.rollout_ratio, m.rollout_ratio, max(1.0 / k, RATIO_MIN_WEIGHT)) if same else m.rollout_ratio,
             ratio_rollout=obs.topology.n_rollout, ratio_steps=k, ratios=ratios if both else (),
             # the workload's size: a running mean, then an EWMA as slow as the noise's (tokens vary by ~10% a step)
             level=ewma(old.level, m.level, max(1.0 / n, na)) if old.level > 0 and m.level > 0 else (m.level or old.level),
-            level_var=(1 - na) * (old.level_var + na * d_level * d_level),
+            level_var=old.level_var if out else (1 - na) * (old.level_var + na * d_level * d_level),
+            level_beyond=0 if shift else beyond, shifted=shift,
+            tail_size=(old.tail_size + ta * (m.level - old.tail_size)) if old.tail_size > 0 and m.level > 0 else (m.level or old.tail_size),
+            work_size=ewma(old.work_size, m.level, a) if old.work_size > 0 and m.level > 0 else (m.level or old.work_size),
         )
 
     def bulk_s(self, est: Estimates, n_rollout: int) -> float:

@@ -159,6 +159,10 @@ class Estimates:
     ratios: tuple[tuple[int, float], ...] = ()  # with ``decode``: (rollout pool size, its ratio) of the sizes left
     level: float = 0.0  # the workload's size, split-invariant: tokens generated + trained per step (EWMA; 0: unknown)
     level_var: float = 0.0  # EWMA variance of the step's size relative to the level (squared fraction)
+    level_beyond: int = 0  # steps in a row whose size lay beyond the level's noise, signed by the direction (a shift)
+    tail_size: float = 0.0  # the workload's size ``rollout_tail`` stands for (its EWMA, with the tail's weight; 0: unknown)
+    work_size: float = 0.0  # the workload's size ``train_work`` stands for (its EWMA, with the train work's weight)
+    shifted: bool = False  # this step confirmed a shift of the workload's size (StageModel.update)
 
 
 @dataclass(frozen=True, slots=True)

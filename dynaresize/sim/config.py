@@ -89,12 +89,14 @@ class WorkloadConfig(Section):
     prompt_tokens_sigma: float = Field(0.3, ge=0, description="Lognormal shape of prompt lengths")
     response_tokens_start: float = Field(1000, gt=0, description="Mean response length at the first step, tokens")
     response_tokens_end: float = Field(4000, gt=0, description="Mean response length at the last step (equal to start: stationary)")
-    drift: Literal["linear", "exponential", "logistic"] = Field(
+    drift: Literal["linear", "exponential", "logistic", "step"] = Field(
         "linear", description="How the mean response length moves from start to end: linear, exponential (a constant "
-        "rate per step) or logistic (an S-curve: slow at first, fastest at drift_midpoint, flattening out; the shape "
-        "long-CoT RL runs report, e.g. DeepSeek-R1-Zero's training length, Nature 2025 Fig. 1b; the S shape ASSUMPTION)"
+        "rate per step), logistic (an S-curve: slow at first, fastest at drift_midpoint, flattening out; the shape "
+        "long-CoT RL runs report, e.g. DeepSeek-R1-Zero's training length, Nature 2025 Fig. 1b; the S shape ASSUMPTION) "
+        "or step (start until drift_midpoint of the run, end from there: a sudden shift, e.g. a new data mix)"
     )
-    drift_midpoint: float = Field(0.5, gt=0, lt=1, description="drift=logistic: the share of the run where the length grows fastest (ASSUMPTION)")
+    drift_midpoint: float = Field(0.5, gt=0, lt=1, description="drift=logistic: the share of the run where the length grows "
+                                  "fastest (ASSUMPTION); drift=step: the share of the run where it jumps from start to end")
     drift_width: float = Field(
         0.12, gt=0, le=1, description="drift=logistic: the S-curve's width as a share of the run (about 4 x this from 12% to "
         "88% of the growth; ASSUMPTION)"

@@ -12,8 +12,9 @@ Drivers (``sim.workload``, each off by default; with all off the draws are exact
 - **max-length cap** (``cap_share``, ``cap_share_end``): that share of responses runs to ``max_response_tokens``
   whatever its drawn length (draws above the cap are cut there in any case); with ``cap_share_end`` the share moves
   linearly from the first step to the last (long-CoT runs: more responses hit the context limit as lengths grow);
-- **length growth curve** (``drift``): linear, exponential or logistic (an S-curve, ``drift_midpoint`` and
-  ``drift_width``: a length that takes off, as long-CoT RL runs report, then flattens);
+- **length growth curve** (``drift``): linear, exponential, logistic (an S-curve, ``drift_midpoint`` and
+  ``drift_width``: a length that takes off, as long-CoT RL runs report, then flattens) or step (``start`` until
+  ``drift_midpoint`` of the run, ``end`` from there: a sudden shift the policy must follow);
 - **trace** (``trace``): a run's logged lengths, step by step (:mod:`dynaresize.sim.trace`); no draw, every other
   driver off;
 - **dynamic sampling** (``dynamic_sampling``, DAPO): per-prompt success probability ~ Beta around the step's accuracy,
@@ -44,6 +45,8 @@ def mean_response(w: WorkloadConfig, step: int, steps: int) -> float:
     x = step / max(1, steps - 1)
     if w.drift == "exponential":
         return w.response_tokens_start * (w.response_tokens_end / w.response_tokens_start) ** x
+    if w.drift == "step":  # a sudden change (a new data mix, a changed prompt template): start, then end from the midpoint
+        return w.response_tokens_end if x >= w.drift_midpoint else w.response_tokens_start
     if w.drift == "logistic":
         x = logistic_share(x, w.drift_midpoint, w.drift_width)
     return w.response_tokens_start + (w.response_tokens_end - w.response_tokens_start) * x
