@@ -30,7 +30,6 @@ CONFIGS = ROOT / "configs"
 RUN_HERE: dict[str, list[str]] = {
     "base.yaml": ["run.steps=2", "model.tiny.warmstart_steps=0"],
     "quickstart-static.yaml": ["run.steps=2"],
-    "emulated-8gpu.yaml": ["run.steps=3"],
     "emulated-16gpu.yaml": ["run.steps=6"],
     "byo-example.yaml": ["run.steps=2", "model.tiny.warmstart_steps=0", "task.dataset.val_every=2"],
     "quickstart-vllm.yaml": ["run.steps=2", "run.checkpoint_every=0", "policy.forced_splits={}"],
@@ -38,6 +37,7 @@ RUN_HERE: dict[str, list[str]] = {
 RUN_ELSEWHERE = {
     "quickstart.yaml": "tests/integration/test_job.py (and most integration tests: its BASE overrides)",
     "slurm-local.yaml": "tests/slurm/test_job_slurm.py (submitted through Slurm)",
+    "emulated-8gpu.yaml": "tests/integration/test_memory_emulated.py (the 8B rehearsal: 6 steps, train.zero_stage=1)",
 }
 CUDA_ONLY = {"gpu-8x1.yaml", "gpu-32x4.yaml"}  # config check: tests/unit/test_config.py::test_shipped_configs_validate
 COMMON = [f"run.seed={SEED}", "run.progress=false", "redis.heartbeat_s=0.5", "redis.dead_after_heartbeats=8"]
