@@ -86,7 +86,9 @@ def test_stalls_of_3_12_and_30_s_lose_no_rank_and_retrain_nothing(tmp_path, mode
     said = [l for l in out.splitlines() if "Redis replies took" in l]
     assert len(said) == 3 and all(l.endswith("; ranks waited; no rank lost") for l in said), said
     took = [float(l.split("took ")[1].split(" s")[0]) for l in said]
-    assert 2.0 <= took[0] <= 6.0 and 10.0 <= took[1] <= 16.0 and 27.0 <= took[2] <= 36.0, said  # the measured delays
+    # the measured delays: the coordinator's longest call within a stall, which may begin up to ~2 heartbeats
+    # (heartbeat_s=1.0) into it and end with it, so each may read short by that much (3 s read 1.9 s under load)
+    assert 1.0 <= took[0] <= 6.0 and 10.0 <= took[1] <= 16.0 and 27.0 <= took[2] <= 36.0, said
     theirs = [float(l.split("heartbeats up to ")[1].split(" s")[0]) for l in said if "heartbeats up to" in l]
     assert theirs and all(2.0 <= t <= 36.0 for t in theirs), said  # the ranks' own measure
     assert len(_controls(rd, "redis_slow")) == 3
