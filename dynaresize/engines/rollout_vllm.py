@@ -125,6 +125,10 @@ def engine_env(platform: str) -> None:
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     if platform == "cpu":
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # vLLM's CPU worker sets VLLM_DIST_IDENT in this process's environment at its start (read once, by its shared-
+        # memory communicator's set-up); an engine built again in the same rank (a rank back in the rollout role)
+        # would find it there and warn that it is an unknown vLLM variable. The new worker sets it afresh.
+        os.environ.pop("VLLM_DIST_IDENT", None)
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     quiet_harmless_warnings()
 
