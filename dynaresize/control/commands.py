@@ -194,9 +194,6 @@ def owner_record(how: str, run_dir: str | None = None, **extra: Any) -> dict[str
 
 def why_fenced(client: redis.Redis, keys: Keys, epoch: int, run_dir: str | None = None) -> str:
     """Why coordinator ``epoch`` is fenced, in words, from the owner record of the epoch that replaced it."""
-    import os
-    import socket
-
     try:
         raw = client.hgetall(keys.owner)
     except redis.RedisError as e:
@@ -208,19 +205,29 @@ def why_fenced(client: redis.Redis, keys: Keys, epoch: int, run_dir: str | None 
         owner, cur = {}, 0
     if not owner:
         return "(no owner record: an older version took it, or Redis lost its data)"
+    return who_took_over(owner, cur, keys.job_id, run_dir)
+
+
+def who_took_over(owner: dict[str, Any], epoch: int | None, job_id: str, run_dir: str | None = None) -> str:
+    """An owner record (:func:`owner_record`) of the coordinator that replaced this one, in words; ``epoch``: the
+    one it took (None when unknown: the record came from the run's Redis directory, the server being down)."""
+    import os
+    import socket
+
     who = f"pid {owner.get('pid')} on {owner.get('host')}"
+    took = "" if epoch is None else f" epoch {epoch}"
     same_process = owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname()
     theirs = owner.get("run_dir")
     if run_dir is not None and theirs is not None and os.path.realpath(theirs) != os.path.realpath(run_dir):
-        return (f"a job-name collision: the run in {theirs} ({who}) uses the same job id {keys.job_id} on this Redis "
-                f"and took epoch {cur}; give each run its own job id (a run directory made by this version has one)")
+        return (f"a job-name collision: the run in {theirs} ({who}) uses the same job id {job_id} on this Redis "
+                f"and took{took or ' its epoch'}; give each run its own job id (a run directory made by this version has one)")
     if same_process:
-        return f"this coordinator's own restart took epoch {cur} (a stale handle of an earlier epoch)"
+        return f"this coordinator's own restart took{took or ' the epoch'} (a stale handle of an earlier epoch)"
     if owner.get("how") == "resume":
-        return f"another coordinator took this run over with `dynaresize run --resume` ({who}, epoch {cur})"
+        return f"another coordinator took this run over with `dynaresize run --resume` ({who}{',' + took if took else ''})"
     if owner.get("how") == "restart":
-        return f"coordinator {who} restarted the ranks with epoch {cur} (its automatic restart after lost ranks)"
-    return f"coordinator {who} started with epoch {cur}"
+        return f"coordinator {who} restarted the ranks{' with' + took if took else ''} (its automatic restart after lost ranks)"
+    return f"coordinator {who} started{' with' + took if took else ''}"
 
 
 class AckResult(NamedTuple):

@@ -28,6 +28,12 @@ A clean exit (code 0: the server took a SIGTERM/SIGINT or a SHUTDOWN and flushed
 stopping (``owner_stopping()`` true then, or within :data:`OWNER_STOP_GRACE_S`: an operator's signal reaches every
 process of the job at once) is a shutdown, not a crash: it is not restarted, and :attr:`RedisServer.failure` says so.
 
+One supervisor per server: a supervised start (spawned or adopted) records its process in
+``<run_dir>/redis/supervisor.json`` (``supervisor=``: who, and how it came to the run). A coordinator whose server was
+adopted by a newer one (a ``--resume`` while it hung) is no longer its supervisor: whatever happens to the server
+afterwards (the newer one shut it down at its end, or it crashed and the newer one brings it back) its watchdog
+leaves it alone, and :meth:`RedisServer.superseded_by` tells its owner who took over.
+
 :func:`connect` builds a client with explicit timeouts and a retry policy. Retries are only safe because every
 write of the control plane is idempotent or de-duplicated by the reader (see ``commands.py``/``registry.py``).
 """
@@ -69,6 +75,7 @@ REDIS_DIR = "redis"
 ENDPOINT_FILE = "redis.json"
 PASSWORD_FILE = "password"
 CONF_FILE = "redis.conf"
+SUPERVISOR_FILE = "supervisor.json"  # which process supervises the run's server now (see RedisServer.superseded_by)
 LOG_FILE = "redis.log"
 RESTART_BACKOFF_CAP_S = 5.0  # longest wait of the watchdog between two restart attempts
 WATCH_POLL_S = 0.1  # how often the watchdog looks at the server process
@@ -408,7 +415,8 @@ class RedisServer:
     """
 
     def __init__(self, cfg: RedisConfig, run_dir: str | Path, supervise: bool = False,
-                 on_restart: Callable[[str], None] | None = None, owner_stopping: Callable[[], bool] | None = None):
+                 on_restart: Callable[[str], None] | None = None, owner_stopping: Callable[[], bool] | None = None,
+                 supervisor: dict | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir).resolve()  # redis-server runs in its own directory: paths must be absolute
         self.dir = self.run_dir / REDIS_DIR
@@ -421,6 +429,8 @@ class RedisServer:
         self.supervise = supervise
         self.on_restart = on_restart
         self.owner_stopping = owner_stopping  # true while the owner stops (a clean exit then is not a crash)
+        # this process as the server's supervisor (pid and host, plus what the owner says of itself), when supervised
+        self.supervisor = {**(supervisor or {}), "pid": os.getpid(), "host": socket.gethostname()} if supervise else None
         self.restarts = 0  # restarts done by the watchdog
         self.failure: str | None = None  # why the watchdog gave up (None while it has not)
         self.waiting_for_disk: str | None = None  # set while the watchdog waits out a full disk (what, where, free)
@@ -449,6 +459,8 @@ class RedisServer:
             self._stopping.clear()
             self._detached.clear()
             self.failure = None
+            if self.supervisor is not None:
+                atomic.write_json(self.dir / SUPERVISOR_FILE, self.supervisor)
             if self.supervise and (self._watchdog is None or not self._watchdog.is_alive()):
                 # the watchdog also spawns the restarted servers, so it lives as long as they do (the child's
                 # parent-death signal follows the thread that started it)
@@ -552,6 +564,20 @@ class RedisServer:
         with self._lock:
             self.proc = None
             self.adopted_pid = None
+
+    def superseded_by(self) -> dict | None:
+        """The supervisor record of the process that took the run's server over from this one (it adopted the
+        server after this one started or adopted it), or None while this process is its supervisor (or none is
+        recorded, or the record cannot be read: then nothing is known to have taken over)."""
+        if self.supervisor is None:
+            return None
+        try:
+            rec = json.loads((self.dir / SUPERVISOR_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(rec, dict) or (rec.get("pid"), rec.get("host")) == (self.supervisor["pid"], self.supervisor["host"]):
+            return None
+        return rec
 
     def _adopt_running(self, password: str | None) -> Endpoint | None:
         """The run's own server still answering on its endpoint (the coordinator that started it was killed, its
@@ -688,6 +714,12 @@ class RedisServer:
                     code = proc.wait(timeout=WATCH_POLL_S)
                 except subprocess.TimeoutExpired:
                     continue
+            newer = self.superseded_by()
+            if newer is not None:  # not ours any more: its supervisor shut it down, or brings it back itself
+                log.info("redis-server (port %d) exited; it is supervised by pid %s on %s now: left to it",
+                         self.port, newer.get("pid"), newer.get("host"))
+                self.detach()
+                continue  # idle from here (the check at the top of the loop)
             if code == 0 and self._shut_down_in_owners_stop(proc.pid if proc is not None else adopted):
                 return
             with self._lock:

@@ -128,13 +128,17 @@ def _check_vllm(job: Job, model_dir: Path) -> None:
                     import_s=round(res.get("import_s", 0.0), 2), build_s=round(res.get("build_s", 0.0), 2))
 
 
-def redis_server(job: Job, stop_requested: threading.Event):
-    """The run's redis-server, supervised (a crash comes back from its append-only file), started shielded."""
+def redis_server(job: Job, stop_requested: threading.Event, resume: bool = False):
+    """The run's redis-server, supervised (a crash comes back from its append-only file), started shielded. This
+    coordinator is recorded as its supervisor, with how it came to the run: a coordinator it replaces leaves the
+    server alone from then on, and can say who took the run over even once the server is gone."""
+    from dynaresize.control.commands import owner_record
     from dynaresize.control.server import RedisServer
 
     return shielded(RedisServer(job.cfg.redis, job.run_dir, supervise=True,
                                 on_restart=lambda why: job.events.emit("control", what="redis_restarted", reason=why),
-                                owner_stopping=stop_requested.is_set))  # not a stop's shutdown
+                                owner_stopping=stop_requested.is_set,  # not a stop's shutdown
+                                supervisor=owner_record("resume" if resume else "start", str(job.run_dir.resolve()))))
 
 
 @contextmanager

@@ -41,7 +41,7 @@ import redis
 
 from dynaresize.config.loader import write_resolved
 from dynaresize.config.schema import Config
-from dynaresize.control.commands import FencedError
+from dynaresize.control.commands import FencedError, who_took_over
 from dynaresize.control.server import RedisRefusesWrites, redis_error_text
 from dynaresize.disk import describe, is_disk_full
 from dynaresize.events import EventLog, format_ranks
@@ -121,7 +121,7 @@ class Coordinator:
             metrics = open_metrics(job)
             prepared = bootstrap.prepare(job)
             planner = Planner(job)
-            with bootstrap.redis_server(job, self.stop_requested) as srv:
+            with bootstrap.redis_server(job, self.stop_requested, resume=self.resume) as srv:
                 svc = bootstrap.connect(job, srv, prepared, metrics, self.on_redis_ready, resume=self.resume)
                 if self.resume:
                     self._catch_up(planner)
@@ -138,12 +138,15 @@ class Coordinator:
                 except RedisRefusesWrites as e:  # a Redis problem, not a rank's: stop cleanly, say why and how to go on
                     checkpoint, p.tx.writes_refused = False, True
                     raise JobError(f"{e}; {self._where_stopped()}; fix Redis first") from None
-                except FencedError:  # a newer coordinator owns the run: leave its ranks and its Redis alone
-                    fenced = True
-                    srv.detach()
-                    p.ranks.stop_superseded()  # only this one's own processes of a launch the job left behind
-                    raise
                 except BaseException as e:  # a rank died or a command failed: the last checkpoint stays the resume point
+                    superseded = fenced_by(e, srv, job)
+                    if superseded is not None:  # a newer coordinator owns the run: leave its ranks and its Redis alone
+                        fenced = True
+                        srv.detach()
+                        p.ranks.stop_superseded()  # only this one's own processes of a launch the job left behind
+                        if superseded is e:
+                            raise
+                        raise superseded from None
                     checkpoint = False
                     if isinstance(e, redis.ConnectionError) and srv.failure is not None:
                         # the watchdog gave up restarting Redis: why, not the client's symptom
@@ -254,3 +257,18 @@ class Coordinator:
         self.at = Phase(f"c{self.job.state.step}")
         segment, self.segment = self.segment, None  # a takeover replays it once; a restart starts a new one
         ContinuousSchedule(self.job, self.parts, self.at, self.stop_requested.is_set, self.preemption, takeover=segment).run()
+
+
+def fenced_by(err: BaseException, srv, job: Job) -> FencedError | None:
+    """The error as a fence when it means a newer coordinator owns the run: a ``FencedError`` (it fenced this one
+    off in Redis), or the run's Redis gone after a newer coordinator adopted it (it may have finished the run and shut
+    the server down while this one hung: the supervisor record in the Redis directory says who)."""
+    if isinstance(err, FencedError):
+        return err
+    if not isinstance(err, redis.ConnectionError):
+        return None
+    newer = srv.superseded_by()
+    if newer is None:
+        return None
+    return FencedError(f"job {job.job_id}: {who_took_over(newer, None, job.job_id, str(job.run_dir.resolve()))} "
+                       f"(it adopted the run's Redis, which no longer answers)")

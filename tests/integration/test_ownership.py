@@ -129,11 +129,13 @@ def test_a_second_coordinator_that_restarts_the_ranks_fences_the_first_for_good(
     assert len(ends) == 1 and ends[0]["status"] == "completed"
 
 
-def test_a_second_resume_while_the_first_coordinator_starts_leaves_the_run_to_the_second(tmp_path, model_cache):
+@pytest.mark.parametrize("wakes", ["once_its_ranks_are_refused", "after_the_second_finished"])
+def test_a_second_resume_while_the_first_coordinator_starts_leaves_the_run_to_the_second(tmp_path, model_cache, wakes):
     """The first coordinator hangs (SIGSTOP) while its ranks start; a second ``--resume`` takes the run over and
     starts a newer launch, so the first one's ranks are refused ("it belongs to launch 1") and exit. The first, once
     it goes on, must say that another coordinator owns the run (exit 3) -- not that a rank failed, not "resume
-    with" -- and neither shut the run's Redis down nor send anything to its ranks."""
+    with" -- and neither shut the run's Redis down nor send anything to its ranks. When it wakes only after the
+    second finished the run (and shut the Redis it adopted down), it must not bring that Redis back as if it crashed."""
     steps = 3
     a = run(tmp_path, model_cache, f"run.steps={steps}", f"run.seed={SEED}", "policy.enabled=false", wait=False)
 
@@ -154,9 +156,10 @@ def test_a_second_resume_while_the_first_coordinator_starts_leaves_the_run_to_th
         # every launch-1 rank was refused, or the second coordinator finished the run first (under load the first
         # may have been stopped before it forked all its ranks: those never start, and the run does not wait for them)
         deadline = time.monotonic() + 600
-        while not (refused_all() or b.poll() is not None) and time.monotonic() < deadline:
+        woken = (lambda: b.poll() is not None) if wakes == "after_the_second_finished" else refused_all
+        while not (woken() or b.poll() is not None) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert refused_all() or b.poll() is not None, "neither were the first coordinator's ranks refused nor did the run end"
+        assert woken() or b.poll() is not None, "neither were the first coordinator's ranks refused nor did the run end"
         # the first goes on now, typically before the second one's ranks are up: it finds its own ranks dead
     finally:
         os.kill(a.pid, signal.SIGCONT)
@@ -172,3 +175,5 @@ def test_a_second_resume_while_the_first_coordinator_starts_leaves_the_run_to_th
     # signal) and the owner's watchdog starts it again from its append-only file: every step above, once
     ends = [e for e in events(rd) if e.get("type") == "run_end"]
     assert [e["status"] for e in ends] == ["completed"], "the fenced coordinator logged no end of the run"
+    if wakes == "after_the_second_finished":  # the owner shut its Redis down at the end: a stop, never restarted
+        assert not controls(rd, "redis_restarted") and "redis-server" not in out_a, out_a[-3000:]
