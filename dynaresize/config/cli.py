@@ -55,23 +55,14 @@ def from_verl(args: argparse.Namespace) -> int:
     import sys
     from pathlib import Path
 
-    import yaml
-
     from dynaresize import atomic
     from dynaresize.config.from_verl import describe, render, translate
-    from dynaresize.config.loader import ConfigError, parse_override
+    from dynaresize.config.loader import ConfigError, parse_override, read_yaml_mapping
 
     if not args.target:
         raise ConfigError("from-verl: give the verl config file (VERL.yaml)")
     path = Path(args.target)
-    try:
-        verl = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read the verl config: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(verl, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(verl).__name__}")
+    verl = read_yaml_mapping(path, "the verl config", "verl's sections")
     for text in args.overrides:  # verl's Hydra overrides: key=value, +key=value (add), ++key=value (force)
         parts, value = parse_override(text.lstrip("+"))
         d = verl

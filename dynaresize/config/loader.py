@@ -24,11 +24,18 @@ from dynaresize.tasks.dataset import DatasetTask
 EXTENDS_KEY = "extends"
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_yaml_mapping(path: str | Path, what: str = "config file", mapping_of: str = "sections") -> dict[str, Any]:
+    """The mapping at the top of the YAML file ``path``; an empty file is ``{}``.
+
+    The one reader of a user's YAML file (experiment configs, ``config from-verl``'s verl config, ``simulate
+    --costs``' cost file), so each fails the same way: one ConfigError naming the file and what is wrong, with the
+    line and column where YAML gives them. ``what`` names the file in the cannot-read message, ``mapping_of`` what
+    its top level should map."""
+    path = Path(path)
     try:
         text = path.read_text()
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file: {e.strerror or e}") from None
+        raise ConfigError(f"{path}: cannot read {what}: {e.strerror or e}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -36,7 +43,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+        raise ConfigError(f"{path}: the top level must be a mapping of {mapping_of}, got {type(data).__name__}")
     return data
 
 
@@ -68,7 +75,7 @@ def _load_layers(path: Path, prov: dict[tuple, str], seen: tuple[Path, ...] = ()
     if path in seen:
         chain = " -> ".join(str(p) for p in seen + (path,))
         raise ConfigError(f"{path}: '{EXTENDS_KEY}' forms a cycle: {chain}")
-    data = _read_yaml(path)
+    data = read_yaml_mapping(path)
     bases = data.pop(EXTENDS_KEY, None)
     merged: dict[str, Any] = {}
     if bases is not None:

@@ -18,10 +18,9 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import yaml
 from pydantic import ValidationError
 
-from dynaresize.config.loader import ConfigError, load_config, parse_override, write_resolved
+from dynaresize.config.loader import ConfigError, load_config, parse_override, read_yaml_mapping, write_resolved
 from dynaresize.events import EventLog, EventType, make_event
 from dynaresize.config.schema import moved_key
 from dynaresize.policy.config import SwitchCostConfig, SwitchingConfig
@@ -51,14 +50,9 @@ def merge_costs(cfg, path: str):
     A file whose top level holds ``switching`` and/or ``sim`` (what ``dynaresize calibrate`` writes) is merged into
     those sections (``switching.costs``; ``sim.train``, ``rollout``, ``workload``, ``schedule``, ...); any other
     mapping is the keys of ``switching.costs``."""
-    try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"{path}: cannot read cost file: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of switching.costs keys (e.g. pcie_gbps: 25, override_s: {{drain: 0.4}})")
+    data = read_yaml_mapping(path, "cost file",
+                             "switching.costs keys (e.g. pcie_gbps: 25, override_s: {drain: 0.4}) or of the "
+                             "'switching' and 'sim' sections")
     if "switching" in data or "sim" in data:
         return merge_sections(cfg, path, data)
     try:

@@ -95,24 +95,32 @@ def byo(tmp_path_factory):
     return root, model_dir
 
 
-def config(root: Path, model_dir: Path, name: str, **extra: str) -> Path:
+def dataset_config(path: Path, model_dir: Path, *, val_every: int, val_samples: int, **sections: str) -> Path:
+    """Write a run config at ``path`` on ``path.parent``'s train.parquet and val.parquet and the model in
+    ``model_dir`` (base.yaml, a short heartbeat), validation every ``val_every`` versions with ``val_samples``
+    samples a prompt; ``sections`` are the test's own top-level sections (name -> YAML flow value)."""
+    root = path.parent
     lines = [
         f"extends: {ROOT / 'configs' / 'base.yaml'}",
-        f"run: {{name: {name}, steps: {STEPS}, checkpoint_every: 0, progress: false, output_dir: {root / 'runs' / name}}}",
-        "cluster: {gpus: 4, initial_train: 2}",
         "redis: {heartbeat_s: 0.5, dead_after_heartbeats: 8}",
         f"model: {{path: {model_dir}}}",
-        f"rollout: {{prompts_per_step: {B}, group_size: {G}, max_tokens: 10, pull_batch: 8}}",
         "task:", "  name: dataset", "  dataset:",
         f"    train_files: [{root / 'train.parquet'}]", f"    val_files: [{root / 'val.parquet'}]",
-        f"    val_every: 2", f"    val_samples: {VAL_K}",
-        "reward: {function: 'my_rewards:spy', on_error: zero}",
-        "algorithm: {dynamic_sampling: {enabled: true, max_rounds: 2, round_prompts: 2}}",
-        *[f"{k}: {v}" for k, v in extra.items()],
+        f"    val_every: {val_every}", f"    val_samples: {val_samples}",
+        *[f"{k}: {v}" for k, v in sections.items()],
     ]
-    path = root / f"{name}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def config(root: Path, model_dir: Path, name: str) -> Path:
+    return dataset_config(
+        root / f"{name}.yaml", model_dir, val_every=2, val_samples=VAL_K,
+        run=f"{{name: {name}, steps: {STEPS}, checkpoint_every: 0, progress: false, output_dir: {root / 'runs' / name}}}",
+        cluster="{gpus: 4, initial_train: 2}",
+        rollout=f"{{prompts_per_step: {B}, group_size: {G}, max_tokens: 10, pull_batch: 8}}",
+        reward="{function: 'my_rewards:spy', on_error: zero}",
+        algorithm="{dynamic_sampling: {enabled: true, max_rounds: 2, round_prompts: 2}}")
 
 
 def dynaresize_run(root: Path, cfg: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:

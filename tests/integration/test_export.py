@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.integration.test_byo import make_model_dir, records
+from tests.integration.test_byo import dataset_config, make_model_dir, records
 
 pytestmark = pytest.mark.integration
 
@@ -58,22 +58,13 @@ def run(tmp_path_factory):
     pq.write_table(pa.Table.from_pylist(records(40, "train")), root / "train.parquet")
     pq.write_table(pa.Table.from_pylist(records(4, "val")), root / "val.parquet")
     (root / "exp_rewards.py").write_text(REWARD)
-    cfg = root / "run.yaml"
-    cfg.write_text("\n".join([
-        f"extends: {ROOT / 'configs' / 'base.yaml'}",
-        f"run: {{name: exp, steps: {STEPS}, checkpoint_every: 1, keep_checkpoints: 5, seed: 3, progress: false, "
-        f"output_dir: {root / 'runs'}}}",
-        "cluster: {gpus: 3, initial_train: 2}",
-        "redis: {heartbeat_s: 0.5, dead_after_heartbeats: 8}",
-        "policy: {enabled: false}",
-        f"model: {{path: {model_dir}}}",
-        "rollout: {prompts_per_step: 4, group_size: 4, max_tokens: 12, pull_batch: 8}",
-        "train: {lr: 0.01}",
-        "task:", "  name: dataset", "  dataset:",
-        f"    train_files: [{root / 'train.parquet'}]", f"    val_files: [{root / 'val.parquet'}]",
-        f"    val_every: 1", f"    val_samples: {VAL_K}",
-        f"reward: {{function: '{root / 'exp_rewards.py'}:score'}}",
-    ]) + "\n")
+    cfg = dataset_config(
+        root / "run.yaml", model_dir, val_every=1, val_samples=VAL_K,
+        run=f"{{name: exp, steps: {STEPS}, checkpoint_every: 1, keep_checkpoints: 5, seed: 3, progress: false, "
+            f"output_dir: {root / 'runs'}}}",
+        cluster="{gpus: 3, initial_train: 2}", policy="{enabled: false}",
+        rollout="{prompts_per_step: 4, group_size: 4, max_tokens: 12, pull_batch: 8}", train="{lr: 0.01}",
+        reward=f"{{function: '{root / 'exp_rewards.py'}:score'}}")
     out = cli("run", str(cfg), "--quiet")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (run_dir,) = [p for p in (root / "runs").iterdir() if p.is_dir()]

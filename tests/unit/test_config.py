@@ -90,6 +90,31 @@ def test_not_yaml_and_not_mapping(tmp_path):
         load_config(write(tmp_path / "y.yaml", "- 1\n- 2\n"))
 
 
+def test_every_yaml_file_a_user_gives_fails_the_same_way(tmp_path, capsys):
+    """An experiment config, a verl config (config from-verl) and a cost file (simulate --costs) share one reader:
+    each mistake is one message naming the file, with YAML's line and column."""
+    from dynaresize.cli import main as cli
+    from dynaresize.config.schema import Config
+    from dynaresize.sim.cli import merge_costs
+
+    def message(path: Path) -> list[str]:
+        out = []
+        for read in (load_config, lambda p: merge_costs(Config(), str(p))):
+            with pytest.raises(ConfigError) as e:
+                read(path)
+            out.append(str(e.value))
+        assert cli(["config", "from-verl", str(path)]) == 2
+        out.append(capsys.readouterr().err)
+        return out
+
+    for m in message(write(tmp_path / "x.yaml", "train: [1, 2\n")):
+        assert "x.yaml: not valid YAML: while parsing a flow sequence" in m and "line 1, column 8" in m
+    for m in message(write(tmp_path / "y.yaml", "- 1\n")):
+        assert "y.yaml: the top level must be a mapping of " in m and m.rstrip().endswith("got list")
+    for m in message(tmp_path / "missing.yaml"):
+        assert "missing.yaml: cannot read " in m and "No such file or directory" in m
+
+
 def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(CONFIGS / "quickstart.yaml", ["train.lr=2e-4"])
     out = write_resolved(cfg, tmp_path)
