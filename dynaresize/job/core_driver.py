@@ -56,6 +56,7 @@ from dynaresize.control.commands import AckResult
 from dynaresize.events import format_ranks
 from dynaresize.job.core_io import PlannedPolicy, ScheduleLog, scheduler_config
 from dynaresize.job.errors import JobError, RanksLost
+from dynaresize.job.flight import Sent
 from dynaresize.job.relay import Routes
 from dynaresize.schedule.relay import RELAY_MARK, Transfer
 from dynaresize.job.filtering import UnfilledBatchError
@@ -90,29 +91,6 @@ QUEUED_GROUPS = 1
 # The rollout ranks' decode model (the pipeline predictor's) is fitted on the timed iterations of this many recent
 # batches: a batch of short responses alone may hold fewer than a fit needs (the quickstart's: 5-20 iterations)
 DECODE_WINDOW = 4
-
-
-@dataclass
-class Sent:
-    """A command in flight and the core's action it carries out."""
-
-    kind: str
-    flight: InFlight
-    batch: int | None = None
-    groups: tuple[int, ...] = ()
-    version: int | None = None
-    started: Started | None = None  # a switch_role over the old and new trainers
-    movers: tuple[int, ...] = ()
-    acks: dict[int, Any] = field(default_factory=dict)
-    cursor: bytes = b"0-0"
-    targets: tuple[int, ...] = ()  # a blocking sync_weights: the rollout ranks the core sent the version to
-
-    @property
-    def rank(self) -> int:
-        return self.flight.ranks[0]
-
-    def complete(self) -> bool:
-        return all(r in self.acks for r in self.flight.ranks)
 
 
 @dataclass

@@ -42,7 +42,7 @@ from dynaresize.job.errors import JobError
 
 if TYPE_CHECKING:
     from dynaresize.control.commands import AckResult, Command
-    from dynaresize.job.core_driver import Sent
+    from dynaresize.job.flight import Sent
     from dynaresize.job.runtime import Job
     from dynaresize.job.transport import InFlight, Phase, Transport
 
