@@ -5,7 +5,7 @@ path (a private real redis-server, the CommandBus in a coordinator process, the 
                                   [--no-vllm]
 
 The coordinator process sends the command stream the continuous schedule sends one rollout rank
-(dynaresize/job/core_driver.py): ``generate`` commands of ``--groups-per-command`` GRPO groups, two queued at a time
+(dynaresize/job/handout.py): ``generate`` commands of ``--groups-per-command`` GRPO groups, two queued at a time
 (``SLOTS``; the next one sent when an ack arrives), batch ``j`` with version ``max(0, j - 1)``, a ``fetch_weights``
 before the first command of a new version (snapshots staged before the clock starts). Engines, side by side on the
 same commands, prompts, seeds and weights, in alternating order over ``--rounds`` rounds (the median is reported):
@@ -55,7 +55,7 @@ import time
 from pathlib import Path
 
 JOB = "bench-rollout"
-SLOTS = 2  # generate commands queued per rollout rank (the runtime holds one command and a group: core_driver.QUEUED_GROUPS)
+SLOTS = 2  # generate commands queued per rollout rank (the runtime holds one command and a group: handout.QUEUED_GROUPS)
 EOS = list(range(300, 338))  # 38 of 384 tokens end a response
 TINY = {"vocab_size": 384, "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": True}

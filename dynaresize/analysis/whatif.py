@@ -177,7 +177,7 @@ def runtime_admission(cfg: Config, lockstep: bool = False) -> dict[str, object]:
     return {"sim.rollout.max_seqs_per_gpu": slots, "sim.pipeline.claim_groups": claim,
             "sim.pipeline.stream_chunks": max(1, r.prompts_per_step // p.stream_min_groups),
             "sim.pipeline.train_queue": 1 if lockstep else p.train_queue,
-            "sim.pipeline.claim_ahead": not lockstep,  # a rank holds a group queued (job.core_driver.QUEUED_GROUPS)
+            "sim.pipeline.claim_ahead": not lockstep,  # a rank holds a group queued (job.handout.QUEUED_GROUPS)
             "sim.workload.prompts_per_step": r.prompts_per_step, "sim.workload.responses_per_prompt": r.group_size}
 
 

@@ -23,8 +23,9 @@ back, writes into a ``schedule.jsonl`` the takeover replaced (a new file: its la
 next command, journal or checkpoint write raises ``FencedError`` (exit 3).
 
 :class:`Takeover` holds what the replay needs (the segment's records, the position in them, the ranks' stored acks,
-the commands computed and held back); the driver (:class:`dynaresize.job.core_driver.ContinuousSchedule`) asks it
-as named steps, and the transport holds it while it replays (:attr:`dynaresize.job.transport.Transport.replay`).
+the commands computed and held back); the schedule's replay component (:class:`dynaresize.job.replay.Replay`, for
+:class:`dynaresize.job.core_driver.ContinuousSchedule`) asks it as named steps, and the transport holds it while it
+replays (:attr:`dynaresize.job.transport.Transport.replay`).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dynaresize.job.errors import JobError
 
 if TYPE_CHECKING:
     from dynaresize.control.commands import AckResult, Command
-    from dynaresize.job.core_driver import Sent
+    from dynaresize.job.flight import Sent
     from dynaresize.job.runtime import Job
     from dynaresize.job.transport import InFlight, Phase, Transport
 

@@ -8,7 +8,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
@@ -25,10 +25,6 @@ log = logging.getLogger("dynaresize.job")
 # more): a reply a little late is scheduling noise on a loaded machine. Not 2: a call already blocked in the server
 # when Redis stalls is not delayed, so the coordinator measures a stall of 3 periods as about 2
 ANNOUNCE_PERIODS = 1.5
-
-if TYPE_CHECKING:
-    from dynaresize.job.takeover import Takeover
-
 
 @dataclass
 class Phase:
@@ -60,13 +56,24 @@ class InFlight:
         return self.cmd.payload
 
 
+class Replay(Protocol):
+    """What the transport asks of a takeover while it replays the schedule (:class:`dynaresize.job.takeover.Takeover`
+    is the one): named here so that the transport, which every component sends through, imports nothing above it."""
+
+    def hold(self, flight: InFlight) -> InFlight:
+        """A command computed while replaying: held with its id, sent when the replay goes live."""
+
+    def answer(self, cmd: Any, ranks: list[int]) -> Any:
+        """A call's acks from the ranks' stored copies (an AckResult); None: live from this call on."""
+
+
 class Transport:
     def __init__(self, job: Job, svc: Services):
         self.job, self.svc = job, svc
         self.writes_refused = False  # Redis refused writes: the final shutdown does not wait for it once more
         # a takeover replaying the schedule (it sets and clears this): a command is computed and held, not sent; a
         # wait is answered from the ranks' stored acks, and one that has none is where the old coordinator stopped
-        self.replay: Takeover | None = None
+        self.replay: Replay | None = None
         self._lost_announced: set[int] = set()  # the lost ranks at the last Redis-stall announcement
 
     def send(self, at: Phase, kind: str, ranks, payload: dict, step: int | None = None,

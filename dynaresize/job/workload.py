@@ -6,7 +6,7 @@ ran (``policy.predictor: pipeline``, docs/simulator.md "A predictor of the barri
 - the response lengths, group by group: every generated group of the batch (with dynamic sampling, the dropped
   ones too: they were decoded), from the samples' tokens;
 - the decode model: the rollout ranks' timed iterations (their generate acks' sums; the coordinator passes the
-  last few batches', ``core_driver.DECODE_WINDOW``), fitted
+  last few batches', ``training.DECODE_WINDOW``), fitted
   (:func:`~dynaresize.contract.decode.fit_decode`: fixed seconds per iteration, seconds per active sequence, prefill
   seconds per admitted sequence), with the configured KV slots per rank;
 - the training: the trainers' compute for the batch's chunks (the slowest trainer of each) on ``n_train`` trainers,
@@ -18,7 +18,7 @@ ran (``policy.predictor: pipeline``, docs/simulator.md "A predictor of the barri
 - the control plane: its latency per command, the median round trip the ranks timed over the same batches
   (``Ack.reply_s``: a rank that acked a command and waited idle until the command it caused arrived; of a command to
   several ranks the least, its last acker's), the trainers' where there are any, else the rollout ranks'
-  (``core_driver.ContinuousSchedule.workload``; 0 when none was timed).
+  (``training.Training.workload``; 0 when none was timed).
 
 Not in the play: gradient helpers (a simulator-only mechanism).
 """

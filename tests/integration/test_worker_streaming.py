@@ -78,7 +78,7 @@ def test_streamed_training_publishes_weights_that_a_rollout_rank_fetches_and_ins
         assert tokens == whole[0]["tokens"]  # the chunks' tokens add up to the batch's: the token normaliser
         assert all(ch[r]["loss_sum"] != 0.0 for ch in chunks for r in trainers)
         # the same rollout/trainer mismatch figures either way: the whole batch's per-trainer sums, and each
-        # trainer's chunks reduced as the continuous schedule reduces them (job.core_driver), then over the trainers
+        # trainer's chunks reduced as the continuous schedule reduces them (job.training), then over the trainers
         fig_whole = mismatch_metrics([whole[r] for r in trainers])
         fig_stream = mismatch_metrics([{"metrics": reduce_stats([ch[r]["metrics"] for ch in chunks])} for r in trainers])
         assert fig_whole["mismatch/tokens"] == fig_stream["mismatch/tokens"] == tokens

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from dynaresize.control.wire import Ack, Command, encode
-from dynaresize.job.core_driver import Sent
+from dynaresize.job.flight import Sent
 from dynaresize.job.errors import JobError
 from dynaresize.job.takeover import (FENCE_ABORT, Drained, Fenced, Noted, Observed, Segment, StoredAcks, Takeover,
                                      redo_id)
