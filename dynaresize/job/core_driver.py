@@ -500,6 +500,7 @@ class ContinuousSchedule:
             self.feed(StepMeasured(obs, self.cfg.run.steps - k - 1, per_group))
             if self.core.policy_state is not None:
                 st.policy = policy_to_dict(self.core.policy_state)
+        p.snapshots.kept(k + 1)  # the trainers snapshot at this step too (faults.snapshot_every): its state is kept
 
     def add_decode(self, t: Tally, rank: int, sums) -> None:
         """A generate ack's decode sums (``GenerateResult.decode``) added to its batch's; a malformed one is left out
