@@ -173,7 +173,7 @@ class FaultsConfig(Section):
         "master, Adam moments, step; rank 0 also the weights) in host memory and sends one to the next trainer in "
         "ring order; the coordinator keeps its step state. A lost trainer then costs at most this many steps: the "
         "survivors write the snapshot out as a checkpoint of that step and every rank restarts from it (docs/FAULTS.md "
-        "row 31). Host memory: docs/memory.md. 0: off (a lost trainer restarts from the last disk checkpoint)",
+        "row 33). Host memory: docs/memory.md. 0: off (a lost trainer restarts from the last disk checkpoint)",
     )
 
 

@@ -348,7 +348,7 @@ def test_a_lost_trainer_goes_on_from_the_in_memory_snapshot_with_the_static_runs
                                                                                            static_run):
     """faults.snapshot_every=1 with no disk checkpoint before the end (run.checkpoint_every=50): a trainer killed in
     the middle of step 4 costs at most one step, and the run trains what the static run trains (keys, versions,
-    rewards, losses within 1e-3). FAULTS row 31."""
+    rewards, losses within 1e-3). FAULTS row 33."""
     once = tmp_path / "once"
     once.mkdir()
     run(tmp_path / "run", model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,

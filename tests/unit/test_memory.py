@@ -226,7 +226,7 @@ def test_simulator_plays_the_splits_that_fit():
 
 
 def test_the_in_memory_snapshots_host_memory_is_own_plus_peers_partition_and_rank0s_weights_twice():
-    """faults.snapshot_every (docs/FAULTS.md row 31): host memory, never the device's; none off or with one trainer."""
+    """faults.snapshot_every (docs/FAULTS.md row 33): host memory, never the device's; none off or with one trainer."""
     from dynaresize.memory import trainer
 
     a = load_architecture(QWEN3_8B)
