@@ -9,7 +9,8 @@ runs the quickstart (``configs/quickstart.yaml run.steps=S run.checkpoint_every=
 processes: coordinator, redis-server, 4 ranks with DeepSpeed on CPU) twice with that rank SIGKILLed after its first
 chunk of step k (the test hooks' kill point ``train_chunk.accumulated``, ranks started through
 ``tests.support.run``): once with ``faults.snapshot_every=0`` (today: every rank restarts from the last disk
-checkpoint, here the start) and once with ``faults.snapshot_every=1``. Steps retrained: the ``step_end`` events
+checkpoint, here the start) and once with ``faults.snapshot_every=1``, the two at the same time (so that whatever
+else loads the machine loads both alike; each then runs slower than alone). Steps retrained: the ``step_end`` events
 beyond one per step (each is one training of a step). Per-step cost: the median wall time between consecutive
 ``step_end`` events (not across the restart), snapshots on over off, per pair and over all pairs (a loaded
 2-core machine is noisy: read the ratio with its spread); and the snapshot's copy alone, timed here on tensors of the
@@ -46,8 +47,8 @@ def events(run_dir: Path) -> list[dict]:
     return out
 
 
-def run(out: Path, steps: int, every: int, rank: int, k: int, seed: int, extra: list[str]) -> dict:
-    tmp = out / f"every{every}-r{rank}-k{k}"
+def start(out: Path, i: int, steps: int, every: int, rank: int, k: int, seed: int, extra: list[str]):
+    tmp = out / f"run{i}-every{every}-r{rank}-k{k}"
     once = tmp / "once"
     once.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
@@ -55,11 +56,18 @@ def run(out: Path, steps: int, every: int, rank: int, k: int, seed: int, extra: 
     argv = [sys.executable, "-m", "tests.support.run", "configs/quickstart.yaml", f"run.steps={steps}",
             "run.checkpoint_every=50", "policy.enabled=false", f"run.seed={seed}", f"faults.snapshot_every={every}",
             "run.progress=false", f"run.output_dir={tmp / 'runs'}", *extra, "--quiet"]
-    t0 = time.monotonic()
-    p = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    log = open(tmp / "output.txt", "w")
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return p, tmp, time.monotonic()
+
+
+def finish(started, every: int, rank: int, k: int) -> dict:
+    p, tmp, t0 = started
+    rc = p.wait(timeout=3600)
     wall = time.monotonic() - t0
-    if p.returncode != 0:
-        raise SystemExit(f"run failed (faults.snapshot_every={every}, rank {rank} killed in step {k}):\n{p.stdout[-3000:]}")
+    if rc != 0:
+        raise SystemExit(f"run failed (faults.snapshot_every={every}, rank {rank} killed in step {k}):\n"
+                         f"{(tmp / 'output.txt').read_text()[-3000:]}")
     rd = next(d for d in (tmp / "runs").iterdir() if d.is_dir())
     ev = events(rd)
     ends = [e for e in ev if e.get("type") == "step_end"]
@@ -114,8 +122,9 @@ def main() -> None:
           f"{'step s off':>10} {'step s on':>9} {'ratio':>6} {'copy ms':>7} {'copy/step':>9}")
     for i in range(args.runs):
         k, rank = rng.randint(2, args.steps - 2), rng.randrange(n_train)
-        off = run(out, args.steps, 0, rank, k, args.seed, args.overrides)
-        on = run(out, args.steps, 1, rank, k, args.seed, args.overrides)
+        # side by side, at the same time: whatever else loads the machine loads both alike
+        runs = {every: start(out, i, args.steps, every, rank, k, args.seed, args.overrides) for every in (0, 1)}
+        off, on = (finish(runs[every], every, rank, k) for every in (0, 1))
         s_off, s_on = statistics.median(off["step_s"]), statistics.median(on["step_s"])
         copy_s = copy_cost(Path(on["run_dir"]), rank)
         pairs.append((off, on, s_off, s_on, copy_s))
