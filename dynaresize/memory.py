@@ -245,13 +245,13 @@ def trainer(arch: Architecture, s: Settings, n_train: int) -> RankMemory:
 def snapshots(arch: Architecture, s: Settings, n_train: int) -> tuple[Part, ...]:
     """Host memory of the in-memory snapshots (``faults.snapshot_every``; dynaresize/worker/snapshot.py) on the
     trainer that holds the most: its own partition and its ring predecessor's (fp32 master and two moments, 12 P / n
-    each), on ranks 0 and 1 also the weights (``b P``: rank 0's own, rank 1's copy of rank 0's), twice (the newest
-    complete snapshot and the one being made). None with snapshots off or a single trainer (no peer)."""
+    each), on ranks 0 and 1 also the weights (``b P``: rank 0's own, rank 1's copy of rank 0's), twice (the two
+    newest complete snapshots; the older one goes when the next one starts). None with snapshots off or a single trainer (no peer)."""
     if not s.snapshot_every or n_train < 2:
         return ()
     p = arch.params
     one = 2 * (12 * p // n_train) + p * s.compute_bytes
-    return (Part("snapshots", 2 * one, "own + peer's partition, rank 0's weights; x2 (complete + being made)", host=True),)
+    return (Part("snapshots", 2 * one, "own + peer's partition, rank 0's weights; x2 (the two newest)", host=True),)
 
 
 def rollout(arch: Architecture, s: Settings, n_train: int, capacity: int | None) -> RankMemory:

@@ -266,11 +266,11 @@ class RestoreResult(_Msg):
 
 
 class SnapshotHeldResult(_Msg):
-    """The complete in-memory snapshots a rank holds (``dynaresize.worker.snapshot``): each ``{rank, step, n_train,
-    weights}`` or None."""
+    """The complete in-memory snapshots a rank holds (``dynaresize.worker.snapshot``), newest last: each ``{rank,
+    step, n_train, weights}``."""
 
-    own: dict[str, Any] | None
-    held: dict[str, Any] | None
+    own: list[dict[str, Any]]
+    held: list[dict[str, Any]]
 
 
 class MaterializePayload(_Payload):

@@ -11,8 +11,11 @@ rewards, switches, the policy state, ...); the trainers take theirs at the same 
 1. asks every surviving trainer what it holds (``snapshot_held``), bounded by :data:`ANSWER_S`;
 2. picks the newest step held whole (:func:`plan`, pure): every trainer's partition on a survivor (its own copy
    or its ring peer's) and the weights (rank 0's, or its peer's copy), newer than the last disk checkpoint, and
-   the coordinator's state of that step; and waits (bounded) for the batches a resume at that step trains first to be
-   generated (they are in the run's Redis; a resume at step k needs batches k .. k+s-1, as after a drain);
+   the coordinator's state of that step; and waits (bounded, while the live rollout ranks still complete samples of
+   them) for the batches a resume at that step trains first to be generated (they are in the run's Redis; a resume
+   at step k needs batches k .. k+s-1, as after a drain); when they are not, the snapshot before it (the ranks keep
+   the two newest) if its batches are: a loss early in a step, before its batch was all handed out, costs one step
+   more;
 3. claims ``checkpoints/step-<k>`` and has the holders write it (``materialize_snapshot``: the layout and files
    ``stage_state`` writes), then writes the tag's ``coordinator.json`` and the top-level one, as a checkpoint does.
 
@@ -40,6 +43,7 @@ log = logging.getLogger("dynaresize.job")
 
 ANSWER_S = 30.0  # how long the survivors have to answer (their stream may hold a command failing on the lost peer)
 GENERATED_S = 60.0  # how long the batches a resume trains first may take to finish generating on the live ranks
+STALLED_S = 10.0  # ... and how long without a new sample before the rest is taken as never handed out
 KEEP = 3  # coordinator states kept (the ranks' newest complete snapshot may be one behind the newest taken)
 
 
@@ -51,24 +55,28 @@ class Plan:
     writes: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
 
-def plan(held: dict[int, dict], lost: set[int], states: dict[int, dict], checkpoint_step: int, world: int) -> Plan | str:
+def plan(held: dict[int, dict], lost: set[int], states: dict[int, dict], checkpoint_step: int, world: int,
+         skip: frozenset[int] = frozenset()) -> Plan | str:
     """The newest snapshot step that can be written whole, or why none can (pure).
 
-    ``held``: survivor rank -> its ``snapshot_held`` answer (``own``/``held``: ``{rank, step, n_train, weights}``);
-    ``lost``: the ranks lost now; ``states``: step -> the coordinator's state then (``asdict(JobState)``);
-    ``checkpoint_step``: the last disk checkpoint's step (a snapshot must be newer)."""
+    ``held``: survivor rank -> its ``snapshot_held`` answer (``own``/``held``: lists of ``{rank, step, n_train,
+    weights}``); ``lost``: the ranks lost now; ``states``: step -> the coordinator's state then (``asdict(JobState)``);
+    ``checkpoint_step``: the last disk checkpoint's step (a snapshot must be newer); ``skip``: steps ruled out
+    already (their batches were not generated)."""
     if not states:
         return "the coordinator kept no snapshot state yet"
     copies: dict[tuple[int, int], int] = {}  # (trainer, step) -> a survivor holding it
     weights: dict[int, int] = {}  # step -> a survivor holding the weights
     for r, ans in sorted(held.items()):
-        for s in (ans.get("own"), ans.get("held")):
+        for s in [*(ans.get("own") or []), *(ans.get("held") or [])]:
             if s:
                 copies.setdefault((int(s["rank"]), int(s["step"])), r)
                 if s.get("weights"):
                     weights.setdefault(int(s["step"]), r)
     why = []
     for step in sorted(states, reverse=True):
+        if step in skip:
+            continue
         st = states[step]
         if step <= checkpoint_step:
             why.append(f"step {step} is not newer than the disk checkpoint (step {checkpoint_step})")
@@ -130,13 +138,18 @@ class Snapshots:
         held, why = self._ask(at, "snapshot_held", survivors, {})
         if held is None:
             return None, why
-        p = plan({r: a.result or {} for r, a in held.items()}, set(lost), self.states, disk if disk is not None else -1,
-                 job.world)
-        if isinstance(p, str):
-            return None, p
-        gen = self._generated(p.step)
-        if gen is not None:
-            return None, gen
+        answers = {r: a.result or {} for r, a in held.items()}
+        skip: set[int] = set()
+        notes: list[str] = []
+        while True:  # the newest whole snapshot whose first batches are generated (an older one: one step more)
+            p = plan(answers, set(lost), self.states, disk if disk is not None else -1, job.world, frozenset(skip))
+            if isinstance(p, str):
+                return None, "; ".join(notes + [p])
+            gen = self._generated(p.step, wait=not skip)
+            if gen is None:
+                break
+            skip.add(p.step)
+            notes.append(gen)
         tag = ckpt.claim_tag(job.run_dir, p.step, {"epoch": self.svc.bus.epoch, "job_id": job.job_id,
                                                    "incarnation": st.incarnation, "snapshot": True})
         ranks = sorted(p.writes)
@@ -182,20 +195,27 @@ class Snapshots:
             return None, f"{kind} failed on rank {r}: {err}"
         return acks, None
 
-    def _generated(self, k: int) -> str | None:
-        """Wait (bounded) for batches k .. k+s-1 to be generated (a resume at step k trains them first: the live
-        rollout ranks finish what they hold); None when they are, else why not."""
+    def _generated(self, k: int, wait: bool) -> str | None:
+        """Whether batches k .. k+s-1 are generated (a resume at step k trains them first); with ``wait``, while the
+        live rollout ranks still complete samples of them (the commands they hold), up to :data:`GENERATED_S`, and
+        no longer than :data:`STALLED_S` without a new one (the rest was never handed out). None when they are,
+        else why not."""
         q, cfg = self.svc.queue, self.job.cfg
         last = min(k + cfg.pipeline.staleness_bound, cfg.run.steps)
-        deadline = time.monotonic() + GENERATED_S
+        t0 = time.monotonic()
+        seen, moved = -1, t0
         while True:
             short = [(j, q.done(j), q.total(j)) for j in range(k, last) if not q.done(j) >= q.total(j) > 0]
             if not short:
                 return None
-            if time.monotonic() > deadline or any(total == 0 for _, _, total in short):
-                j, done, total = short[0]
-                return (f"batch {j} (trained first by a resume at step {k}) was not generated: {done} of {total} "
-                        f"samples in the run's Redis after {GENERATED_S:g} s")
+            now = time.monotonic()
+            done = sum(d for _, d, _ in short)
+            if done != seen:
+                seen, moved = done, now
+            if not wait or now - t0 > GENERATED_S or now - moved > STALLED_S or any(t == 0 for _, _, t in short):
+                j, d, total = short[0]
+                return (f"batch {j}, which a resume at step {k} trains first, was not generated ({d} of {total} "
+                        f"samples in the run's Redis{f' after {now - t0:.0f} s' if wait else ''})")
             time.sleep(0.2)
 
 

@@ -1175,7 +1175,7 @@ class Worker:
 
     def _cmd_snapshot_held(self) -> dict[str, Any]:
         """The complete snapshots this rank holds: its own and its ring predecessor's (step, rank, weights)."""
-        return self.snaps.held_summary() if self.snaps is not None else {"own": None, "held": None}
+        return self.snaps.held_summary() if self.snaps is not None else {"own": [], "held": []}
 
     def _cmd_materialize_snapshot(self, tag: str, step: int, optim: list[int], weights: list[int]) -> dict[str, Any]:
         """Write the snapshot of ``step`` as checkpoint ``tag``: ``rank<r>-optim`` for each rank of ``optim`` (this

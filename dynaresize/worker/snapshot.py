@@ -10,8 +10,10 @@ So every partition lives on two ranks and no single loss takes both copies; the 
 The copy and the transfer run on one background thread per snapshot, beside the next step's forward and backward:
 nothing a forward or backward touches changes until the next optimizer step, and every command that may change
 the state (an optimizer step, a switch, a restore) first waits for the copy (:meth:`Snapshots.settle`). Bounded:
-at most the newest complete snapshot (own copy and peer's copy) plus one being made; a new one waits for the last
-transfer to end first.
+two snapshots (own copy and peer's copy each): the two newest complete ones, of which the older is dropped when the
+next one starts (then: the newest complete plus the one being made); a new one waits for the last transfer to end
+first. The older one is there for a loss early in a step, when the batch a resume at the newest would train first
+is not generated yet (:mod:`dynaresize.job.snapshots`).
 
 When a trainer is lost, the coordinator asks the survivors what they hold (``snapshot_held``) and has them write
 the snapshot of one step as a checkpoint of that step (``materialize_snapshot``): each partition by the rank that
@@ -117,8 +119,8 @@ class Snapshots:
     def __init__(self, rank: int, group=None, device: torch.device | str = "cpu"):
         self.rank, self.group, self.device = rank, group, torch.device(device)
         self._lock = threading.Lock()
-        self.own: Snap | None = None  # newest complete own snapshot
-        self.held: Snap | None = None  # newest complete copy of the predecessor's
+        self.own: list[Snap] = []  # complete own snapshots, newest last (at most 2)
+        self.held: list[Snap] = []  # complete copies of the predecessor's, newest last (at most 2)
         self._copied = threading.Event()
         self._copied.set()
         self._thread: threading.Thread | None = None
@@ -135,7 +137,7 @@ class Snapshots:
         if self._thread is not None:
             self._thread.join(timeout=30.0)
         with self._lock:
-            self.own = self.held = None
+            self.own, self.held = [], []
 
     def take(self, step: int, n_train: int, optim: dict[str, torch.Tensor], partitions: list[dict],
              weights: dict[str, torch.Tensor] | None) -> None:
@@ -143,6 +145,8 @@ class Snapshots:
         previous one's transfer must have ended (the bound: one complete plus one being made)."""
         if self._thread is not None:
             self._thread.join()
+        with self._lock:  # the older of the two goes now: with the one being made, two at most
+            self.own, self.held = self.own[-1:], self.held[-1:]
         self._copied.clear()
         groups = {"optim": optim, **({"weights": weights} if weights else {})}
         th = threading.Thread(target=self._make, args=(step, n_train, groups, partitions), daemon=True,
@@ -162,7 +166,7 @@ class Snapshots:
             return
         self._copied.set()
         with self._lock:
-            self.own = snap
+            self.own = (self.own + [snap])[-2:]
         try:
             got = self._exchange(snap)
         except Exception as e:  # noqa: BLE001 - a peer lost mid-transfer: the coordinator sees the loss
@@ -171,7 +175,7 @@ class Snapshots:
             return
         if got is not None:
             with self._lock:
-                self.held = got
+                self.held = (self.held + [got])[-2:]
         self.copy_s = time.perf_counter() - t0
 
     def _exchange(self, snap: Snap) -> Snap | None:
@@ -199,23 +203,23 @@ class Snapshots:
     def held_summary(self) -> dict[str, Any]:
         """What this rank holds, complete: its own snapshot and its predecessor's (for ``snapshot_held``)."""
         with self._lock:
-            return {"own": self.own.summary() if self.own else None, "held": self.held.summary() if self.held else None}
+            return {"own": [x.summary() for x in self.own], "held": [x.summary() for x in self.held]}
 
     def of(self, rank: int, step: int) -> Snap | None:
         """The complete snapshot of trainer ``rank`` at ``step`` this rank holds (its own or its predecessor's)."""
         with self._lock:
-            for s in (self.own, self.held):
-                if s is not None and s.rank == rank and s.step == step:
+            for s in self.own + self.held:
+                if s.rank == rank and s.step == step:
                     return s
         return None
 
     def with_weights(self, step: int) -> Snap | None:
         with self._lock:
-            for s in (self.own, self.held):
-                if s is not None and s.step == step and s.has_weights:
+            for s in self.own + self.held:
+                if s.step == step and s.has_weights:
                     return s
         return None
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(s.buf.numel() for s in (self.own, self.held) if s is not None)
+            return sum(s.buf.numel() for s in self.own + self.held)

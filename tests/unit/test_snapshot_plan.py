@@ -9,7 +9,7 @@ from dynaresize.job.snapshots import Plan, plan
 def held(own, held_, step, n=3, weights_of=0):
     def one(r):
         return {"rank": r, "step": step, "n_train": n, "weights": r == weights_of}
-    return {"own": one(own), "held": one(held_)}
+    return {"own": [one(own)], "held": [one(held_)]}
 
 
 STATES = {4: {"n_train": 3, "lost": []}, 5: {"n_train": 3, "lost": [3]}}
@@ -32,3 +32,8 @@ def test_an_older_complete_snapshot_is_used_when_the_newest_is_not_whole():
     answers = {1: {"own": held(1, 0, 5)["own"], "held": held(1, 0, 4)["held"]}, 2: held(2, 1, 4)}
     got = plan(answers, {0}, STATES, checkpoint_step=0, world=4)
     assert isinstance(got, Plan) and got.step == 4 and got.writes[1][0] == [0]
+    # the ranks keep the two newest: the older one when the newest's first batch was not generated (skip)
+    both = {r: {k: held(r, (r - 1) % 3, 4)[k] + held(r, (r - 1) % 3, 5)[k] for k in ("own", "held")} for r in (1, 2)}
+    assert plan(both, {0}, STATES, 0, 4).step == 5
+    assert plan(both, {0}, STATES, 0, 4, skip=frozenset({5})).step == 4
+    assert "not newer than the disk checkpoint (step 4)" in plan(both, {0}, STATES, 4, 4, skip=frozenset({5}))
