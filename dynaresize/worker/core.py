@@ -335,6 +335,10 @@ class Worker:
         if self.setup.events is not None and self.groups is not None:  # the communicators were all built at start-up
             self.setup.events.emit(EventType.METRIC, name=GROUPS_CREATED_METRIC, value=self.groups.created_after_startup(),
                                    rank=self.rank)
+        if self.setup.events is not None and self.snaps is not None and self.snaps.taken:  # what the snapshots cost
+            for name, value in (("taken", self.snaps.taken), ("main_s", round(self.snaps.main_s, 6)),
+                                ("background_s", round(self.snaps.background_s, 6))):
+                self.setup.events.emit(EventType.METRIC, name=f"snapshot/{name}", value=value, rank=self.rank)
         return {}
 
     # -- generate -------------------------------------------------------------------------------------------
@@ -1170,8 +1174,11 @@ class Worker:
         for p in trainer.export_partitions(copy=False):
             tensors.update(p.tensors())
             parts_meta.append({**p.layout.to_json(), "step": p.step})
+        t0 = time.perf_counter()
         weights = {n: t for n, t in self._weights()} if self.rank == 0 else None
         self.snaps.take(self.version, n_train, tensors, parts_meta, weights)
+        self.snaps.taken += 1
+        self.snaps.main_s += time.perf_counter() - t0
 
     def _cmd_snapshot_held(self) -> dict[str, Any]:
         """The complete snapshots this rank holds: its own and its ring predecessor's (step, rank, weights)."""

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,11 +126,16 @@ class Snapshots:
         self._copied.set()
         self._thread: threading.Thread | None = None
         self.errors = 0  # transfers that failed (a peer lost mid-transfer): the last complete copies stay
-        self.copy_s = 0.0  # seconds of the last snapshot's copy and transfer (background)
+        # what they cost (logged at shutdown; tools/bench_recovery.py): snapshots taken, seconds the rank's main thread
+        # spent on them (starting one, waiting for a copy or the last transfer), seconds of the background thread
+        self.taken, self.main_s, self.background_s = 0, 0.0, 0.0
 
     def settle(self) -> None:
         """Wait until the snapshot being made has copied the live state (before anything changes it)."""
-        self._copied.wait()
+        if not self._copied.is_set():
+            t0 = time.perf_counter()
+            self._copied.wait()
+            self.main_s += time.perf_counter() - t0
 
     def drop(self) -> None:
         """Forget what is held (a switch: the partitions belong to the old trainer count)."""
@@ -155,8 +161,6 @@ class Snapshots:
         th.start()
 
     def _make(self, step: int, n_train: int, groups, partitions) -> None:
-        import time
-
         t0 = time.perf_counter()
         try:
             snap = flatten(self.rank, step, n_train, groups, partitions)
@@ -176,7 +180,7 @@ class Snapshots:
         if got is not None:
             with self._lock:
                 self.held = (self.held + [got])[-2:]
-        self.copy_s = time.perf_counter() - t0
+        self.background_s += time.perf_counter() - t0
 
     def _exchange(self, snap: Snap) -> Snap | None:
         """Send ``snap`` to the peer, receive the predecessor's: header (sizes), index (JSON), buffer."""
