@@ -203,7 +203,7 @@ class Worker:
         if setup.device == "cuda":
             module = module.to(torch.device("cuda", torch.cuda.current_device()))
         w = cls(setup, groups, module, setup.n_train)
-        w.snaps = Snapshots(setup.rank, None, w._dev)  # (the world group: the default one)
+        w.snaps = Snapshots(setup.rank, None, w._dev, setup.staging_cfg.chunk_mb << 20)  # (the world group: the default)
         w.stager = Stager(setup.staging_dir, setup.staging_cfg.buffer_mb, setup.staging_cfg.chunk_mb,
                           setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
                           pin=setup.device == "cuda")

@@ -21,7 +21,8 @@ holds a copy, in the layout and format ``stage_state`` writes (:mod:`dynaresize.
 restart restores it through the one restore path. A switch drops what a rank holds (its partitions belong to the
 old trainer count); snapshots come back at the next step.
 
-Unverified here: NCCL (the world group's point-to-point sends from a second thread, as for the weight transport);
+Unverified here: NCCL (the world group's point-to-point sends from a second thread, as for the weight transport; each
+chunk through a device bucket, the path gloo skips);
 a single trainer has no peer (its snapshot would need a rollout rank to post a receive: not built), so snapshots
 need two trainers or more.
 """
@@ -117,8 +118,9 @@ def flatten(rank: int, step: int, n_train: int, groups: dict[str, dict[str, torc
 class Snapshots:
     """A rank's own snapshot and the one it holds for its ring predecessor, and the one being made."""
 
-    def __init__(self, rank: int, group=None, device: torch.device | str = "cpu"):
+    def __init__(self, rank: int, group=None, device: torch.device | str = "cpu", chunk_bytes: int = 8 << 20):
         self.rank, self.group, self.device = rank, group, torch.device(device)
+        self.chunk_bytes = max(ALIGN, chunk_bytes)  # one transfer's size (staging.chunk_mb: a device bucket on NCCL)
         self._lock = threading.Lock()
         self.own: list[Snap] = []  # complete own snapshots, newest last (at most 2)
         self.held: list[Snap] = []  # complete copies of the predecessor's, newest last (at most 2)
@@ -183,26 +185,43 @@ class Snapshots:
         self.background_s += time.perf_counter() - t0
 
     def _exchange(self, snap: Snap) -> Snap | None:
-        """Send ``snap`` to the peer, receive the predecessor's: header (sizes), index (JSON), buffer."""
+        """Send ``snap`` to the peer, receive the predecessor's: header (sizes), index (JSON), then the buffer in
+        chunks of ``chunk_bytes``, each send and receive posted together (a ring: every rank does both). Each chunk
+        goes through the communicator's device (gloo: the host buffer itself; NCCL: one device bucket each way)."""
         dst, src = peer_of(self.rank, snap.n_train), source_of(self.rank, snap.n_train)
         if dst is None or src is None:
             return None
         tag = SNAP_TAG_BASE + snap.step
         index = torch.frombuffer(bytearray(json.dumps(snap.index).encode()), dtype=torch.uint8)
-        header = torch.tensor([snap.step, index.numel(), snap.buf.numel()], dtype=torch.int64)
-        sends = [dist.isend(t, dst=dst, group=self.group, tag=tag) for t in (header, index, snap.buf)]
-        h = torch.empty(3, dtype=torch.int64)
-        dist.recv(h, src=src, group=self.group, tag=tag)
-        step, n_index, n_buf = (int(x) for x in h)
+        head = self._pair(torch.tensor([snap.step, index.numel(), snap.buf.numel()], dtype=torch.int64),
+                          torch.empty(3, dtype=torch.int64), dst, src, tag)
+        step, n_index, n_buf = (int(x) for x in head)
         if step != snap.step:
             raise RuntimeError(f"rank {src} sent the snapshot of step {step}, expected {snap.step}")
-        idx = torch.empty(n_index, dtype=torch.uint8)
-        dist.recv(idx, src=src, group=self.group, tag=tag)
+        idx = self._pair(index, torch.empty(n_index, dtype=torch.uint8), dst, src, tag)
         buf = torch.empty(n_buf, dtype=torch.uint8)
-        dist.recv(buf, src=src, group=self.group, tag=tag)
-        for s in sends:
-            s.wait()
+        c = self.chunk_bytes
+        for off in range(0, max(snap.buf.numel(), n_buf), c):
+            out = snap.buf[off:off + c] if off < snap.buf.numel() else None
+            into = buf[off:off + c] if off < n_buf else None
+            self._pair(out, into, dst, src, tag)
         return Snap(src, step, snap.n_train, buf, json.loads(bytes(idx.numpy()).decode()))
+
+    def _pair(self, out: torch.Tensor | None, into: torch.Tensor | None, dst: int, src: int, tag: int):
+        """Send ``out`` to ``dst`` and receive ``into`` from ``src`` at once (either may be None); returns ``into``."""
+        dev = self.device
+        ops = []
+        if out is not None:
+            ops.append(dist.isend(out.to(dev), dst=dst, group=self.group, tag=tag))
+        got = None
+        if into is not None:
+            got = into if dev.type == "cpu" else torch.empty_like(into, device=dev)
+            ops.append(dist.irecv(got, src=src, group=self.group, tag=tag))
+        for op in ops:
+            op.wait()
+        if into is not None and got is not into:
+            into.copy_(got)
+        return into
 
     def held_summary(self) -> dict[str, Any]:
         """What this rank holds, complete: its own snapshot and its predecessor's (for ``snapshot_held``)."""

@@ -33,7 +33,8 @@ def test_a_lost_trainers_partition_written_by_its_peer_is_its_disk_checkpoint_bi
     cfg = {"train": {"lr": 1e-2, "zero_stage": 1}, "faults": {"snapshot_every": 1}}
     with LocalCluster(3, 2, tmp_path, global_batch=12, config=cfg, hooks=HOOKS) as c:
         _train(c, 1, seed=1)
-        c.call("snapshot_now", ranks=[0, 1])  # step 1 ...
+        # in 64 KiB chunks: several per snapshot, rank 0's (with the weights) more than rank 1's
+        c.call("snapshot_now", {"chunk_bytes": 64 << 10}, ranks=[0, 1])  # step 1 ...
         _train(c, 2, seed=2)
         held = c.call("snapshot_now", ranks=[0, 1])  # ... and step 2: the two newest are kept
         assert [x["step"] for x in held[0]["own"]] == [1, 2] and [x["step"] for x in held[1]["held"]] == [1, 2]
@@ -46,7 +47,7 @@ def test_a_lost_trainers_partition_written_by_its_peer_is_its_disk_checkpoint_bi
         assert [x["step"] for x in held[1]["own"]] == [2, 3] and [x["step"] for x in held[1]["held"]] == [2, 3]
         # rank 0 lost: rank 1 writes rank 0's partition and both ranks' weights from what it holds
         out = c.call("materialize_snapshot", {"tag": "snap", "step": 2, "optim": [0, 1], "weights": [0, 1]}, ranks=[1])
-        assert out[1]["bytes"] > 0 and len(out[1]["manifests"]) == 4
+        assert out[1]["bytes"] > 4 * (64 << 10) and len(out[1]["manifests"]) == 4
         with pytest.raises(Exception, match="holds no snapshot of rank 0 at step 1"):  # gone: never written stale
             c.call("materialize_snapshot", {"tag": "x", "step": 1, "optim": [0], "weights": []}, ranks=[1])
     stager = Stager(tmp_path / "staging")
