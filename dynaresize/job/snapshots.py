@@ -83,11 +83,14 @@ def plan(held: dict[int, dict], lost: set[int], states: dict[int, dict], checkpo
             break
         n = int(st["n_train"])
         missing = [t for t in range(n) if (t, step) not in copies]
+        if len(missing) == n:
+            why.append(f"step {step}: the survivors hold none of its copies (a switch since drops them)")
+            continue
         if missing:
-            both = [t for t in missing if t in lost]
+            both = [t for t in missing if t in lost and (t + 1) % n in lost]  # the ring peer holds t's copy
             why.append(f"step {step}: no surviving copy of trainer rank(s) {', '.join(map(str, missing))}"
-                       + (" (the rank and the peer holding its copy were both lost, or the copy was not complete)"
-                          if both else ""))
+                       + (" (the rank and the peer holding its copy were both lost)" if both else
+                          " (its copy was not complete)"))
             continue
         if step not in weights:
             why.append(f"step {step}: no surviving copy of the weights")

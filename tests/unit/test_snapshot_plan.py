@@ -24,6 +24,7 @@ def test_a_lost_trainers_partition_is_written_by_the_peer_holding_it_and_the_wei
 def test_no_plan_when_both_copies_of_a_partition_are_gone_or_the_snapshot_is_not_newer():
     why = plan({2: held(2, 1, 5)}, {0, 1}, STATES, checkpoint_step=2, world=4)
     assert isinstance(why, str) and "no surviving copy of trainer rank(s) 0" in why and "both lost" in why
+    assert "none of its copies (a switch since drops them)" in plan({2: {"own": [], "held": []}}, {0}, STATES, 2, 4)
     assert "not newer than the disk checkpoint (step 5)" in plan({1: held(1, 0, 5), 2: held(2, 1, 5)}, {0}, STATES, 5, 4)
     assert plan({}, {0}, {}, 0, 4) == "the coordinator kept no snapshot state yet"
 
