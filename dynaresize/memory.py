@@ -160,6 +160,7 @@ class Settings:
     staging_buffer: int = 64 * MIB  # host: staging.buffer_mb
     sync_bucket: int = 64 * MIB  # rollout.sync_bucket_mb: the bucket a weight transfer fills (device of the sender)
     second_weights_on_host: bool = True  # the next version's weights, received into host memory (comm/weights.py)
+    snapshot_every: int = 0  # faults.snapshot_every: in-memory snapshots (worker/snapshot.py) on the host; 0: none
 
     @property
     def compute_bytes(self) -> int:
@@ -238,7 +239,19 @@ def trainer(arch: Architecture, s: Settings, n_train: int) -> RankMemory:
     if s.keeps_slept_engine:
         parts += (Part("slept engine", SLEPT_ENGINE, "vLLM asleep while the rank trains"),)
     parts += (Part("runtime", s.overhead), Part("staging buffer", s.staging_buffer, "host", host=True))
-    return RankMemory("trainer", n_train, parts)
+    return RankMemory("trainer", n_train, parts + snapshots(arch, s, n_train))
+
+
+def snapshots(arch: Architecture, s: Settings, n_train: int) -> tuple[Part, ...]:
+    """Host memory of the in-memory snapshots (``faults.snapshot_every``; dynaresize/worker/snapshot.py) on the
+    trainer that holds the most: its own partition and its ring predecessor's (fp32 master and two moments, 12 P / n
+    each), on ranks 0 and 1 also the weights (``b P``: rank 0's own, rank 1's copy of rank 0's), twice (the two
+    newest complete snapshots; the older one goes when the next one starts). None with snapshots off or a single trainer (no peer)."""
+    if not s.snapshot_every or n_train < 2:
+        return ()
+    p = arch.params
+    one = 2 * (12 * p // n_train) + p * s.compute_bytes
+    return (Part("snapshots", 2 * one, "own + peer's partition, rank 0's weights; x2 (the two newest)", host=True),)
 
 
 def rollout(arch: Architecture, s: Settings, n_train: int, capacity: int | None) -> RankMemory:

@@ -106,7 +106,16 @@ def settings_from_config(cfg, arch: Architecture) -> Settings:
         overhead=GPU_RUNTIME_OVERHEAD if gpu else 0,
         staging_buffer=cfg.staging.buffer_mb * MIB,
         sync_bucket=cfg.rollout.sync_bucket_mb * MIB,
+        snapshot_every=cfg.faults.snapshot_every,
     )
+
+
+def _snapshot_host(t) -> str:
+    """The in-memory snapshots' host memory on the trainer that holds the most (faults.snapshot_every), at the
+    split where it is largest; empty when snapshots are off."""
+    most = max(t.splits, key=lambda sp: sp.trainer.part("snapshots"))
+    got = most.trainer.part("snapshots")
+    return f", snapshots up to {got / GIB:.1f} GiB (trainer at {most.n_train}, faults.snapshot_every)" if got else ""
 
 
 def capacity_for(cfg, read_device=cuda_memory_bytes) -> tuple[int | None, str]:
@@ -197,7 +206,8 @@ def format_table(rep: MemoryReport, initial_train: int | None = None) -> str:
     if t.splits:
         sp = t.splits[0]
         lines.append(f"  per rank: trainer at {sp.n_train}: {sp.trainer.describe()} GiB; rollout: {sp.rollout.describe()} GiB; "
-                     f"host: staging {sp.trainer.host / GIB:.1f} GiB (trainer), next weights {sp.rollout.host / GIB:.1f} GiB (rollout)")
+                     f"host: staging {sp.trainer.part('staging buffer') / GIB:.1f} GiB (trainer), next weights "
+                     f"{sp.rollout.host / GIB:.1f} GiB (rollout)" + _snapshot_host(t))
     if t.capacity is not None:
         lines.append(f"  feasible splits: {', '.join(f'{x.n_train}:{x.n_rollout}' for x in t.splits if x.fits) or 'none'}")
     return "\n".join(lines)

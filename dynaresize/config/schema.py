@@ -168,6 +168,13 @@ class FaultsConfig(Section):
         "(exit 1) instead of training on with no checkpoint it can write; both name the path, the space left and the "
         "resume command. 0: no wait",
     )
+    snapshot_every: int = Field(
+        1, ge=0, description="Every this many optimizer steps each trainer keeps a copy of its ZeRO partition (fp32 "
+        "master, Adam moments, step; rank 0 also the weights) in host memory and sends one to the next trainer in "
+        "ring order; the coordinator keeps its step state. A lost trainer then costs at most this many steps: the "
+        "survivors write the snapshot out as a checkpoint of that step and every rank restarts from it (docs/FAULTS.md "
+        "row 33). Host memory: docs/memory.md. 0: off (a lost trainer restarts from the last disk checkpoint)",
+    )
 
 
 # Keys that moved to another place: an old config that still sets one fails naming the key and where it lives now.

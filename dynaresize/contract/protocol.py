@@ -21,6 +21,9 @@ push_weights    :class:`PushWeightsPayload` (version, ranks)           :class:`P
 switch_role     :class:`SwitchPayload` (switch id, old/new trainers)  :class:`SwitchResult` (role, ops)
 stage_state     :class:`StagePayload` (tag)                            :class:`StageResult` (manifests, bytes)
 restore_state   :class:`StagePayload` (tag)                            :class:`RestoreResult` (version, seconds)
+snapshot_held   :class:`Empty`                                         :class:`SnapshotHeldResult` (own, held)
+materialize_    :class:`MaterializePayload` (tag, step, optim ranks,   :class:`StageResult` (manifests, bytes)
+snapshot        weights ranks)
 shutdown        :class:`Empty`                                         :class:`EmptyResult`
 ==============  =====================================================  ===============================================
 
@@ -262,6 +265,24 @@ class RestoreResult(_Msg):
     seconds: float
 
 
+class SnapshotHeldResult(_Msg):
+    """The complete in-memory snapshots a rank holds (``dynaresize.worker.snapshot``), newest last: each ``{rank,
+    step, n_train, weights}``."""
+
+    own: list[dict[str, Any]]
+    held: list[dict[str, Any]]
+
+
+class MaterializePayload(_Payload):
+    """Write the in-memory snapshot of ``step`` as checkpoint ``tag``: the partitions of the ``optim`` ranks (its
+    own or the copy it holds), the weights files of the ``weights`` ranks."""
+
+    tag: str = Field(pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    step: int = Field(ge=0)
+    optim: list[int]
+    weights: list[int]
+
+
 @dataclass(frozen=True)
 class CommandSpec:
     payload: type[_Payload]
@@ -280,6 +301,8 @@ COMMANDS: dict[str, CommandSpec] = {
     "switch_role": CommandSpec(SwitchPayload, SwitchResult),
     "stage_state": CommandSpec(StagePayload, StageResult),
     "restore_state": CommandSpec(StagePayload, RestoreResult),
+    "snapshot_held": CommandSpec(Empty, SnapshotHeldResult),
+    "materialize_snapshot": CommandSpec(MaterializePayload, StageResult),
     "shutdown": CommandSpec(Empty, EmptyResult),
 }
 

@@ -19,6 +19,7 @@ from dynaresize.job.ranks import Ranks
 from dynaresize.job.recovery import Recovery
 from dynaresize.job.reporting import Reporter
 from dynaresize.job.rollout import RolloutWork
+from dynaresize.job.snapshots import Snapshots
 from dynaresize.job.runtime import Job, Services
 from dynaresize.job.switching import Switching
 from dynaresize.job.transport import Transport
@@ -52,6 +53,7 @@ class Parts:
     journal: Journal
     ranks: Ranks
     reporter: Reporter
+    snapshots: Snapshots  # the coordinator's side of the in-memory snapshots (faults.snapshot_every)
 
 
 def prepare(job: Job) -> Prepared:
@@ -185,9 +187,11 @@ def connect(job: Job, srv, prepared: Prepared, metrics, on_redis_ready: Callable
 def wire(job: Job, svc: Services, planner: Planner, launcher_factory: Callable[..., Any] | None,
          stop_requested: threading.Event, on_step: Callable[[dict], None] | None) -> Parts:
     tx = Transport(job, svc)
-    recovery = Recovery(job, svc, planner)
+    snapshots = Snapshots(job, svc, tx)
+    recovery = Recovery(job, svc, planner, snapshots)
     checkpointer = Checkpointer(job, svc, tx)
     return Parts(svc=svc, planner=planner, tx=tx, recovery=recovery, rollout=RolloutWork(job, svc),
                  switching=Switching(job, tx), validation=Validation(job, svc),
                  checkpointer=checkpointer, journal=Journal(job, svc),
-                 ranks=Ranks(job, svc, tx, planner, launcher_factory, stop_requested), reporter=Reporter(job, svc, on_step))
+                 ranks=Ranks(job, svc, tx, planner, launcher_factory, stop_requested), reporter=Reporter(job, svc, on_step),
+                 snapshots=snapshots)

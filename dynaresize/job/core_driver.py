@@ -293,6 +293,7 @@ class ContinuousSchedule:
             self.feed(self.training.measured(done))
             if self.core.policy_state is not None:
                 self.job.state.policy = policy_to_dict(self.core.policy_state)
+        p.snapshots.kept(k + 1)  # the trainers snapshot at this step too (faults.snapshot_every): its state is kept
 
     # --- failures, lost ranks -------------------------------------------------------------------------------------
     def failed(self, sent: Sent, ack) -> None:

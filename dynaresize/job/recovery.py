@@ -11,14 +11,16 @@ from dynaresize.job.checkpointer import next_incarnation, resume_state, rewind_b
 from dynaresize.job.errors import JobError, RanksLost
 from dynaresize.job.planner import Planner
 from dynaresize.job.runtime import Job, Services, StepTimes
+from dynaresize.job.snapshots import Snapshots
 from dynaresize.job.state import JobState
 
 log = logging.getLogger("dynaresize.job")
 
 
 class Recovery:
-    def __init__(self, job: Job, svc: Services, planner: Planner):
+    def __init__(self, job: Job, svc: Services, planner: Planner, snapshots: Snapshots | None = None):
         self.job, self.svc, self.planner = job, svc, planner
+        self.snapshots = snapshots  # in-memory snapshots (faults.snapshot_every): a newer resume point than the disk's
         self.restarts = 0  # automatic restarts of the ranks in this process (faults.max_restarts)
 
     def can_shrink(self, ranks) -> bool:
@@ -62,6 +64,7 @@ class Recovery:
         # nothing and takes no epoch: FencedError, before any rank is stopped or any file written
         svc.bus.check_epoch()
         self.restarts += 1
+        self.from_snapshot(e)  # the survivors write the newest whole snapshot as a checkpoint (or say why not)
         old = resume_state(job.run_dir, job.world) or JobState(n_train=cfg.cluster.initial_train)  # the newest intact checkpoint
         where = f"checkpoint {old.checkpoint} (step {old.step})" if old.checkpoint else "the start"
         job.events.emit("control", what="restart", reason=f"{e}; restart {self.restarts}/{cfg.faults.max_restarts}: "
@@ -78,4 +81,26 @@ class Recovery:
         # the new epoch only while this coordinator's is still the job's (one script: no takeover slips in between)
         svc.bus = CommandBus(svc.redis, job.job_id, cfg.redis, events=job.events, owner=owner, after=svc.bus.epoch)
         self.planner.reset()
+        return True
+
+    def from_snapshot(self, e: RanksLost) -> bool:
+        """Before the ranks stop: the survivors write the newest in-memory snapshot held whole as a checkpoint of
+        its step, which the restart then resumes from (one line and a ``control`` ``snapshot_restore`` event); when
+        none can be used, why (``snapshot_unused``) and the restart goes on from the last disk checkpoint."""
+        job = self.job
+        if self.snapshots is None:
+            return False
+        try:
+            state, line = self.snapshots.materialise(e.ranks, self.restarts)
+        except (OSError, JobError) as err:  # a Redis or disk failure on the way: the disk checkpoint, as before
+            state, line = None, f"writing it failed: {err}"
+        self.snapshots.forget()
+        if state is None:
+            if self.snapshots.every:
+                line = f"the in-memory snapshot cannot be used: {line}; going on from the last disk checkpoint"
+                log.warning("%s", line)
+                job.events.emit("control", what="snapshot_unused", reason=line)
+            return False
+        log.warning("%s", line)
+        job.events.emit("control", what="snapshot_restore", reason=line, step=state.step)
         return True

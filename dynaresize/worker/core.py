@@ -73,6 +73,7 @@ from dynaresize.engines.trainer_deepspeed import Partition, PartitionLayout, Zer
 from dynaresize.events import EventLog, EventType, Role, Stage, SwitchOp, format_ranks
 from dynaresize.staging import Prefetch, Stager, StagingError
 from dynaresize.worker.hooks import Hooks
+from dynaresize.worker.snapshot import Snapshots
 
 log = logging.getLogger("dynaresize.worker")
 
@@ -120,6 +121,7 @@ class WorkerSetup:
     emulator: Any = None  # dynaresize.emulation.engine.Emulator when cluster.device is emulated: work lasts modelled time
     algorithm_cfg: Any = None  # AlgorithmConfig: the loss's truncated importance sampling (algorithm.tis); None: off
     lr: Callable[[int], float] | None = None  # the LR of each optimizer step of the run (dynaresize.rl.lr); None: train.lr
+    snapshot_every: int = 0  # faults.snapshot_every: in-memory snapshots of a trainer's state (worker.snapshot); 0: off
 
 
 @dataclass
@@ -160,6 +162,9 @@ class _Streamed:
 # receive the old version again (comm, ``again``) or the rank reads its snapshot again (file, ``_refetch``).
 # push_weights only queues sends on background threads (a relay forwards from its second buffer while it decodes).
 CONCURRENT = frozenset({"ping", "fetch_weights", "push_weights"})
+# commands that change nothing a snapshot copies (the ZeRO partitions, the weights): they run beside its copy
+SNAPSHOT_SAFE = frozenset({"ping", "generate", "fetch_weights", "push_weights", "train_chunk", "snapshot_held",
+                           "materialize_snapshot"})
 GROUPS_CREATED_METRIC = "comm/groups_created_after_startup"  # logged by each rank at its shutdown (0 expected)
 
 
@@ -187,6 +192,7 @@ class Worker:
     decode_sums: DecodeSums = field(default_factory=DecodeSums)  # the stream's iterations since the last generate ack
     _decoding: int = 0  # sequences still decoding after the stream's last iteration (engines that do not say what waits)
     minibatches: Any = None  # dynaresize.rl.minibatch.MiniBatches of the RL step in training (train.mini_batches x epochs > 1)
+    snaps: Snapshots | None = None  # in-memory snapshots (faults.snapshot_every; worker.snapshot): own and the peer's
 
     @classmethod
     def start(cls, setup: WorkerSetup) -> "Worker":
@@ -197,6 +203,7 @@ class Worker:
         if setup.device == "cuda":
             module = module.to(torch.device("cuda", torch.cuda.current_device()))
         w = cls(setup, groups, module, setup.n_train)
+        w.snaps = Snapshots(setup.rank, None, w._dev, setup.staging_cfg.chunk_mb << 20)  # (the world group: the default)
         w.stager = Stager(setup.staging_dir, setup.staging_cfg.buffer_mb, setup.staging_cfg.chunk_mb,
                           setup.staging_cfg.writer_threads, setup.staging_cfg.checksum, setup.staging_cfg.fsync,
                           pin=setup.device == "cuda")
@@ -278,6 +285,8 @@ class Worker:
         """Execute one command; raises WorkerError (or a library error) for the transport to ack as failed."""
         payload = payload or {}
         self._log_reads()
+        if self.snaps is not None and (kind not in SNAPSHOT_SAFE or (kind == "train_chunk" and self._steps_per_batch > 1)):
+            self.snaps.settle()  # a snapshot being copied: nothing may change the state it copies before it has
         fn = getattr(self, f"_cmd_{kind}", None)
         if fn is None:
             extra = self.setup.hooks.commands().get(kind)
@@ -326,6 +335,10 @@ class Worker:
         if self.setup.events is not None and self.groups is not None:  # the communicators were all built at start-up
             self.setup.events.emit(EventType.METRIC, name=GROUPS_CREATED_METRIC, value=self.groups.created_after_startup(),
                                    rank=self.rank)
+        if self.setup.events is not None and self.snaps is not None and self.snaps.taken:  # what the snapshots cost
+            for name, value in (("taken", self.snaps.taken), ("main_s", round(self.snaps.main_s, 6)),
+                                ("background_s", round(self.snaps.background_s, 6))):
+                self.setup.events.emit(EventType.METRIC, name=f"snapshot/{name}", value=value, rank=self.rank)
         return {}
 
     # -- generate -------------------------------------------------------------------------------------------
@@ -665,6 +678,7 @@ class Worker:
         t1 = self._pace("optimizer_step", t0, lambda e: e.step_s(pending))
         self.version = version_after
         self._stage(Stage.TRAIN, step, t0, t1, version=self.version, optimizer_step=True)
+        self._snapshot(trainer, n_train)
         published, end = 0, t1
         if target is not None:
             assert self.stager is not None
@@ -1038,6 +1052,8 @@ class Worker:
         if from_train != self.n_train:
             raise WorkerError(f"rank {self.rank} has {self.n_train} trainers, switch {switch_id} says {from_train}")
         self.minibatches = None  # (none held: a switch comes between an RL step's optimizer step and the next chunk)
+        if self.snaps is not None:
+            self.snaps.drop()  # its partitions are the old trainer count's
         cands = self.groups.trainer_counts()
         if to_train not in cands:
             raise WorkerError(f"switch {switch_id}: {to_train} trainers is not a candidate topology {cands}")
@@ -1121,10 +1137,11 @@ class Worker:
 
     # -- staging --------------------------------------------------------------------------------------------
 
-    def _snapshot_name(self, tag: str, what: str) -> str:
+    def _snapshot_name(self, tag: str, what: str, rank: int | None = None) -> str:
+        rank = self.rank if rank is None else rank  # (another rank's: a snapshot this rank holds a copy of)
         if self.setup.checkpoint_dir is not None:  # a checkpoint of the run: <checkpoint_dir>/<tag>/rank<r>-<what>
-            return str(Path(self.setup.checkpoint_dir).resolve() / tag / f"rank{self.rank}-{what}")
-        return f"{tag}-rank{self.rank}-{what}"  # node-local staging: <staging_dir>/<tag>-rank<r>-<what>
+            return str(Path(self.setup.checkpoint_dir).resolve() / tag / f"rank{rank}-{what}")
+        return f"{tag}-rank{rank}-{what}"  # node-local staging: <staging_dir>/<tag>-rank<r>-<what>
 
     def _cmd_stage_state(self, tag: str) -> dict[str, Any]:
         """Stage this rank's weights and, on a trainer, its ZeRO partitions to node-local disk (two snapshots, so
@@ -1144,6 +1161,53 @@ class Worker:
         self._op(None, SwitchOp.OPTIMIZER_STAGE_OUT, t0, time.perf_counter(), critical=False, bytes=total)
         return {"manifest": str(res[0].path / "manifest.json"), "manifests": [str(r.path / "manifest.json") for r in res],
                 "bytes": total, "seconds": time.perf_counter() - t0}
+
+    # -- in-memory snapshots (faults.snapshot_every; dynaresize.worker.snapshot) ---------------------------------------
+
+    def _snapshot(self, trainer: ZeroTrainer, n_train: int) -> None:
+        """After an optimizer step that makes ``version`` a multiple of ``snapshot_every``: copy what ``stage_state``
+        would stage (partitions; rank 0: the weights too) and send it to the ring peer, on a background thread."""
+        every = self.setup.snapshot_every
+        if not every or self.snaps is None or n_train < 2 or self.version % every:
+            return
+        tensors, parts_meta = {}, []
+        for p in trainer.export_partitions(copy=False):
+            tensors.update(p.tensors())
+            parts_meta.append({**p.layout.to_json(), "step": p.step})
+        t0 = time.perf_counter()
+        weights = {n: t for n, t in self._weights()} if self.rank == 0 else None
+        self.snaps.take(self.version, n_train, tensors, parts_meta, weights)
+        self.snaps.taken += 1
+        self.snaps.main_s += time.perf_counter() - t0
+
+    def _cmd_snapshot_held(self) -> dict[str, Any]:
+        """The complete snapshots this rank holds: its own and its ring predecessor's (step, rank, weights)."""
+        return self.snaps.held_summary() if self.snaps is not None else {"own": [], "held": []}
+
+    def _cmd_materialize_snapshot(self, tag: str, step: int, optim: list[int], weights: list[int]) -> dict[str, Any]:
+        """Write the snapshot of ``step`` as checkpoint ``tag``: ``rank<r>-optim`` for each rank of ``optim`` (this
+        rank's own, or the copy it holds for its predecessor) and ``rank<r>-weights`` for each rank of ``weights``
+        (all the same weights: every rank holds the trainers' version at a checkpoint), as ``stage_state`` writes
+        them (the same files a disk checkpoint of that step holds; the restore path reads them)."""
+        assert self.snaps is not None and self.stager is not None
+        t0 = time.perf_counter()
+        res = []
+        for r in optim:
+            snap = self.snaps.of(r, step)
+            if snap is None:
+                raise WorkerError(f"rank {self.rank} holds no snapshot of rank {r} at step {step}")
+            res.append(self.stager.stage(self._snapshot_name(tag, "optim", r), snap.tensors("optim"),
+                                         {**snap.meta(), "partitions": snap.index["partitions"]}))
+        if weights:
+            snap = self.snaps.with_weights(step)
+            if snap is None:
+                raise WorkerError(f"rank {self.rank} holds no weights snapshot of step {step}")
+            for r in weights:
+                res.append(self.stager.stage(self._snapshot_name(tag, "weights", r), snap.tensors("weights"), snap.meta(r)))
+        total = sum(x.bytes for x in res)
+        self._op(None, SwitchOp.OPTIMIZER_STAGE_OUT, t0, time.perf_counter(), critical=False, bytes=total)
+        return {"manifest": str(res[0].path / "manifest.json") if res else "", "bytes": total,
+                "manifests": [str(x.path / "manifest.json") for x in res], "seconds": time.perf_counter() - t0}
 
     def _cmd_restore_state(self, tag: str) -> dict[str, Any]:
         """Restore this rank's weights now (verified chunk by chunk, in place) and, on a trainer, its optimizer

@@ -118,6 +118,7 @@ def _child(rank: int, world: int, port: int, conn, spec_json: str) -> None:
         hooks=_resolve(spec["hooks"])() if spec.get("hooks") else Hooks(), data=data,
         weights_dir=Path(spec["weights_dir"]) if spec.get("weights_dir") else None,
         algorithm_cfg=cfg.algorithm, lr=LrSchedule.from_config(cfg.train, cfg.run.steps),
+        snapshot_every=cfg.faults.snapshot_every,
     )
     try:
         worker = Worker.start(setup)

@@ -270,6 +270,7 @@ def serve(run_dir: Path, rank: int, world: int, job_id: str, endpoint_file, mast
         model_dir=str(model_dir), hooks=hooks or Hooks(), weights_dir=run_dir / "weights",
         emulator=Emulator(cfg, world) if cfg.cluster.device == "emulated" else None,
         algorithm_cfg=cfg.algorithm, lr=LrSchedule.from_config(cfg.train, cfg.run.steps),
+        snapshot_every=cfg.faults.snapshot_every,
     )
     worker = Worker.start(setup)
     worker.version = int(launch.get("version", 0))

@@ -287,6 +287,8 @@ VALID_PAYLOADS = {
     "switch_role": dict(switch_id="s1", step=3, from_train=2, to_train=3),
     "stage_state": dict(tag="step-3_a.b"),
     "restore_state": dict(tag="step-3_a.b"),
+    "snapshot_held": {},
+    "materialize_snapshot": dict(tag="step-3.2", step=3, optim=[0, 1], weights=[0, 1, 2]),
     "ping": {},
     "shutdown": {},
 }

@@ -334,13 +334,38 @@ def test_a_lost_trainer_restarts_every_rank_from_the_continuous_checkpoint(tmp_p
     once = tmp_path / "once"
     once.mkdir()
     run(tmp_path / "run", model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
-        "run.checkpoint_every=2", faults={"DYNARESIZE_TEST_KILL_AT": "1:train_chunk.accumulated@step-3",
-                                          "DYNARESIZE_TEST_KILL_ONCE": str(once)})
+        "run.checkpoint_every=2", "faults.snapshot_every=0",  # the disk path (the snapshot's: the test below)
+        faults={"DYNARESIZE_TEST_KILL_AT": "1:train_chunk.accumulated@step-3", "DYNARESIZE_TEST_KILL_ONCE": str(once)})
     rd = run_dir_of(tmp_path / "run")
     same_samples(batches(rd), batches(static_run))
     events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
     restarts = [e for e in events if e.get("what") == "restart"]
     assert len(restarts) == 1 and "step 2" in restarts[0]["reason"], restarts
+    assert not [e for e in events if e.get("what", "").startswith("snapshot_")]
+
+
+def test_a_lost_trainer_goes_on_from_the_in_memory_snapshot_with_the_static_runs_training(tmp_path, model_cache,
+                                                                                           static_run):
+    """faults.snapshot_every=1 with no disk checkpoint before the end (run.checkpoint_every=50): a trainer killed in
+    the middle of step 4 costs at most one step, and the run trains what the static run trains (keys, versions,
+    rewards, losses within 1e-3). FAULTS row 33."""
+    once = tmp_path / "once"
+    once.mkdir()
+    run(tmp_path / "run", model_cache, f"run.steps={STEPS}", "policy.enabled=false", f"run.seed={SEED}", *CONTINUOUS,
+        "run.checkpoint_every=50", "faults.snapshot_every=1",
+        faults={"DYNARESIZE_TEST_KILL_AT": "1:train_chunk.accumulated@step-4", "DYNARESIZE_TEST_KILL_ONCE": str(once)})
+    rd = run_dir_of(tmp_path / "run")
+    same_samples(batches(rd), batches(static_run))
+    events = [json.loads(l) for l in (rd / "events.jsonl").read_text().splitlines()]
+    used = [e for e in events if e.get("what") == "snapshot_restore"]
+    assert len(used) == 1 and not [e for e in events if e.get("what") == "snapshot_unused"], used
+    assert used[0]["step"] >= 3, used  # killed in step 4: at most snapshot_every (1) finished step trained again
+    assert "trainer rank 1 lost at step 4: going on from the in-memory snapshot of step" in used[0]["reason"]
+    assert "the last disk checkpoint was none" in used[0]["reason"]
+    restarts = [e for e in events if e.get("what") == "restart"]
+    assert len(restarts) == 1 and f"(step {used[0]['step']})" in restarts[0]["reason"], restarts
+    rewinds = [e for e in events if e.get("what") == "rewind"]
+    assert all(f"steps {used[0]['step']}.." in e["reason"] for e in rewinds), rewinds
 
 
 def test_sigterm_drains_checkpoints_and_the_resume_goes_on_with_the_static_runs_samples(tmp_path, model_cache, static_run):

@@ -156,7 +156,9 @@ def test_lost_rollout_ranks_are_fenced_off_and_the_job_goes_on(tmp_path, model_c
 
 # the run's one switch (the forced split; on the core the batch it lands on is timing) and step 4's checkpoint
 KILLS = "1:switch_role.offload,0:stage_state.weights@step-4"
-RESTART = [f"run.seed={SEED}", "run.checkpoint_every=2", "policy.enabled=false", "policy.forced_splits={3: 3}"]
+# (faults.snapshot_every=0: the disk checkpoint's restart; the in-memory snapshot's is test_continuous_schedule.py's)
+RESTART = [f"run.seed={SEED}", "run.checkpoint_every=2", "policy.enabled=false", "policy.forced_splits={3: 3}",
+           "faults.snapshot_every=0"]
 
 
 def test_ranks_killed_mid_switch_and_mid_staging_restart_from_the_checkpoint_with_the_same_training(tmp_path, model_cache):

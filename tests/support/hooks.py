@@ -70,9 +70,22 @@ def comm_stats(w: Worker) -> dict[str, Any]:
     return {"created_after_startup": w.groups.created_after_startup(), "created_total": G.group_creations()}
 
 
+def snapshot_now(w: Worker, chunk_bytes: int | None = None) -> dict[str, Any]:
+    """Take the in-memory snapshot an optimizer step takes (faults.snapshot_every) and wait for its exchange
+    (``chunk_bytes``: its transfers' size, smaller than staging.chunk_mb allows: several chunks on a tiny model)."""
+    if w.trainer is None or w.snaps is None:
+        raise WorkerError(f"rank {w.rank} is not a trainer")
+    if chunk_bytes is not None:
+        w.snaps.chunk_bytes = chunk_bytes
+    w._snapshot(w.trainer, w.n_train)
+    if w.snaps._thread is not None:
+        w.snaps._thread.join()
+    return {**w.snaps.held_summary(), "bytes": w.snaps.nbytes(), "errors": w.snaps.errors}
+
+
 TEST_COMMANDS: dict[str, Handler] = {"generate_direct": generate_direct, "train_direct": train_direct,
                                      "state_digest": state_digest, "weight_values": weight_values,
-                                     "comm_stats": comm_stats}
+                                     "comm_stats": comm_stats, "snapshot_now": snapshot_now}
 
 
 def _points(spec: str | None) -> frozenset[str]:

@@ -223,3 +223,16 @@ def test_simulator_plays_the_splits_that_fit():
     assert [c.n_train for c in setup(cfg).candidates] == [5, 6, 7]
     cfg = load_config("configs/emulated-8gpu.yaml", ["cluster.gpu_memory_gb=null", "sim.steps=4"])
     assert [c.n_train for c in setup(cfg).candidates] == list(range(1, 8))  # no figure: every split
+
+
+def test_the_in_memory_snapshots_host_memory_is_own_plus_peers_partition_and_rank0s_weights_twice():
+    """faults.snapshot_every (docs/FAULTS.md row 33): host memory, never the device's; none off or with one trainer."""
+    from dynaresize.memory import trainer
+
+    a = load_architecture(QWEN3_8B)
+    on, off = Settings(precision="bf16", snapshot_every=1), Settings(precision="bf16", snapshot_every=0)
+    t4 = trainer(a, on, 4)
+    assert t4.part("snapshots") == 2 * (2 * (12 * a.params // 4) + 2 * a.params)
+    assert 125 * 1e9 < t4.part("snapshots") < 135 * 1e9  # Qwen3-8B on 4 trainers: the figure docs/memory.md states
+    assert t4.device == trainer(a, off, 4).device and t4.host > trainer(a, off, 4).host
+    assert trainer(a, on, 1).part("snapshots") == 0 and trainer(a, off, 4).part("snapshots") == 0
