@@ -185,3 +185,25 @@ def test_the_runs_emulation_block_merges_each_ranks_last_record(tmp_path):
     assert block["by_kind"]["decode"]["spans"] == 2 and block["by_kind"]["train"]["overruns"] == 1
     assert "NOT faithful" in describe(block) and "train 1/1" in describe(block)
     assert describe(merge([fast.to_json()])).startswith("emulation: faithful")
+
+
+def test_the_drift_profile_grows_responses_at_least_four_fold_over_its_run():
+    """configs/emulated-8gpu-drift.yaml's claim (issue 45: lengths growing >= x4 over the run), from its curriculum: the
+    mean answer (problem size + EOS) at the run's last step over its first, the ramp inside the run, and the
+    simulator's stand-in (what `dynaresize simulate` on the file models) growing as much and of the same size."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.tasks.base import Curriculum
+
+    cfg = load_config("configs/emulated-8gpu-drift.yaml")
+    cur = Curriculum.from_config(cfg.task.curriculum)
+    first, last = cur.mean_len(0) + 1, cur.mean_len(cfg.run.steps - 1) + 1
+    assert last / first >= 4.0, (first, last)
+    assert cfg.task.curriculum.ramp_steps <= cfg.run.steps and cfg.sim.steps == cfg.run.steps
+    w, k = cfg.sim.workload, cfg.emulation.tokens_per_token
+    assert w.response_tokens_end / w.response_tokens_start >= 4.0
+    assert w.response_tokens_start == pytest.approx(first * k, rel=0.05)
+    assert w.response_tokens_end == pytest.approx((cur.mean_len(cfg.task.curriculum.ramp_steps) + 1) * k, rel=0.05)
+    # the stationary profile it is benchmarked beside does not drift as far over the same steps
+    base = load_config("configs/emulated-8gpu.yaml")
+    b = Curriculum.from_config(base.task.curriculum)
+    assert (b.mean_len(cfg.run.steps - 1) + 1) / (b.mean_len(0) + 1) < 2.5
