@@ -29,7 +29,8 @@ on configs/emulated-8gpu-drift.yaml, >= -1% on configs/emulated-8gpu.yaml. ``wor
 from its prediction: issue 45 asks every row within 5%) and ``rows_within_5pct``. ``overrun_s``: the seconds the
 emulated ops ran past their modelled time (the CPU could not keep up: a row the simulator cannot match). ``growth``:
 the mean response length of the run's last quarter of steps over its first quarter (the drift the row saw; real
-tokens, so every row's own). ``--keep DIR`` keeps the run directories.
+tokens, so every row's own). ``--keep DIR`` keeps the run directories. Figures: docs/schedule.md ("What resizing
+adds beside the pipeline", "Issue 25's bench, now").
 """
 
 from __future__ import annotations
