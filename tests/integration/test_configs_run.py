@@ -31,6 +31,9 @@ RUN_HERE: dict[str, list[str]] = {
     "base.yaml": ["run.steps=2", "model.tiny.warmstart_steps=0"],
     "quickstart-static.yaml": ["run.steps=2"],
     "emulated-16gpu.yaml": ["run.steps=6"],
+    # issue 45's drifting profile, shortened: that it runs (tests/unit/test_emulation.py checks its drift); no model
+    # built for this test alone
+    "emulated-8gpu-drift.yaml": ["run.steps=2", "model.tiny.warmstart_steps=0"],
     "byo-example.yaml": ["run.steps=2", "model.tiny.warmstart_steps=0", "task.dataset.val_every=2"],
     "quickstart-vllm.yaml": ["run.steps=2", "run.checkpoint_every=0", "policy.forced_splits={}"],
 }

@@ -185,3 +185,27 @@ def test_the_runs_emulation_block_merges_each_ranks_last_record(tmp_path):
     assert block["by_kind"]["decode"]["spans"] == 2 and block["by_kind"]["train"]["overruns"] == 1
     assert "NOT faithful" in describe(block) and "train 1/1" in describe(block)
     assert describe(merge([fast.to_json()])).startswith("emulation: faithful")
+
+
+def test_the_drift_profile_grows_answers_at_least_four_fold_over_its_run():
+    """configs/emulated-8gpu-drift.yaml's claim (issue 45: lengths growing >= x4 over the run), from its curriculum: the
+    mean answer (letters; the tiny tokenizer merges some in pairs, so the bench's ``growth`` column measures the
+    tokens) over the run's last quarter of steps against its first, on the run's own prompts, the ramp inside the run,
+    and the simulator's stand-in (what `dynaresize simulate` on the file models) growing."""
+    from dynaresize.config.loader import load_config
+    from dynaresize.tasks.registry import load_task
+
+    cfg = load_config("configs/emulated-8gpu-drift.yaml")
+    task, steps, per_step = load_task(cfg.task), cfg.run.steps, cfg.rollout.prompts_per_step
+    mean = [sum(len(task.answer(task.prompt(cfg.run.seed, s, i))) for i in range(per_step)) / per_step
+            for s in range(steps)]
+    q = steps // 4
+    assert sum(mean[-q:]) / sum(mean[:q]) >= 4.0, mean
+    assert cfg.task.curriculum.ramp_steps <= steps and cfg.sim.steps == steps
+    w = cfg.sim.workload
+    assert w.response_tokens_end > w.response_tokens_start
+    # the stationary profile it is benchmarked beside does not drift as far over the same steps
+    base = load_config("configs/emulated-8gpu.yaml")
+    btask = load_task(base.task)
+    bmean = [sum(len(btask.answer(btask.prompt(base.run.seed, s, i))) for i in range(per_step)) for s in range(steps)]
+    assert sum(bmean[-q:]) / sum(bmean[:q]) < 4.0
