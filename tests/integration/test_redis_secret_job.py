@@ -13,7 +13,6 @@ import secrets
 import stat
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import redis
