@@ -39,16 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def events(run_dir: Path) -> list[dict]:
-    out = []
-    for line in (run_dir / "events.jsonl").read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def start(out: Path, i: int, steps: int, every: int, rank: int, k: int, seed: int, extra: list[str]):
     tmp = out / f"run{i}-every{every}-r{rank}-k{k}"
     once = tmp / "once"
@@ -71,18 +61,20 @@ def finish(started, every: int, rank: int, k: int) -> dict:
         raise SystemExit(f"run failed (faults.snapshot_every={every}, rank {rank} killed in step {k}):\n"
                          f"{(tmp / 'output.txt').read_text()[-3000:]}")
     rd = next(d for d in (tmp / "runs").iterdir() if d.is_dir())
-    ev = events(rd)
-    ends = [e for e in ev if e.get("type") == "step_end"]
+    from dynaresize.events import EventType, read_events
+
+    ev = list(read_events(rd))  # damaged lines (a killed writer) skipped, as the project's readers do
+    ends = [e for e in ev if e.type is EventType.STEP_END]
     retrained = len(ends) - len({e["step"] for e in ends})
     # the wall time between consecutive step_end events before the kill: the two runs of a pair run side by side
     # there (after it, one retrains while the other goes on, or has ended: not the same load)
     first: dict[int, float] = {}
     for e in ends:
-        first.setdefault(e["step"], e["t"])
+        first.setdefault(e["step"], e.t)
     step_s = [first[j] - first[j - 1] for j in range(1, k) if j in first and j - 1 in first]
     snap = {}  # what the snapshots cost each rank (its metrics at shutdown: the processes after the restart)
     for e in ev:
-        if e.get("type") == "metric" and str(e.get("name", "")).startswith("snapshot/"):
+        if e.type is EventType.METRIC and str(e.get("name", "")).startswith("snapshot/"):
             snap.setdefault(e["rank"], {})[e["name"].split("/", 1)[1]] = e["value"]
     used = [e["reason"] for e in ev if e.get("what") == "snapshot_restore"]
     unused = [e["reason"] for e in ev if e.get("what") == "snapshot_unused"]
